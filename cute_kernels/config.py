@@ -1,0 +1,115 @@
+"""Kernel configuration: one frozen dataclass per kernel.
+
+A config is the single source for three things: the compile-cache key (with
+dtype, head dim and causal), the fields a kernel developer sweeps from
+`profiling.sweep`, and the defaults the torch op picks per problem.
+Validation lives here too, so a bad combination fails on the host with a
+message instead of a hang or a launch error on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+WARPGROUP_THREADS = 128
+WGMMA_M = 64
+# Hopper: 228 KB of shared memory per SM, 227 KB usable by one CTA.
+SMEM_CAPACITY_BYTES = 227 * 1024
+# 64K 32-bit registers per SM; setmaxnreg moves them between warpgroups.
+REGISTERS_PER_SM = 65536
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Structural choices of the SM90 forward kernel.
+
+    tile_m: query rows per CTA tile; each consumer warpgroup owns 64 of them,
+        so tile_m // 64 consumer warpgroups are launched.
+    tile_n: key/value rows per main-loop step (WGMMA N of S = Q·Kᵀ).
+    kv_stages: depth of the K and V shared-memory rings filled by TMA.
+    pingpong: consumer warpgroups take turns issuing their GEMMs (named
+        barriers), so one warpgroup's softmax runs under the other's WGMMA.
+    intra_wg_overlap: inside a warpgroup, issue S_{j+1} = Q·K_{j+1}ᵀ before
+        the softmax of block j is consumed by O += P_j·V_j.
+    persistent: grid = number of SMs, each CTA loops over tiles; otherwise
+        one CTA per tile.
+    producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
+        and of each consumer warpgroup.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    kv_stages: int = 2
+    pingpong: bool = True
+    intra_wg_overlap: bool = True
+    persistent: bool = True
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_m // WGMMA_M
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        q = self.tile_m * head_dim * elem_bytes
+        kv = 2 * self.kv_stages * self.tile_n * head_dim * elem_bytes
+        o = self.tile_m * head_dim * elem_bytes
+        barriers = 8 * (2 + 4 * self.kv_stages)
+        # Each buffer is aligned to 1024 B (the 128 B swizzle repeats every 1 KB).
+        return q + kv + o + barriers + 4 * 1024
+
+    def validate(self, head_dim: int) -> None:
+        """Raise ValueError naming the field when the combination cannot run."""
+        def bad(field: str, expected: str) -> ValueError:
+            return ValueError(
+                f"FwdConfig.{field}: expected {expected}, got {getattr(self, field)!r} "
+                f"(head_dim={head_dim}, config={self})")
+
+        if self.tile_m % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
+            raise bad("tile_m", "64, 128 or 192 (one consumer warpgroup per 64 rows)")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise bad("tile_n", "a multiple of 16 in [16, 256] (WGMMA N, and the P·V K step)")
+        if not 1 <= self.kv_stages <= 8:
+            raise bad("kv_stages", "an integer in [1, 8]")
+        if self.intra_wg_overlap and self.kv_stages < 2:
+            raise bad("kv_stages", ">= 2 when intra_wg_overlap is on (K_{j+1} and V_j are "
+                                   "in flight together)")
+        for field in ("producer_regs", "consumer_regs"):
+            value = getattr(self, field)
+            if value % 8 or not 24 <= value <= 256:
+                raise bad(field, "a multiple of 8 in [24, 256] (setmaxnreg)")
+        total = WARPGROUP_THREADS * (self.producer_regs
+                                     + self.consumer_warpgroups * self.consumer_regs)
+        if total > REGISTERS_PER_SM:
+            raise bad("consumer_regs", f"producer_regs + {self.consumer_warpgroups} * "
+                                       f"consumer_regs <= {REGISTERS_PER_SM // WARPGROUP_THREADS}")
+        if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
+            raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
+                                   f"this needs {self.smem_bytes(head_dim)} B")
+
+    def replace(self, **changes) -> "FwdConfig":
+        return dataclasses.replace(self, **changes)
+
+    def key(self) -> tuple:
+        return dataclasses.astuple(self)
+
+
+def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
+    """The op's choice per problem; `profiling.sweep` is how these were picked."""
+    if head_dim <= 64:
+        # Three consumer warpgroups: 192 query rows amortise each K/V tile.
+        return FwdConfig(tile_m=192, tile_n=128, kv_stages=2,
+                         producer_regs=32, consumer_regs=160)
+    if head_dim <= 96:
+        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2)
+    return FwdConfig(tile_m=128, tile_n=128, kv_stages=2)
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(FwdConfig)]

@@ -1,0 +1,446 @@
+"""FlashAttention-3 forward for Hopper (sm_90a), in the CuTe DSL.
+
+Roles (threads = 128 · (1 + consumer_warpgroups)):
+  warpgroup 0   producer: gives registers back (setmaxnreg.dec); its warp 0
+                issues every TMA load: Q once per tile, then K and V blocks
+                from the last one down, into `kv_stages`-deep rings.
+  warpgroups 1+ consumers (setmaxnreg.inc), 64 query rows each: WGMMA
+                S = Q·Kᵀ (smem × smem), online softmax in registers,
+                WGMMA O += P·V with P in registers, then the epilogue
+                (O → smem → TMA store, LSE → global).
+Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-warp
+mbarrier rings (pipeline.py); ping-pong named barriers between consumer
+warpgroups; epilogue named barriers.
+
+Main loop of one consumer warpgroup, with intra_wg_overlap (block j from
+last to first):
+    S_last = Q·K_lastᵀ; mask; P = softmax(S_last)
+    for j in remaining blocks:           # [turn] = ping-pong wait/pass
+        [turn] issue S_j = Q·K_jᵀ; issue O += P·V_{j+1} [pass]
+        wait S_j; mask if on the diagonal; P' = softmax(S_j)
+        wait P·V; O *= rescale; P = P'
+    O += P·V_first
+so the exp2/max/sum of block j run while the tensor cores work on
+S_j and P·V_{j+1}, and the other warpgroup's GEMMs fill the gaps.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as cpipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.memory import SmemAllocator
+
+from . import wgmma
+from .config import WARPGROUP_THREADS, FwdConfig
+from .mask import BlockRange, apply_mask
+from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
+                       producer_state)
+from .scheduler import TileScheduler
+from .softmax import OnlineSoftmax
+
+SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
+
+
+def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+class FlashAttentionForwardSm90:
+    """One compiled kernel per (dtype, head_dim, causal, config)."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig):
+        config.validate(head_dim)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.cfg = config
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.consumer_wgs = config.consumer_warpgroups
+        self.consumer_threads = WARPGROUP_THREADS * self.consumer_wgs
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32, num_sms: Int32,
+                 stream: cuda.CUstream):
+        """Tensors in torch order: Q, O (b, s_q, h, d); K, V (b, s_k, h_kv, d);
+        LSE (b, h, s_q) fp32."""
+        # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
+        mQ, mK, mV, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _permute(mLSE, [2, 1, 0])
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+
+        sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d)
+        sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
+        sV_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
+        sO_layout = wgmma.smem_layout(self.dtype, tile_m, d)
+        tiled_mma_qk = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_n)
+        tiled_mma_pv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
+        tma_k, tK = cpasync.make_tiled_tma_atom(load, mK, cute.select(sK_layout, mode=[0, 1]),
+                                                (tile_n, d))
+        tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, cute.select(sV_layout, mode=[0, 1]),
+                                                (tile_n, d))
+        tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                                sO_layout, (tile_m, d))
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
+                                  SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
+                                  SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)],
+                                  SMEM_ALIGN]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)],
+                                  SMEM_ALIGN]
+
+        num_tiles = (cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3])
+        grid = TileScheduler.grid(num_tiles, num_sms, self.cfg.persistent)
+        self.kernel(tQ, tK, tV, tO, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
+                    sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+                    SharedStorage).launch(
+            grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
+               tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, softmax_scale_log2: Float32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        consumer_warps = self.consumer_threads // 32
+        pipes = (
+            make_tma_pipeline(storage.q_barriers.data_ptr(), 1, consumer_warps,
+                              cute.size_in_bytes(self.dtype, sQ_layout)),
+            make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages, consumer_warps,
+                              cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))),
+            make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, consumer_warps,
+                              cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))),
+        )
+        cpipeline.pipeline_init_arrive()
+        smem = (
+            storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
+            storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner),
+        )
+        scheduler = TileScheduler(cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2],
+                                  mQ.shape[3], longest_first=self.causal)
+        cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                self.produce(mQ, mK, mV, tma_q, tma_k, tma_v, smem, pipes, scheduler)
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            self.consume(mO, mLSE, tma_o, mK.shape[0], softmax_scale_log2, smem, pipes,
+                         scheduler, tiled_mma_qk, tiled_mma_pv)
+
+    # -------------------------------------------------------------- producer
+    @cute.jit
+    def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+                smem, pipes, scheduler: TileScheduler):
+        sQ, sK, sV, _ = smem
+        pipe_q, pipe_k, pipe_v = pipes
+        blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        q_per_kv = mQ.shape[2] // mK.shape[2]
+        q_state = producer_state(1)
+        kv_state = producer_state(self.cfg.kv_stages)
+        tile = scheduler.first_tile()
+        while tile < scheduler.num_tiles():
+            m_block, head, batch = scheduler.decode(tile)
+            head_kv = head // q_per_kv
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim),
+                                 (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
+                                 (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim),
+                                 (None, 0))
+            tQs, tQg = self._tma_views(tma_q, sQ, gQ, staged=False)
+            tKs, tKg = self._tma_views(tma_k, sK, gK, staged=True)
+            tVs, tVg = self._tma_views(tma_v, sV, gV, staged=True)
+
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+
+            n_max = blocks.n_block_max(m_block, seqlen_q, seqlen_k)
+            if n_max > 0:
+                kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state, n_max - 1)
+                if cutlass.const_expr(self.cfg.intra_wg_overlap):
+                    # V_j trails K_{j-1} by one step, the order the consumers use them.
+                    for i in cutlass.range(n_max - 1, unroll=1):
+                        v_state = kv_state.clone()
+                        kv_state.advance()
+                        kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state,
+                                                    n_max - 2 - i)
+                        v_state = self._load_block(tma_v, tVg, tVs, pipe_v, v_state,
+                                                   n_max - 1 - i)
+                    kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state, 0)
+                    kv_state.advance()
+                else:
+                    kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state, n_max - 1)
+                    kv_state.advance()
+                    for i in cutlass.range(n_max - 1, unroll=1):
+                        kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state,
+                                                    n_max - 2 - i)
+                        kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state,
+                                                    n_max - 2 - i)
+                        kv_state.advance()
+            tile += scheduler.stride()
+
+    def _tma_views(self, atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
+        """(smem view, gmem view) of a TMA copy; staged tensors keep their last mode."""
+        s_rank = cute.rank(s) - 1 if staged else cute.rank(s)
+        g_rank = cute.rank(g) - 1 if staged else cute.rank(g)
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                     cute.group_modes(s, 0, s_rank), cute.group_modes(g, 0, g_rank))
+
+    @cute.jit
+    def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
+        pipe.producer_acquire(state)
+        cute.copy(atom, g_view[None, n_block], s_view[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        return state
+
+    # ------------------------------------------------------------- consumers
+    @cute.jit
+    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_o: cute.CopyAtom,
+                seqlen_k: Int32, softmax_scale_log2: Float32, smem, pipes,
+                scheduler: TileScheduler, tiled_mma_qk: cute.TiledMma,
+                tiled_mma_pv: cute.TiledMma):
+        sQ, sK, sV, sO = smem
+        pipe_q, pipe_k, pipe_v = pipes
+        tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+        wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
+        # WGMMA operands are per warpgroup (descriptors / register A); the
+        # accumulator coordinates are per thread.
+        wg_qk = tiled_mma_qk.get_slice(wg * WARPGROUP_THREADS)
+        wg_pv = tiled_mma_pv.get_slice(wg * WARPGROUP_THREADS)
+        frags = (
+            wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
+            wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
+            wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n))),
+            wg_pv.make_fragment_B(wg_pv.partition_B(wgmma.transpose_view(sV))),
+        )
+        acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim)),
+                                      Float32)
+        s_coords = tiled_mma_qk.get_slice(tid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        o_coords = tiled_mma_pv.get_slice(tid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        softmax = OnlineSoftmax.create(softmax_scale_log2,
+                                cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]))
+        pingpong = PingPong(self.consumer_wgs, self.cfg.pingpong)
+        pingpong.start(wg)
+
+        blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
+        seqlen_q = mO.shape[0]
+        q_state = consumer_state(1)
+        kv_state = consumer_state(self.cfg.kv_stages)
+        tile = scheduler.first_tile()
+        while tile < scheduler.num_tiles():
+            m_block, head, batch = scheduler.decode(tile)
+            n_max = blocks.n_block_max(m_block, seqlen_q, seqlen_k)
+            acc_o.fill(0.0)
+            softmax.row_max.fill(-Float32.inf)
+            softmax.row_sum.fill(0.0)
+            pipe_q.consumer_wait(q_state)
+            if n_max > 0:
+                kv_state = self.mainloop(
+                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords, softmax, pingpong, wg,
+                    pipe_k, pipe_v, kv_state, m_block, n_max,
+                    blocks.n_block_min_unmasked(m_block, seqlen_q, seqlen_k),
+                    seqlen_q, seqlen_k)
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
+            lse = softmax.finalize(acc_o)
+            self.epilogue(acc_o, lse, o_coords, mO, mLSE, sO, tma_o, tiled_mma_pv, tid,
+                          m_block, head, batch, seqlen_q)
+            tile += scheduler.stride()
+
+    @cute.jit
+    def mainloop(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords,
+                 softmax: OnlineSoftmax, pingpong: PingPong, wg: Int32, pipe_k, pipe_v,
+                 kv_state, m_block: Int32, n_max: Int32, n_min_unmasked: Int32,
+                 seqlen_q: Int32, seqlen_k: Int32):
+        """All K/V blocks of one tile, last block first. Returns the K/V ring state."""
+        tSrQ, tSrK, tOrP, tOrVt = frags
+        mask = (s_coords, m_block, seqlen_q, seqlen_k)
+        # Blocks [n_masked_end, n_max - 1) are diagonal blocks needing the causal mask.
+        n_masked_end = n_max - 1
+        if cutlass.const_expr(self.causal):
+            n_masked_end = cutlass.max(cutlass.min(n_min_unmasked, n_max - 1), 0)
+        if cutlass.const_expr(self.cfg.intra_wg_overlap):
+            # First block: S, mask (seqlen edge and diagonal), softmax; its P·V
+            # is issued together with the next block's S.
+            pipe_k.consumer_wait(kv_state)
+            acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
+                (self.tile_m, self.tile_n)), Float32)
+            wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
+                       zero_init=True, wait_groups=0)
+            pipe_k.consumer_release(kv_state)
+            self._mask(acc_s, mask, n_max - 1)
+            softmax.update(acc_s, is_first=True)
+            wgmma.convert_to_16bit(acc_s, tOrP)
+            for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
+                kv_state = self._overlapped_step(
+                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
+                    pipe_k, pipe_v, kv_state, mask, n_max - 2 - i, apply_causal=True)
+            for i in cutlass.range(n_masked_end, unroll=1):
+                kv_state = self._overlapped_step(
+                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
+                    pipe_k, pipe_v, kv_state, mask, n_masked_end - 1 - i, apply_causal=False)
+            # Last P·V.
+            pipe_v.consumer_wait(kv_state)
+            wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
+                       zero_init=False, wait_groups=0)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
+        else:
+            pingpong.wait_turn(wg)
+            kv_state = self._serial_step(tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax,
+                                         pingpong, wg, pipe_k, pipe_v, kv_state, mask,
+                                         n_max - 1, apply_mask=True, is_first=True)
+            for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
+                kv_state = self._serial_step(tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax,
+                                             pingpong, wg, pipe_k, pipe_v, kv_state, mask,
+                                             n_max - 2 - i, apply_mask=self.causal,
+                                             is_first=False)
+            for i in cutlass.range(n_masked_end, unroll=1):
+                kv_state = self._serial_step(tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax,
+                                             pingpong, wg, pipe_k, pipe_v, kv_state, mask,
+                                             n_masked_end - 1 - i, apply_mask=False,
+                                             is_first=False)
+            pingpong.pass_turn(wg)
+        return kv_state
+
+    @cute.jit
+    def _mask(self, acc_s: cute.Tensor, mask, n_block: Int32):
+        s_coords, m_block, seqlen_q, seqlen_k = mask
+        apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k,
+                   self.tile_m, self.tile_n, self.causal)
+
+    @cute.jit
+    def _overlapped_step(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o,
+                         softmax: OnlineSoftmax, pingpong: PingPong, wg: Int32, pipe_k, pipe_v,
+                         kv_state, mask, n_block: Int32, apply_causal: cutlass.Constexpr[bool]):
+        """S_j = Q·K_jᵀ and O += P_{j+1}·V_{j+1} in flight together; softmax of S_j
+        runs while P·V completes. kv_state enters at block j+1, leaves at j."""
+        tSrQ, tSrK, tOrP, tOrVt = frags
+        v_state = kv_state.clone()
+        kv_state.advance()
+        pipe_k.consumer_wait(kv_state)
+        acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
+            (self.tile_m, self.tile_n)), Float32)
+        pingpong.wait_turn(wg)
+        wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
+                   zero_init=True, wait_groups=-1)
+        pipe_v.consumer_wait(v_state)
+        wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index],
+                   zero_init=False, wait_groups=-1)
+        pingpong.pass_turn(wg)
+        warpgroup.wait_group(1)  # S_j has landed; P·V may still run
+        pipe_k.consumer_release(kv_state)
+        if cutlass.const_expr(apply_causal):
+            self._mask(acc_s, mask, n_block)
+        rescale = softmax.update(acc_s, is_first=False)
+        warpgroup.wait_group(0)  # P·V done: tOrP and the V stage are free
+        pipe_v.consumer_release(v_state)
+        softmax.rescale_o(acc_o, rescale)
+        wgmma.convert_to_16bit(acc_s, tOrP)
+        return kv_state
+
+    @cute.jit
+    def _serial_step(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax: OnlineSoftmax,
+                     pingpong: PingPong, wg: Int32, pipe_k, pipe_v, kv_state, mask,
+                     n_block: Int32, apply_mask: cutlass.Constexpr[bool],
+                     is_first: cutlass.Constexpr[bool]):
+        """S_j, softmax, O += P_j·V_j in sequence (the intra_wg_overlap=False path).
+        The warpgroup holds the ping-pong turn on entry; its turn spans P·V_{j+1}
+        and S_j, the softmax runs outside it."""
+        tSrQ, tSrK, tOrP, tOrVt = frags
+        pipe_k.consumer_wait(kv_state)
+        acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
+            (self.tile_m, self.tile_n)), Float32)
+        wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
+                   zero_init=True, wait_groups=-1)
+        pingpong.pass_turn(wg)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+        if cutlass.const_expr(apply_mask):
+            self._mask(acc_s, mask, n_block)
+        rescale = softmax.update(acc_s, is_first=is_first)
+        wgmma.convert_to_16bit(acc_s, tOrP)
+        softmax.rescale_o(acc_o, rescale)
+        pipe_v.consumer_wait(kv_state)
+        pingpong.wait_turn(wg)
+        wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
+                   zero_init=False, wait_groups=0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    # -------------------------------------------------------------- epilogue
+    @cute.jit
+    def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, o_coords: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
+                 tiled_mma_pv: cute.TiledMma, tid: Int32, m_block: Int32, head: Int32,
+                 batch: Int32, seqlen_q: Int32):
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        wgmma.convert_to_16bit(acc_o, r_o)
+        # The previous tile's TMA store has finished reading sO: its issuing
+        # warp waited for that before arriving here.
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.consumer_threads)
+        store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                         self.dtype)
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tid)
+        cute.copy(store_atom, thr_store.retile(r_o), thr_store.partition_D(sO))
+        # stmatrix writes go through the generic proxy; TMA reads through the async one.
+        cute.arch.fence_view_async_shared()
+
+        # LSE: the thread holding column 0 of a row writes it.
+        rows = wgmma.acc_rows_cols(o_coords)
+        if rows[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
+                row = m_block * self.tile_m + rows[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 4:  # first consumer warp stores the tile
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE),
+                              number_of_threads=self.consumer_threads)
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim),
+                                 (m_block, 0))
+            tOs, tOg = self._tma_views(tma_o, sO, gO, staged=False)
+            cute.copy(tma_o, tOs, tOg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE),
+                                     number_of_threads=self.consumer_threads)

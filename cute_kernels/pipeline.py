@@ -1,0 +1,92 @@
+"""Barriers between the warpgroups of the forward kernel.
+
+- TMA pipelines (mbarriers): the producer warp fills Q (one stage) and the
+  K and V rings (`kv_stages` each); consumer warps release a stage when the
+  WGMMA that read it has completed.
+- Named barriers (bar.sync / bar.arrive), ids below; id 0 is __syncthreads.
+  * EPILOGUE: all consumer threads; the previous tile's O has left shared
+    memory before anyone overwrites it.
+  * EPILOGUE_STORE: consumer threads arrive after writing O to shared
+    memory; the storing warp waits, then issues the TMA store.
+  * PINGPONG_BASE + w: consumer warpgroup w may issue its GEMMs. Warpgroup w
+    waits on its own barrier and, once its GEMMs are issued, arrives on the
+    next one's, so the tensor cores run one warpgroup's GEMMs while the
+    others do softmax.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as cpipeline
+
+from .config import WARPGROUP_THREADS
+from .dsl_struct import DslStruct
+
+
+class NamedBarrier(enum.IntEnum):
+    EPILOGUE = 1
+    EPILOGUE_STORE = 2
+    PINGPONG_BASE = 3  # one id per consumer warpgroup: 3, 4, 5
+
+
+def make_tma_pipeline(barrier_storage, stages: int, consumer_warps: int, tx_bytes: int):
+    """A TMA-producer / warp-consumer ring. Exactly one warp produces.
+
+    Consumers arrive once per warp (lane 0), hence the count in warps.
+    """
+    return cpipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_storage,
+        num_stages=stages,
+        producer_group=cpipeline.CooperativeGroup(cpipeline.Agent.Thread, 1),
+        consumer_group=cpipeline.CooperativeGroup(cpipeline.Agent.Thread, consumer_warps),
+        tx_count=tx_bytes,
+        defer_sync=True,  # one CTA-wide sync after all barriers are initialised
+    )
+
+
+def producer_state(stages: int):
+    return cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, stages)
+
+
+def consumer_state(stages: int):
+    return cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, stages)
+
+
+@dataclass
+class PingPong(DslStruct):
+    """Turn-taking of the consumer warpgroups on the tensor cores.
+
+    Each barrier counts 2 warpgroups: the owner syncs, the previous one arrives.
+    """
+
+    warpgroups: int
+    enabled: bool
+
+    def __post_init__(self):
+        self.enabled = self.enabled and self.warpgroups >= 2
+        self.threads = 2 * WARPGROUP_THREADS
+
+    @cute.jit
+    def start(self, wg: cutlass.Int32):
+        """Warpgroup 0 holds the first turn: it pre-arrives on its own barrier."""
+        if cutlass.const_expr(self.enabled):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.PINGPONG_BASE),
+                                         number_of_threads=self.threads)
+
+    @cute.jit
+    def wait_turn(self, wg: cutlass.Int32):
+        if cutlass.const_expr(self.enabled):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.PINGPONG_BASE) + wg,
+                              number_of_threads=self.threads)
+
+    @cute.jit
+    def pass_turn(self, wg: cutlass.Int32):
+        if cutlass.const_expr(self.enabled):
+            nxt = (wg + 1) % self.warpgroups
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.PINGPONG_BASE) + nxt,
+                                     number_of_threads=self.threads)

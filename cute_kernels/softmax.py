@@ -1,0 +1,89 @@
+"""Online softmax over the rows a thread holds of a 64xN WGMMA accumulator.
+
+Scores stay unscaled; the softmax scale and log2(e) are folded into one
+constant so each probability is one FFMA and one ex2:
+    p = exp2(s * scale_log2 - m * scale_log2)
+A row is shared by the 4 threads of a quad: the running max is reduced with
+two butterfly shuffles per update; the running sum stays a per-thread partial
+until `finalize`, which reduces it once.
+Rows with no visible key keep m = -inf and l = 0: they produce O = 0 and
+LSE = -inf (the log of an empty sum), never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .dsl_struct import DslStruct
+from .wgmma import acc_rows_cols
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class OnlineSoftmax(DslStruct):
+    scale_log2: Float32
+    rows: int
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2: Float32, rows: int) -> "OnlineSoftmax":
+        return OnlineSoftmax(scale_log2, rows, cute.make_rmem_tensor(rows, Float32),
+                             cute.make_rmem_tensor(rows, Float32))
+
+    @cute.jit
+    def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Turn scores into probabilities in place; return each row's O rescale factor."""
+        s = acc_rows_cols(acc_s)
+        rescale = cute.make_rmem_tensor(self.rows, Float32)
+        for r in cutlass.range_constexpr(self.rows):
+            row = s[r, None].load()
+            local_max = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            if cutlass.const_expr(not is_first):
+                local_max = cute.arch.fmax(local_max, self.row_max[r])
+            new_max = cute.arch.warp_reduction_max(local_max, threads_in_group=4)
+            # A row fully masked so far keeps -inf; subtracting 0 instead keeps
+            # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+            safe_max = new_max if new_max != -Float32.inf else Float32(0.0)
+            neg_max_scaled = -safe_max * self.scale_log2
+            probs = cute.math.exp2(row * self.scale_log2 + neg_max_scaled, fastmath=True)
+            s[r, None].store(probs)
+            row_sum = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(is_first):
+                rescale[r] = Float32(1.0)
+                self.row_sum[r] = row_sum
+            else:
+                factor = cute.math.exp2(self.row_max[r] * self.scale_log2 + neg_max_scaled,
+                                        fastmath=True)
+                rescale[r] = factor
+                self.row_sum[r] = self.row_sum[r] * factor + row_sum
+            self.row_max[r] = new_max
+        return rescale
+
+    @cute.jit
+    def rescale_o(self, acc_o: cute.Tensor, rescale: cute.Tensor):
+        o = acc_rows_cols(acc_o)
+        for r in cutlass.range_constexpr(self.rows):
+            o[r, None].store(o[r, None].load() * rescale[r])
+
+    @cute.jit
+    def finalize(self, acc_o: cute.Tensor) -> cute.Tensor:
+        """Normalise O by the row sums; return the natural-log LSE of each row."""
+        lse = cute.make_rmem_tensor(self.rows, Float32)
+        inv = cute.make_rmem_tensor(self.rows, Float32)
+        for r in cutlass.range_constexpr(self.rows):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            if total == Float32(0.0):
+                inv[r] = Float32(0.0)
+                lse[r] = -Float32.inf
+            else:
+                inv[r] = cute.arch.rcp_approx(total)
+                lse[r] = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+        self.rescale_o(acc_o, inv)
+        return lse

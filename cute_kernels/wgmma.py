@@ -1,0 +1,105 @@
+"""WGMMA building blocks: swizzled shared-memory layouts, tiled MMAs, GEMM
+issue, and register views of the accumulator.
+
+Register facts this module relies on (SM90, 16-bit operands):
+- A 64xN fp32 accumulator fragment holds, per thread and per 8-column chunk,
+  the values (r, 2c), (r, 2c+1), (r+8, 2c), (r+8, 2c+1): its layout is
+  ((2 cols, 2 rows, N/8 chunks), MMA_M, MMA_N).
+- The register A operand of a 64xNx16 WGMMA holds, per 16-wide K block, the
+  same values as two consecutive accumulator chunks, in the same order.
+So P = softmax(S) can be converted in place of the accumulator order and
+handed to O += P·V without touching shared memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass._mlir.dialects import llvm
+from cutlass.tensor_utils import LayoutEnum
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Row-major (K-major) swizzled tile, optionally staged: (rows, cols[, stages])."""
+    atom_kind = sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared-memory tensor (V -> Vᵀ for P·V)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def tiled_mma_ss(dtype, warpgroups: int, n: int):
+    """S = Q·Kᵀ: both operands K-major in shared memory."""
+    return sm90.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+        Float32, atom_layout_mnk=(warpgroups, 1, 1), tiler_mn=(64, n))
+
+
+def tiled_mma_rs(dtype, warpgroups: int, n: int):
+    """O += P·V: P from registers, V read MN-major (Vᵀ view) from shared memory."""
+    return sm90.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+        Float32, atom_layout_mnk=(warpgroups, 1, 1), tiler_mn=(64, n),
+        a_source=warpgroup.OperandSource.RMEM)
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+         zero_init: cutlass.Constexpr[bool], wait_groups: cutlass.Constexpr[int]):
+    """Issue one warpgroup GEMM over all K blocks and commit it as one group.
+
+    wait_groups < 0 returns with the group in flight; otherwise waits until at
+    most `wait_groups` groups are outstanding.
+    """
+    warpgroup.fence()
+    # A fresh atom per GEMM: its ACCUMULATE field is mutated below, and a
+    # shared atom would be an SSA value defined in another region.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait_groups >= 0):
+        warpgroup.wait_group(wait_groups)
+
+
+def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View a ((2, 2, V), MMA_M, MMA_N) accumulator as (rows, cols) of this thread."""
+    shape = cute.make_layout(acc.layout.shape)
+    rows_shape = (shape.shape[0][1], shape.shape[1])
+    rows_stride = (shape.stride[0][1], shape.stride[1])
+    cols_shape = (shape.shape[0][0], shape.shape[0][2], shape.shape[2])
+    cols_stride = (shape.stride[0][0], shape.stride[0][2], shape.stride[2])
+    view = cute.make_layout((rows_shape, cols_shape), stride=(rows_stride, cols_stride))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, view))
+
+
+@dsl_user_op
+def _cvt_pack2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> cutlass.Int32:
+    # cvt.rn.{bf16x2,f16x2}.f32 d, hi, lo: one instruction for two values.
+    kind = "bf16x2" if to_bf16 else "f16x2"
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 registers -> packed bf16/fp16 registers, in register order."""
+    dst_words = cute.recast_tensor(dst, cutlass.Int32)
+    to_bf16 = cutlass.const_expr(dst.element_type is cutlass.BFloat16)
+    for i in cutlass.range_constexpr(cute.size(dst_words)):
+        dst_words[i] = _cvt_pack2(src[2 * i], src[2 * i + 1], to_bf16)

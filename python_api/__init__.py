@@ -1,0 +1,35 @@
+"""Public functions of cute_fa: exact attention for Hopper in the CuTe DSL.
+
+    from python_api import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)      # (batch, seqlen, nheads, headdim)
+
+The work is done by `torch.ops.cute_fa.fwd` (ops.py): the DSL kernel on an
+sm_90 GPU, the reference math on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
+from .reference import attention_reference, default_scale
+from .validate import check_attention_inputs
+
+__all__ = ["flash_attn_func", "attention_reference"]
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    softmax_scale: float | None = None, causal: bool = False,
+                    return_lse: bool = False):
+    """Exact attention softmax(q·kᵀ·scale)·v.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
+    with nheads_kv dividing nheads (GQA/MQA); bf16 or fp16; headdim 64, 96 or 128.
+    causal: bottom-right aligned mask when seqlen_q != seqlen_k.
+    softmax_scale: defaults to 1/sqrt(headdim).
+    Returns out (like q), and with return_lse the fp32 log-sum-exp (batch, nheads, seqlen_q).
+    """
+    check_attention_inputs(q, k, v, softmax_scale)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = torch.ops.cute_fa.fwd(q, k, v, scale, bool(causal))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,87 @@
+"""The torch custom ops (`torch.ops.cute_fa.*`): device kernels, fake and CPU
+implementations.
+
+`cute_fa::fwd(q, k, v, softmax_scale, causal) -> (out, lse)`
+- CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py);
+- CPU: the reference math (reference.py), so the op runs anywhere;
+- fake: shapes only, so torch.compile(fullgraph=True) traces callers.
+Every real call runs inside an NVTX range named after the problem (nvtx.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from cute_kernels.config import FwdConfig, default_fwd_config
+
+from . import nvtx as nvtx_ranges
+from .reference import attention_reference
+from .validate import check_attention_inputs, check_cuda_device
+
+LOG2_E = math.log2(math.e)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_device(device_index: int) -> None:
+    check_cuda_device(torch.device("cuda", device_index))
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs a 16-byte aligned base and strides that are multiples of 16 bytes."""
+    elems = 16 // t.element_size()
+    if t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1]):
+        return t
+    # A fresh allocation is 256-byte aligned and compact; .contiguous() alone
+    # would hand back a misaligned tensor that is already contiguous.
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                 causal: bool, config: FwdConfig | None = None):
+    """Run the DSL forward kernel; `config` overrides the per-problem default
+    (this is how profiling.sweep A/Bs kernel variants)."""
+    from .compile_cache import get_fwd  # imports cutlass: only where kernels run
+
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    _checked_device(device_index)
+    head_dim = q.shape[3]
+    config = config or default_fwd_config(head_dim, causal)
+    kernel = get_fwd(q.dtype, head_dim, causal, config)
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
+        kernel(q, k, v, out, lse, softmax_scale * LOG2_E, _num_sms(device_index))
+    return out, lse
+
+
+@torch.library.custom_op("cute_fa::fwd", mutates_args=(), device_types="cpu")
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    check_attention_inputs(q, k, v, softmax_scale)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
+        out, lse = attention_reference(q, k, v, softmax_scale, causal)
+    return out.contiguous(), lse.contiguous()
+
+
+@fwd.register_kernel("cuda")
+def _fwd_cuda(q, k, v, softmax_scale, causal):
+    check_attention_inputs(q, k, v, softmax_scale)
+    return forward_cuda(q, k, v, softmax_scale, causal)
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, causal):
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    return out, lse

@@ -1,0 +1,106 @@
+"""Forward kernel on the H100: accuracy against an fp32 reference, measured
+against PyTorch's own low-precision math path on the same inputs."""
+
+import random
+
+import pytest
+import torch
+
+from python_api import flash_attn_func
+from python_api.ops import forward_cuda
+from python_api.reference import attention_reference, default_scale
+from cute_kernels.config import FwdConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape_q = (batch, seqlen_q, heads, head_dim)
+    shape_k = (batch, seqlen_k, heads_kv, head_dim)
+    q = torch.randn(shape_q, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(shape_k, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(shape_k, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+def _check(q, k, v, causal, out, lse):
+    ref_out, ref_lse = attention_reference(q, k, v, None, causal, compute_dtype=torch.float32)
+    low_out, _ = attention_reference(q, k, v, None, causal, compute_dtype=None)
+    assert torch.isfinite(out).all(), "output has NaN/Inf"
+    err = (out.float() - ref_out.float()).abs().max().item()
+    low_err = (low_out.float() - ref_out.float()).abs().max().item()
+    assert err <= 2 * low_err + 1e-5, f"max error {err:.3e} > 2 x torch low-precision {low_err:.3e}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "LSE -inf rows differ from the reference"
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    assert lse_err < 1e-2, f"LSE max error {lse_err:.3e}"
+    return err, low_err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(128, 128), (1, 1), (17, 17), (1000, 1000), (4097, 4097),
+                                     (256, 1024), (1024, 256), (113, 203), (300, 77)])
+def test_forward_matches_reference(dtype, head_dim, causal, seqlens):
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = _inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, seed=seqlen_q * 7 + seqlen_k)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    _check(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_forward_random_shapes(trial):
+    rng = random.Random(1234 + trial)
+    batch = rng.randint(1, 8)
+    group = rng.choice([1, 2, 8])
+    heads_kv = rng.choice([1, 2])
+    head_dim = rng.choice([64, 128])
+    seqlen_q = rng.choice([1, 17, 64, 190, 511, 777, 1500])
+    seqlen_k = rng.choice([seqlen_q, 1, 33, 400, 1023, 2049])
+    causal = rng.random() < 0.5
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads_kv * group, heads_kv, head_dim, dtype,
+                      seed=trial)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    _check(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(pingpong=False), dict(intra_wg_overlap=False), dict(persistent=False),
+    dict(kv_stages=3, tile_n=64), dict(tile_m=64), dict(tile_m=192, producer_regs=32,
+                                                        consumer_regs=160),
+    dict(intra_wg_overlap=False, pingpong=False, persistent=False),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_config_variants(overrides, causal):
+    config = FwdConfig().replace(**overrides)
+    q, k, v = _inputs(2, 700, 900, 4, 1, 64, torch.bfloat16, seed=5)
+    out, lse = forward_cuda(q, k, v, default_scale(64), causal, config)
+    _check(q, k, v, causal, out, lse)
+
+
+def test_no_visible_key_rows_are_zero():
+    # causal with seqlen_q > seqlen_k: the first rows see no key at all.
+    q, k, v = _inputs(1, 300, 100, 2, 2, 128, torch.bfloat16, seed=3)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :200] == 0)
+    assert torch.all(lse[:, :, :200] == float("-inf"))
+    _check(q, k, v, True, out, lse)
+
+
+def test_deterministic():
+    q, k, v = _inputs(3, 1531, 1531, 8, 2, 128, torch.bfloat16, seed=11)
+    a = flash_attn_func(q, k, v, causal=True)
+    b = flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(a, b)
+
+
+def test_non_contiguous_and_strided_inputs():
+    # q sliced out of a packed qkv tensor: strided, still 16-byte aligned.
+    qkv = torch.randn(2, 333, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    out = flash_attn_func(q, k, v)
+    _check(q, k, v, False, out, flash_attn_func(q, k, v, return_lse=True)[1])
+
