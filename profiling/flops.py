@@ -1,0 +1,36 @@
+"""FLOP counts and problem-grid arithmetic shared by every benchmark.
+
+Standard attention counts (as FlashAttention reports them):
+    forward  = 4 · batch · heads · seqlen_q · seqlen_k · headdim   (two GEMMs, 2 FLOPs per MAC)
+    causal   = forward / 2
+    backward = 2.5 · forward   (five GEMMs against two)
+"""
+
+from __future__ import annotations
+
+BWD_FACTOR = 2.5
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                    causal: bool, direction: str = "fwd") -> float:
+    fwd = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        fwd /= 2
+    if direction == "fwd":
+        return fwd
+    if direction == "bwd":
+        return BWD_FACTOR * fwd
+    if direction == "fwd_bwd":
+        return (1 + BWD_FACTOR) * fwd
+    raise ValueError(f"direction: expected 'fwd', 'bwd' or 'fwd_bwd', got {direction!r}")
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def batch_for(total_tokens: int, seqlen: int) -> int:
+    """Batch so that batch · seqlen = total_tokens (at least 1)."""
+    if seqlen <= 0 or total_tokens <= 0:
+        raise ValueError(f"seqlen and total_tokens must be positive, got {seqlen}, {total_tokens}")
+    return max(1, total_tokens // seqlen)
