@@ -144,8 +144,10 @@ class FlashAttentionForwardSm90:
             storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner),
         )
-        scheduler = TileScheduler(cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2],
-                                  mQ.shape[3], longest_first=self.causal)
+        scheduler = TileScheduler.create(
+            cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
+            mQ.shape[2] // mK.shape[2], 2 * self.head_dim * self.dtype.width // 8,
+            longest_first=self.causal)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:

@@ -1,0 +1,176 @@
+"""Nsight Compute on one attention problem: ours selected by NVTX range, a peer
+by kernel name.
+
+    python -m profiling.ncu --head-dim 128 --seqlen 8192 --causal
+    python -m profiling.ncu --backend fa4 --seqlen 8192 --out profiling_out/fa4
+
+Writes <out>.ncu-rep and <out>.txt (the metrics that matter for attention:
+tensor-pipe utilisation, SM/DRAM throughput, warp stall reasons, shared-memory
+bank conflicts, registers, local-memory spills). The same problem, config
+and backend names as profiling.bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+# metric name -> label, in the order of the summary
+METRICS = {
+    "gpu__time_duration.sum": "duration (ns)",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM throughput %",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active":
+        "tensor pipe (GMMA) active %",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM throughput %",
+    "lts__t_sector_hit_rate.pct": "L2 hit rate %",
+    "launch__registers_per_thread": "registers / thread",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": "smem store bank conflicts",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem load bank conflicts",
+}
+SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
+            "MemoryWorkloadAnalysis_Tables", "WarpStateStats", "LaunchStats", "Occupancy",
+            "SourceCounters", "SchedulerStats", "InstructionStats"]
+PEER_KERNEL_REGEX = {"fa4": "regex:.*[Ff]lash.*", "sdpa_cudnn": "regex:.*(cudnn|sm90).*",
+                     "sdpa_flash": "regex:.*flash.*"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m profiling.ncu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="cute")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--total-tokens", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=None, help="default: 2048 // head_dim")
+    p.add_argument("--gqa", type=int, default=1)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--config", default="", help="FwdConfig overrides for ours, e.g. "
+                                               "'tile_n=176,kv_stages=2'")
+    p.add_argument("--out", default="profiling_out/ncu")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def parse_overrides(text: str) -> dict:
+    from cute_kernels.config import FwdConfig, config_fields
+
+    out = {}
+    types = {f: type(getattr(FwdConfig(), f)) for f in config_fields()}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in types:
+            raise SystemExit(f"--config: unknown field {name!r}; fields: {sorted(types)}")
+        out[name] = value.lower() in ("1", "true", "yes") if types[name] is bool else int(value)
+    return out
+
+
+def run_workload(args) -> None:
+    """The profiled process: warm up (compile), then the selected call once."""
+    from .backends import make_callable
+    from .flops import batch_for
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    heads = args.heads or max(1, 2048 // args.head_dim)
+    batch = batch_for(args.total_tokens, args.seqlen)
+    q = torch.randn(batch, args.seqlen, heads, args.head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, args.seqlen, heads // args.gqa, args.head_dim, device="cuda",
+                    dtype=dtype)
+    v = torch.randn_like(k)
+    scale = args.head_dim ** -0.5
+    if args.backend == "cute" and args.config:
+        from cute_kernels.config import default_fwd_config
+        from python_api.ops import forward_cuda
+        config = default_fwd_config(args.head_dim, args.causal).replace(
+            **parse_overrides(args.config))
+        fn = lambda: forward_cuda(q, k, v, scale, args.causal, config)  # noqa: E731
+    else:
+        fn = make_callable(args.backend, q, k, v, args.causal, scale, "fwd")
+    fn()  # compile and warm up outside the profiled launch
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def ncu_command(args, report: str) -> list[str]:
+    child = [sys.executable, "-m", "profiling.ncu", "--child"] + [
+        a for a in sys.argv[1:] if a != "--child"]
+    cmd = ["ncu", "--profile-from-start", "off", "--target-processes", "all", "-f", "-o", report]
+    for s in SECTIONS:
+        cmd += ["--section", s]
+    if args.backend == "cute":
+        cmd += ["--nvtx", "--nvtx-include", "regex:cute_fa\\.fwd.*/"]
+    else:
+        cmd += ["-k", PEER_KERNEL_REGEX.get(args.backend, "regex:.*")]
+    return cmd + child
+
+
+def summarize(report: str) -> str:
+    raw = subprocess.run(["ncu", "--import", report, "--page", "raw", "--csv"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = list(csv.reader(io.StringIO(raw)))
+    if len(rows) < 3:
+        return "no kernel was profiled (check the NVTX/kernel filter)\n"
+    header, units, data = rows[0], rows[1], rows[2:]
+    lines = []
+    for record in data:
+        values = dict(zip(header, record))
+        name = values.get("Kernel Name", "?")
+        lines.append(f"kernel: {name[:110]}")
+        for metric, label in METRICS.items():
+            if metric in values:
+                lines.append(f"  {label:<32} {values[metric]}")
+        def numeric(v):
+            try:
+                return float(v.replace(",", ""))
+            except ValueError:
+                return None
+        extra = [(k, values[k]) for k in sorted(values)
+                 if ("gmma" in k or "tensor" in k or "local" in k) and k not in METRICS
+                 and numeric(values[k]) is not None]
+        for k, v in extra[:12]:
+            lines.append(f"  {k[:60]:<60} {v}")
+        stalls = sorted(((numeric(v), k) for k, v in values.items()
+                         if "issue_stalled" in k and k.endswith("per_warp_active.pct")
+                         and numeric(v) is not None), reverse=True)
+        if stalls:
+            lines.append("  warp stalls (% of active warp cycles):")
+            for pct, k in stalls[:10]:
+                reason = k.split("issue_stalled_")[1].replace("_per_warp_active.pct", "")
+                lines.append(f"    {reason:<28} {pct:6.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        run_workload(args)
+        return
+    if shutil.which("ncu") is None:
+        raise SystemExit("profiling.ncu: `ncu` (Nsight Compute) is not on PATH")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    report = args.out
+    subprocess.run(ncu_command(args, report), check=True)
+    summary = summarize(report + ".ncu-rep")
+    raw = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--page", "raw", "--csv"],
+                         capture_output=True, text=True).stdout
+    with open(report + "_raw.csv", "w") as f:
+        f.write(raw)
+    with open(report + ".txt", "w") as f:
+        f.write(summary)
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
