@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import wgmma
-from .config import WARPGROUP_THREADS, FwdConfig
+from .config import WARPGROUP_THREADS, WGMMA_M, FwdConfig
 from .mask import BlockRange, apply_mask
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
                        producer_state)
@@ -78,7 +78,8 @@ class FlashAttentionForwardSm90:
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d)
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
         sV_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
-        sO_layout = wgmma.smem_layout(self.dtype, tile_m, d)
+        # One (64, d) slab per consumer warpgroup, stored by that warpgroup alone.
+        sO_layout = wgmma.smem_layout(self.dtype, WGMMA_M, d, self.consumer_wgs)
         tiled_mma_qk = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_n)
         tiled_mma_pv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
 
@@ -89,7 +90,8 @@ class FlashAttentionForwardSm90:
         tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, cute.select(sV_layout, mode=[0, 1]),
                                                 (tile_n, d))
         tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
-                                                sO_layout, (tile_m, d))
+                                                cute.select(sO_layout, mode=[0, 1]),
+                                                (WGMMA_M, d))
 
         @cute.struct
         class SharedStorage:
@@ -274,22 +276,28 @@ class FlashAttentionForwardSm90:
             if n_max > 0:
                 kv_state = self.mainloop(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords, softmax, pingpong, wg,
-                    pipe_k, pipe_v, kv_state, m_block, n_max,
+                    pipe_q, q_state, pipe_k, pipe_v, kv_state, m_block, n_max,
                     blocks.n_block_min_unmasked(m_block, seqlen_q, seqlen_k),
                     seqlen_q, seqlen_k)
-            pipe_q.consumer_release(q_state)
+            else:
+                pipe_q.consumer_release(q_state)
             q_state.advance()
             lse = softmax.finalize(acc_o)
-            self.epilogue(acc_o, lse, o_coords, mO, mLSE, sO, tma_o, tiled_mma_pv, tid,
-                          m_block, head, batch, seqlen_q)
+            self.epilogue(acc_o, lse, o_coords, mO, mLSE, sO, tma_o, wg, tid, m_block, head,
+                          batch, seqlen_q)
             tile += scheduler.stride()
+        if tid % WARPGROUP_THREADS < 32:
+            # The last O stores must finish reading shared memory before the CTA exits.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def mainloop(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords,
-                 softmax: OnlineSoftmax, pingpong: PingPong, wg: Int32, pipe_k, pipe_v,
-                 kv_state, m_block: Int32, n_max: Int32, n_min_unmasked: Int32,
-                 seqlen_q: Int32, seqlen_k: Int32):
-        """All K/V blocks of one tile, last block first. Returns the K/V ring state."""
+                 softmax: OnlineSoftmax, pingpong: PingPong, wg: Int32, pipe_q, q_state,
+                 pipe_k, pipe_v, kv_state, m_block: Int32, n_max: Int32,
+                 n_min_unmasked: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """All K/V blocks of one tile, last block first. Releases Q as soon as the
+        last Q·Kᵀ is done, so the next tile's Q loads under the last P·V and the
+        epilogue. Returns the K/V ring state."""
         tSrQ, tSrK, tOrP, tOrVt = frags
         mask = (s_coords, m_block, seqlen_q, seqlen_k)
         # Blocks [n_masked_end, n_max - 1) are diagonal blocks needing the causal mask.
@@ -316,6 +324,7 @@ class FlashAttentionForwardSm90:
                 kv_state = self._overlapped_step(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
                     pipe_k, pipe_v, kv_state, mask, n_masked_end - 1 - i, apply_causal=False)
+            pipe_q.consumer_release(q_state)
             # Last P·V.
             pipe_v.consumer_wait(kv_state)
             wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
@@ -338,6 +347,7 @@ class FlashAttentionForwardSm90:
                                              n_masked_end - 1 - i, apply_mask=False,
                                              is_first=False)
             pingpong.pass_turn(wg)
+            pipe_q.consumer_release(q_state)
         return kv_state
 
     @cute.jit
@@ -410,18 +420,28 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, o_coords: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
-                 tiled_mma_pv: cute.TiledMma, tid: Int32, m_block: Int32, head: Int32,
-                 batch: Int32, seqlen_q: Int32):
+                 wg: Int32, tid: Int32, m_block: Int32, head: Int32, batch: Int32,
+                 seqlen_q: Int32):
+        """O (registers) -> this warpgroup's smem slab -> TMA store; LSE -> global.
+
+        The slab's previous store is awaited here, not right after issuing it,
+        so the store drains while the next tile's main loop runs."""
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         wgmma.convert_to_16bit(acc_o, r_o)
-        # The previous tile's TMA store has finished reading sO: its issuing
-        # warp waited for that before arriving here.
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
-                          number_of_threads=self.consumer_threads)
+        wg_tid = tid % WARPGROUP_THREADS
+        is_store_warp = wg_tid < 32
+        if is_store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
+                          number_of_threads=WARPGROUP_THREADS)
+        # Inside a warpgroup the accumulator layout is that of a one-warpgroup
+        # MMA, so a one-warpgroup copy partitions this warpgroup's slab.
         store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                          self.dtype)
-        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tid)
-        cute.copy(store_atom, thr_store.retile(r_o), thr_store.partition_D(sO))
+        thr_store = cute.make_tiled_copy_C(
+            store_atom, wgmma.tiled_mma_rs(self.dtype, 1, self.head_dim)).get_slice(wg_tid)
+        slab = sO[None, None, wg]
+        cute.copy(store_atom, thr_store.retile(r_o), thr_store.partition_D(slab))
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
 
@@ -433,16 +453,16 @@ class FlashAttentionForwardSm90:
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 4:  # first consumer warp stores the tile
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE),
-                              number_of_threads=self.consumer_threads)
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim),
-                                 (m_block, 0))
-            tOs, tOg = self._tma_views(tma_o, sO, gO, staged=False)
-            cute.copy(tma_o, tOs, tOg)
+        row_block = m_block * self.consumer_wgs + wg
+        if is_store_warp:
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
+                              number_of_threads=WARPGROUP_THREADS)
+            if row_block * WGMMA_M < seqlen_q:  # TMA clips the rows past seqlen_q
+                gO = cute.local_tile(mO[None, None, head, batch], (WGMMA_M, self.head_dim),
+                                     (row_block, 0))
+                tOs, tOg = self._tma_views(tma_o, slab, gO, staged=False)
+                cute.copy(tma_o, tOs, tOg)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE),
-                                     number_of_threads=self.consumer_threads)
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
+                                     number_of_threads=WARPGROUP_THREADS)

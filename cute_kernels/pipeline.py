@@ -4,10 +4,12 @@
   K and V rings (`kv_stages` each); consumer warps release a stage when the
   WGMMA that read it has completed.
 - Named barriers (bar.sync / bar.arrive), ids below; id 0 is __syncthreads.
-  * EPILOGUE: all consumer threads; the previous tile's O has left shared
-    memory before anyone overwrites it.
-  * EPILOGUE_STORE: consumer threads arrive after writing O to shared
-    memory; the storing warp waits, then issues the TMA store.
+  Every consumer warpgroup has its own, so warpgroups never wait for each
+  other outside the ping-pong, and keep their phase offset across tiles.
+  * EPILOGUE_BASE + w: warpgroup w's previous O store has left its
+    shared-memory slab before the slab is overwritten.
+  * EPILOGUE_STORE_BASE + w: warpgroup w has written its O slab; its first
+    warp then issues the TMA store.
   * PINGPONG_BASE + w: consumer warpgroup w may issue its GEMMs. Warpgroup w
     waits on its own barrier and, once its GEMMs are issued, arrives on the
     next one's, so the tensor cores run one warpgroup's GEMMs while the
@@ -28,9 +30,10 @@ from .dsl_struct import DslStruct
 
 
 class NamedBarrier(enum.IntEnum):
-    EPILOGUE = 1
-    EPILOGUE_STORE = 2
-    PINGPONG_BASE = 3  # one id per consumer warpgroup: 3, 4, 5
+    # one id per consumer warpgroup (at most 3) from each base
+    EPILOGUE_BASE = 1
+    EPILOGUE_STORE_BASE = 4
+    PINGPONG_BASE = 7
 
 
 def make_tma_pipeline(barrier_storage, stages: int, consumer_warps: int, tx_bytes: int):
