@@ -39,7 +39,7 @@ def _check(q, k, v, causal, out, lse):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(128, 128), (1, 1), (17, 17), (1000, 1000), (4097, 4097),
                                      (256, 1024), (1024, 256), (113, 203), (300, 77)])

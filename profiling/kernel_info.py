@@ -1,0 +1,90 @@
+"""What a compiled kernel is, read from the PTX and cubin the DSL dumps.
+
+Used by the main job (`python -m profiling.main`) and the compile tests: the
+instruction counts prove TMA, WGMMA, setmaxnreg and mbarrier waits are in
+the kernel; the cubin's .nv.info attributes give registers and stack frame.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+
+PTX_PATTERNS = {
+    "wgmma": r"wgmma\.mma_async",
+    "tma_load": r"cp\.async\.bulk\.tensor\.\dd\.shared::(cta|cluster)\.global",
+    "tma_store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta",
+    "setmaxnreg": r"setmaxnreg\.(inc|dec)",
+    "mbarrier_wait": r"mbarrier\.try_wait",
+    "named_barrier": r"\bbar(rier)?\.(sync|arrive)",
+    "ex2": r"ex2\.approx",
+    "stmatrix": r"stmatrix",
+    "local_memory": r"\b(ld|st)\.local",
+}
+_EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x12
+_EIFMT_SVAL = 4
+
+
+@dataclass
+class KernelInfo:
+    threads: int
+    counts: dict = field(default_factory=dict)
+    setmaxnreg: list = field(default_factory=list)  # [(inc|dec, regs)]
+    registers: int | None = None
+    stack_bytes: int | None = None
+
+    @property
+    def warpgroups(self) -> int:
+        return self.threads // 128
+
+
+def ptx_info(ptx: str) -> KernelInfo:
+    m = re.search(r"\.reqntid\s+(\d+)", ptx) or re.search(r"\.maxntid\s+(\d+)", ptx)
+    info = KernelInfo(threads=int(m.group(1)) if m else 0)
+    info.counts = {name: len(re.findall(pat, ptx)) for name, pat in PTX_PATTERNS.items()}
+    info.setmaxnreg = [(kind, int(n)) for kind, n in
+                       re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    return info
+
+
+def cubin_resources(data: bytes) -> tuple[int | None, int | None]:
+    """(registers, stack frame bytes) of the kernel from the cubin's .nv.info section."""
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+                for i in range(shnum)]
+    names_offset = sections[shstrndx][4]
+    regs = stack = None
+    for sec in sections:
+        start = names_offset + sec[0]
+        if data[start:data.index(b"\0", start)] != b".nv.info":
+            continue
+        pos, end = sec[4], sec[4] + sec[5]
+        while pos < end:
+            fmt, attr, size = struct.unpack_from("<BBH", data, pos)
+            if fmt != _EIFMT_SVAL:
+                pos += 4
+                continue
+            if attr == _EIATTR_REGCOUNT:
+                regs = struct.unpack_from("<II", data, pos + 4)[1]
+            elif attr == _EIATTR_FRAME_SIZE:
+                stack = struct.unpack_from("<II", data, pos + 4)[1]
+            pos += 4 + size
+    return regs, stack
+
+
+def dumped_kernel_info(dump_dir: str) -> KernelInfo:
+    ptx_files = glob.glob(os.path.join(dump_dir, "*.ptx"))
+    if len(ptx_files) != 1:
+        raise RuntimeError(f"expected one .ptx in {dump_dir}, found {len(ptx_files)}")
+    with open(ptx_files[0]) as f:
+        info = ptx_info(f.read())
+    cubins = glob.glob(os.path.join(dump_dir, "*.cubin"))
+    if cubins:
+        with open(cubins[0], "rb") as f:
+            info.registers, info.stack_bytes = cubin_resources(f.read())
+    return info

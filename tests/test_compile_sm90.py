@@ -1,0 +1,49 @@
+"""Every forward kernel the op serves compiles for sm_90a (no GPU needed) and
+holds the instructions the FA3 design requires."""
+
+import pytest
+import torch
+
+from cute_kernels.config import FwdConfig, default_fwd_config
+from python_api.compile_cache import compile_fwd, get_fwd
+from profiling.kernel_info import dumped_kernel_info
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_kernel_ptx(tmp_path, dtype, head_dim, causal):
+    config = default_fwd_config(head_dim, causal)
+    compile_fwd(dtype, head_dim, causal, config, dump_dir=str(tmp_path))
+    info = dumped_kernel_info(str(tmp_path))
+    assert info.counts["wgmma"] > 0
+    assert info.counts["tma_load"] > 0 and info.counts["tma_store"] > 0
+    assert info.counts["mbarrier_wait"] > 0
+    assert ("dec", config.producer_regs) in info.setmaxnreg
+    assert ("inc", config.consumer_regs) in info.setmaxnreg
+    # one producer warpgroup + one consumer warpgroup per 64 query rows
+    assert info.warpgroups == 1 + config.consumer_warpgroups >= 3
+    assert info.counts["local_memory"] == 0
+    assert info.registers is not None and info.registers <= 255
+
+
+def test_head_dim_128_launches_three_warpgroups(tmp_path):
+    compile_fwd(torch.bfloat16, 128, False, default_fwd_config(128, False), str(tmp_path))
+    info = dumped_kernel_info(str(tmp_path))
+    assert info.threads == 384 and info.warpgroups == 3
+    assert info.counts["ex2"] > 0 and info.counts["stmatrix"] > 0
+
+
+@pytest.mark.parametrize("overrides", [dict(intra_wg_overlap=False), dict(pingpong=False),
+                                       dict(tile_m=64), dict(kv_stages=3, tile_n=64)])
+def test_config_variants_compile(tmp_path, overrides):
+    config = FwdConfig().replace(**overrides)
+    compile_fwd(torch.bfloat16, 64, True, config, dump_dir=str(tmp_path))
+    assert dumped_kernel_info(str(tmp_path)).counts["wgmma"] > 0
+
+
+def test_compile_cache_reuses_by_static_key():
+    config = default_fwd_config(64, False)
+    a = get_fwd(torch.bfloat16, 64, False, config)
+    b = get_fwd(torch.bfloat16, 64, False, FwdConfig(**config.__dict__))
+    assert a is b

@@ -1,0 +1,65 @@
+"""The torch op on the CPU: registration, opcheck, torch.compile, NVTX."""
+
+import pytest
+import torch
+
+import python_api
+from python_api import flash_attn_func
+from python_api.reference import attention_reference
+
+
+def test_op_is_registered_under_cute_fa():
+    assert hasattr(torch.ops.cute_fa, "fwd")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_op_is_the_reference(causal):
+    q = torch.randn(2, 33, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 20, 2, 64, dtype=torch.bfloat16)
+    v = torch.randn(2, 20, 2, 64, dtype=torch.bfloat16)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, None, causal)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert out.shape == q.shape and lse.shape == (2, 4, 33)
+
+
+def test_opcheck():
+    q = torch.randn(1, 17, 4, 64, dtype=torch.float16)
+    k = torch.randn(1, 9, 1, 64, dtype=torch.float16)
+    v = torch.randn(1, 9, 1, 64, dtype=torch.float16)
+    for causal in (False, True):
+        torch.library.opcheck(torch.ops.cute_fa.fwd.default, (q, k, v, 0.125, causal))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=128, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        b, s, dim = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, dim // self.heads).unbind(2)
+        return flash_attn_func(q, k, v, causal=True).reshape(b, s, dim)
+
+
+def test_torch_compile_fullgraph_on_cpu():
+    torch.manual_seed(0)
+    model = TinyAttention()
+    x = torch.randn(2, 24, 128, dtype=torch.bfloat16)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")(x)
+    assert torch.equal(eager, compiled)
+
+
+def test_nvtx_range_name_carries_the_problem():
+    from python_api.nvtx import range_name
+
+    q = torch.empty(2, 100, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 80, 2, 128, dtype=torch.bfloat16)
+    assert range_name("fwd", q, k, True) == \
+        "cute_fa.fwd[b=2,sq=100,sk=80,hq=8,hkv=2,d=128,causal=1,bf16]"
+
+
+def test_public_api():
+    assert "flash_attn_func" in python_api.__all__

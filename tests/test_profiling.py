@@ -1,0 +1,91 @@
+"""Harness logic on the CPU: FLOP counts, grids, reports from recorded rows."""
+
+import json
+
+import pytest
+
+from profiling import bench, flops, report
+from profiling.backends import BACKENDS, make_callable
+from profiling.sweep import parse_vary, variants
+from cute_kernels.config import FwdConfig
+
+
+def test_flop_counts():
+    assert flops.attention_flops(2, 16, 4096, 4096, 128, False) == 4 * 2 * 16 * 4096 ** 2 * 128
+    assert flops.attention_flops(2, 16, 4096, 4096, 128, True) == 2 * 2 * 16 * 4096 ** 2 * 128
+    fwd = flops.attention_flops(1, 1, 8, 8, 64, False)
+    assert flops.attention_flops(1, 1, 8, 8, 64, False, "bwd") == 2.5 * fwd
+    assert flops.attention_flops(1, 1, 8, 8, 64, False, "fwd_bwd") == 3.5 * fwd
+    assert flops.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="direction"):
+        flops.attention_flops(1, 1, 1, 1, 1, False, "sideways")
+
+
+def test_batch_derivation():
+    assert flops.batch_for(16384, 1024) == 16
+    assert flops.batch_for(16384, 16384) == 1
+    assert flops.batch_for(16384, 32768) == 1
+    with pytest.raises(ValueError):
+        flops.batch_for(0, 1)
+
+
+def test_default_grid():
+    args = bench.parse_args([])
+    problems = bench.problems(args)
+    assert {p["head_dim"] for p in problems} == {64, 128}
+    assert {p["causal"] for p in problems} == {False, True}
+    assert all(p["batch"] * p["seqlen_q"] == 16384 for p in problems)
+    assert {p["heads"] for p in problems if p["head_dim"] == 64} == {32}
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backends", "cute,nope"])
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        make_callable("nope", None, None, None, False, 1.0, "fwd")
+    assert set(BACKENDS) >= {"cute", "fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
+                             "sdpa_math"}
+
+
+def _rows():
+    base = dict(direction="fwd", dtype="bf16", head_dim=128, causal=False, seqlen_q=4096,
+                seqlen_k=4096, batch=4, heads=16, heads_kv=16, first_call_ms=1.0,
+                peak_mem_bytes=64 * 2**20)
+    return [dict(base, backend="cute", status="ok", median_ms=1.0, tflops=600.0),
+            dict(base, backend="fa4", status="ok", median_ms=1.1, tflops=550.0),
+            dict(base, backend="sdpa_cudnn", status="ok", median_ms=0.9, tflops=650.0),
+            dict(base, backend="sdpa_math", status="failed: OutOfMemoryError: CUDA out of memory",
+                 median_ms=None, tflops=None, peak_mem_bytes=None)]
+
+
+def test_ratios_and_table_with_a_failure_row():
+    rows = report.add_ratios(_rows())
+    ours = rows[0]
+    assert ours["best_peer"] == "sdpa_cudnn"
+    assert ours["ratio_to_best_peer"] == pytest.approx(600 / 650)
+    assert rows[3]["ratio_to_best_peer"] is None
+    table = report.format_table(rows)
+    assert "0.923x" in table and "failed: OutOfMemoryError" in table
+
+
+def test_json_and_plots(tmp_path):
+    rows = report.add_ratios(_rows() + [dict(_rows()[0], seqlen_q=8192, seqlen_k=8192,
+                                             batch=2, tflops=640.0)])
+    path = tmp_path / "b.json"
+    report.write_json(str(path), rows, {"gpu": "H100"}, {"seqlens": [4096]})
+    data = json.loads(path.read_text())
+    assert data["environment"]["gpu"] == "H100" and len(data["rows"]) == 5
+    pytest.importorskip("matplotlib")
+    written = report.write_plots(str(tmp_path / "b"), rows)
+    assert [p.split("_")[-1] for p in written] == ["tflops.png", "memory.png"]
+    assert all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in written)
+
+
+def test_sweep_variants_are_the_cartesian_product():
+    vary = parse_vary(["persistent=0,1", "kv_stages=2,3"])
+    configs = variants(FwdConfig(), vary)
+    assert len(configs) == 4
+    assert {(c.persistent, c.kv_stages) for c in configs} == {(False, 2), (False, 3),
+                                                              (True, 2), (True, 3)}
+    with pytest.raises(SystemExit):
+        parse_vary(["tile_k=1"])

@@ -1,0 +1,59 @@
+"""Every bad input gets an error naming the argument, what was expected and what came."""
+
+import pytest
+import torch
+
+from python_api import flash_attn_func
+
+
+def _qkv(shape_q=(2, 16, 4, 64), shape_k=(2, 16, 2, 64), dtype=torch.bfloat16):
+    return (torch.randn(shape_q, dtype=dtype), torch.randn(shape_k, dtype=dtype),
+            torch.randn(shape_k, dtype=dtype))
+
+
+@pytest.mark.parametrize("mutate, error, pattern", [
+    (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError,
+     r"q: expected dtype torch.bfloat16 or torch.float16, got torch.float32"),
+    (lambda q, k, v: (q, k.half(), v), TypeError, r"q, k, v: expected one dtype"),
+    (lambda q, k, v: (q[..., :32].contiguous(), k[..., :32].contiguous(),
+                      v[..., :32].contiguous()), ValueError,
+     r"q: expected headdim in \(64, 96, 128\), got 32"),
+    (lambda q, k, v: (q.transpose(1, 3).contiguous().transpose(1, 3), k, v), ValueError,
+     r"q: expected the last dimension \(headdim\) to be contiguous"),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, r"k: expected batch 2 \(that of q\), got 1"),
+    (lambda q, k, v: (q, torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2)),
+     ValueError, r"k: expected nheads_kv to divide nheads_q = 4 \(GQA/MQA\), got nheads_kv = 3"),
+    (lambda q, k, v: (q[0], k, v), ValueError,
+     r"q: expected a 4-D tensor \(batch, seqlen, nheads, headdim\), got 3-D"),
+    (lambda q, k, v: (q[:, :0], k, v), ValueError, r"q: expected a non-empty tensor"),
+    (lambda q, k, v: (q, k, v[:, :8]), ValueError, r"k, v: expected equal shapes"),
+    (lambda q, k, v: (q, k[..., :32].contiguous(), v[..., :32].contiguous()), ValueError,
+     r"k: expected headdim 64 \(that of q\), got 32"),
+    (lambda q, k, v: (q, k, v.to("meta")), ValueError, r"q, k, v: expected one device"),
+    (lambda q, k, v: (q.float().numpy(), k, v), TypeError,
+     r"q: expected a torch.Tensor, got ndarray"),
+])
+def test_bad_inputs_raise_named_errors(mutate, error, pattern):
+    q, k, v = mutate(*_qkv())
+    with pytest.raises(error, match=pattern):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("scale, error, pattern", [
+    (float("nan"), ValueError, r"softmax_scale: expected a finite positive float, got nan"),
+    (-1.0, ValueError, r"softmax_scale: expected a finite positive float, got -1.0"),
+    ("0.1", TypeError, r"softmax_scale: expected a float or None, got str"),
+])
+def test_bad_softmax_scale(scale, error, pattern):
+    with pytest.raises(error, match=pattern):
+        flash_attn_func(*_qkv(), softmax_scale=scale)
+
+
+def test_unsupported_cuda_device_error_names_device(monkeypatch):
+    from python_api import validate
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match=r"cuda:0 \(NVIDIA A100, compute capability 8.0\) "
+                                           r"is not supported.*sm_90"):
+        validate.check_cuda_device(torch.device("cuda", 0))
