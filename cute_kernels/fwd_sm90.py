@@ -173,7 +173,8 @@ class FlashAttentionForwardSm90:
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
         kv_state = producer_state(self.cfg.kv_stages)
-        tile = scheduler.first_tile()
+        round_idx = Int32(0)
+        tile = scheduler.tile_at(round_idx)
         while tile < scheduler.num_tiles():
             m_block, head, batch = scheduler.decode(tile)
             head_kv = head // q_per_kv
@@ -214,7 +215,8 @@ class FlashAttentionForwardSm90:
                         kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state,
                                                     n_max - 2 - i)
                         kv_state.advance()
-            tile += scheduler.stride()
+            round_idx += 1
+            tile = scheduler.tile_at(round_idx)
 
     def _tma_views(self, atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
         """(smem view, gmem view) of a TMA copy; staged tensors keep their last mode."""
@@ -265,7 +267,8 @@ class FlashAttentionForwardSm90:
         seqlen_q = mO.shape[0]
         q_state = consumer_state(1)
         kv_state = consumer_state(self.cfg.kv_stages)
-        tile = scheduler.first_tile()
+        round_idx = Int32(0)
+        tile = scheduler.tile_at(round_idx)
         while tile < scheduler.num_tiles():
             m_block, head, batch = scheduler.decode(tile)
             n_max = blocks.n_block_max(m_block, seqlen_q, seqlen_k)
@@ -285,7 +288,8 @@ class FlashAttentionForwardSm90:
             lse = softmax.finalize(acc_o)
             self.epilogue(acc_o, lse, o_coords, mO, mLSE, sO, tma_o, wg, tid, m_block, head,
                           batch, seqlen_q)
-            tile += scheduler.stride()
+            round_idx += 1
+            tile = scheduler.tile_at(round_idx)
         if tid % WARPGROUP_THREADS < 32:
             # The last O stores must finish reading shared memory before the CTA exits.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

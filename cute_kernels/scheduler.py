@@ -1,8 +1,12 @@
 """Tile scheduling: which (m_block, head, batch) each CTA computes, in order.
 
-Persistent mode launches one CTA per SM; CTA c takes tiles c, c + grid,
-c + 2·grid, ... of a linear order. Non-persistent mode launches one CTA per
-tile with the same order. The order:
+Persistent mode launches one CTA per SM and deals the linear order out in
+rounds of `grid` tiles, alternating direction (a snake): in round r, CTA c
+takes tile r·grid + c when r is even and r·grid + grid-1-c when r is odd, so
+with longest-first orders each CTA's sum of tile lengths stays even (a plain
+round-robin hands CTA 0 the longest tile of every round). Non-persistent mode
+launches one CTA per tile (round 0 only) and the hardware's CTA dispatch does
+the balancing. The order:
 - non-causal: m_block fastest, so CTAs running at once share the K/V of a
   head and read it from L2;
 - causal: longest first (LPT) inside L2-sized sections of heads. Tiles near
@@ -54,11 +58,15 @@ class TileScheduler(DslStruct):
             return cutlass.min(num_tiles, num_sms)
         return num_tiles
 
-    def first_tile(self) -> Int32:
-        return Int32(cute.arch.block_idx()[0])
-
-    def stride(self) -> Int32:
-        return Int32(cute.arch.grid_dim()[0])
+    @cute.jit
+    def tile_at(self, round_idx: Int32) -> Int32:
+        """The linear tile this CTA computes in round `round_idx` (may be past the end)."""
+        cta = Int32(cute.arch.block_idx()[0])
+        grid = Int32(cute.arch.grid_dim()[0])
+        offset = cta
+        if round_idx % 2 == 1:
+            offset = grid - 1 - cta
+        return round_idx * grid + offset
 
     def decode(self, tile: Int32):
         """Linear tile index -> (m_block, head, batch)."""
