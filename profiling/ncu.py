@@ -24,10 +24,10 @@ import torch
 
 # metric name -> label, in the order of the summary
 METRICS = {
-    "gpu__time_duration.sum": "duration (ns)",
+    "gpu__time_duration.sum": "duration",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM throughput %",
-    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active":
-        "tensor pipe (GMMA) active %",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active":
+        "tensor pipe active %",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM throughput %",
     "lts__t_sector_hit_rate.pct": "L2 hit rate %",
     "launch__registers_per_thread": "registers / thread",
@@ -35,6 +35,12 @@ METRICS = {
     "launch__block_size": "block",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": "smem store bank conflicts",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem load bank conflicts",
+}
+EXTRA_METRICS = {
+    "smsp__inst_executed.sum": "instructions executed",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue slots busy %",
+    "derived__local_spilling_requests": "local-memory spill requests",
+    "dram__bytes_read.sum": "DRAM bytes read",
 }
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
             "MemoryWorkloadAnalysis_Tables", "WarpStateStats", "LaunchStats", "Occupancy",
@@ -124,31 +130,30 @@ def summarize(report: str) -> str:
         return "no kernel was profiled (check the NVTX/kernel filter)\n"
     header, units, data = rows[0], rows[1], rows[2:]
     lines = []
+    unit_of = dict(zip(header, units))
     for record in data:
         values = dict(zip(header, record))
         name = values.get("Kernel Name", "?")
         lines.append(f"kernel: {name[:110]}")
         for metric, label in METRICS.items():
             if metric in values:
-                lines.append(f"  {label:<32} {values[metric]}")
+                lines.append(f"  {label:<32} {values[metric]} {unit_of.get(metric, '')}".rstrip())
         def numeric(v):
             try:
                 return float(v.replace(",", ""))
             except ValueError:
                 return None
-        extra = [(k, values[k]) for k in sorted(values)
-                 if ("gmma" in k or "tensor" in k or "local" in k) and k not in METRICS
-                 and numeric(values[k]) is not None]
-        for k, v in extra[:12]:
-            lines.append(f"  {k[:60]:<60} {v}")
-        stalls = sorted(((numeric(v), k) for k, v in values.items()
-                         if "issue_stalled" in k and k.endswith("per_warp_active.pct")
+        for k, label in EXTRA_METRICS.items():
+            if k in values:
+                lines.append(f"  {label:<32} {values[k]}")
+        prefix, suffix = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+        stalls = sorted(((numeric(v), k[len(prefix):-len(suffix)]) for k, v in values.items()
+                         if k.startswith(prefix) and k.endswith(suffix)
                          and numeric(v) is not None), reverse=True)
         if stalls:
-            lines.append("  warp stalls (% of active warp cycles):")
-            for pct, k in stalls[:10]:
-                reason = k.split("issue_stalled_")[1].replace("_per_warp_active.pct", "")
-                lines.append(f"    {reason:<28} {pct:6.1f}")
+            lines.append("  warp stalls (warps stalled per issued instruction):")
+            for ratio, reason in stalls[:10]:
+                lines.append(f"    {reason:<28} {ratio:7.3f}")
     return "\n".join(lines) + "\n"
 
 

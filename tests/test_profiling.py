@@ -89,3 +89,32 @@ def test_sweep_variants_are_the_cartesian_product():
                                                               (True, 2), (True, 3)}
     with pytest.raises(SystemExit):
         parse_vary(["tile_k=1"])
+
+
+def test_ncu_summary_from_recorded_csv(monkeypatch):
+    import subprocess
+
+    from profiling import ncu
+
+    header = ["Kernel Name", "gpu__time_duration.sum", "launch__registers_per_thread",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"]
+    units = ["", "ms", "register/thread", "", ""]
+    row = ["kernel_cutlass_fwd", "1.69", "168", "0.77", "1.58"]
+    csv_text = "\n".join(",".join(f'"{x}"' for x in r) for r in (header, units, row))
+
+    class Done:
+        stdout = csv_text
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done())
+    text = ncu.summarize("report.ncu-rep")
+    assert "duration                         1.69 ms" in text
+    assert text.index("wait") < text.index("barrier")  # stalls sorted, largest first
+    assert "168" in text
+
+
+def test_ncu_config_overrides_are_typed():
+    from profiling.ncu import parse_overrides
+
+    assert parse_overrides("tile_n=160,pingpong=0") == {"tile_n": 160, "pingpong": False}
+    with pytest.raises(SystemExit):
+        parse_overrides("tile_k=3")
