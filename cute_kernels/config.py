@@ -37,6 +37,8 @@ class FwdConfig:
         one CTA per tile.
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
+    l2_section_mb: causal tiles run longest-first inside sections of heads
+        whose K/V fit in this many MB of L2 (scheduler.py).
     """
 
     tile_m: int = 128
@@ -47,6 +49,7 @@ class FwdConfig:
     persistent: bool = True
     producer_regs: int = 24
     consumer_regs: int = 240
+    l2_section_mb: int = 32
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -93,6 +96,8 @@ class FwdConfig:
         if total > REGISTERS_PER_SM:
             raise bad("consumer_regs", f"producer_regs + {self.consumer_warpgroups} * "
                                        f"consumer_regs <= {REGISTERS_PER_SM // WARPGROUP_THREADS}")
+        if not 1 <= self.l2_section_mb <= 1024:
+            raise bad("l2_section_mb", "an integer in [1, 1024]")
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
             raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                    f"this needs {self.smem_bytes(head_dim)} B")

@@ -149,7 +149,7 @@ class FlashAttentionForwardSm90:
         scheduler = TileScheduler.create(
             cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
             mQ.shape[2] // mK.shape[2], 2 * self.head_dim * self.dtype.width // 8,
-            longest_first=self.causal)
+            self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:

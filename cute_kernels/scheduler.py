@@ -12,7 +12,7 @@ the balancing. The order:
 - causal: longest first (LPT) inside L2-sized sections of heads. Tiles near
   the bottom of the causal triangle visit the most K/V blocks, so they start
   first and short ones fill the tail. A section holds as many (batch, head)
-  pairs as have K/V fitting in `L2_BUDGET_BYTES`: all m-blocks of those heads
+  pairs as have K/V fitting in the config's `l2_section_mb`: all m-blocks of those heads
   run close together in time and share K/V through L2 (with a global LPT
   order, CTAs running at once would all read different heads and every
   m-block would re-read K/V from HBM).
@@ -29,9 +29,6 @@ from cutlass import Int32
 from .dsl_struct import DslStruct
 
 
-L2_BUDGET_BYTES = 32 * 1024 * 1024  # of the 50 MB L2 of an H100
-
-
 @dataclass
 class TileScheduler(DslStruct):
     num_m_blocks: Int32
@@ -42,10 +39,11 @@ class TileScheduler(DslStruct):
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, seqlen_k: Int32,
-               q_per_kv: Int32, kv_row_bytes: int, longest_first: bool) -> "TileScheduler":
+               q_per_kv: Int32, kv_row_bytes: int, l2_section_bytes: int,
+               longest_first: bool) -> "TileScheduler":
         """kv_row_bytes: bytes of one K row plus one V row."""
         kv_head_bytes = seqlen_k * kv_row_bytes
-        kv_heads = cutlass.max(Int32(L2_BUDGET_BYTES) // cutlass.max(kv_head_bytes, 1), 1)
+        kv_heads = cutlass.max(Int32(l2_section_bytes) // cutlass.max(kv_head_bytes, 1), 1)
         return TileScheduler(num_m_blocks, num_heads, num_batch, kv_heads * q_per_kv,
                              longest_first)
 

@@ -81,6 +81,17 @@ def test_forward_config_variants(overrides, causal):
     _check(q, k, v, causal, out, lse)
 
 
+@pytest.mark.parametrize("heads, heads_kv, batch", [(5, 5, 3), (8, 2, 3), (7, 1, 2)])
+def test_causal_multi_section_schedule(heads, heads_kv, batch):
+    # A 1 MB section holds 4 (batch, head) pairs of 1000 x 64 K/V: several
+    # sections, the last one partial, each walked longest-first.
+    config = FwdConfig(l2_section_mb=1, persistent=False)
+    q, k, v = _inputs(batch, 1000, 1000, heads, heads_kv, 64, torch.bfloat16, seed=heads)
+    for cfg in (config, config.replace(persistent=True)):
+        out, lse = forward_cuda(q, k, v, default_scale(64), True, cfg)
+        _check(q, k, v, True, out, lse)
+
+
 def test_no_visible_key_rows_are_zero():
     # causal with seqlen_q > seqlen_k: the first rows see no key at all.
     q, k, v = _inputs(1, 300, 100, 2, 2, 128, torch.bfloat16, seed=3)
