@@ -79,7 +79,10 @@ def problems(args) -> list[dict]:
     return out
 
 
-def run_problem(problem: dict, backends: list[str], args, time_fn) -> list[dict]:
+def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
+    from .timing import first_call, time_interleaved
+
+    """All backends on the same inputs, timed round-robin (timing.time_interleaved)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = DTYPES[problem["dtype"]]
     b, s, h, hkv, d = (problem[k] for k in ("batch", "seqlen_q", "heads", "heads_kv", "head_dim"))
@@ -88,26 +91,30 @@ def run_problem(problem: dict, backends: list[str], args, time_fn) -> list[dict]
     v = torch.randn_like(k)
     flops = attention_flops(b, h, s, problem["seqlen_k"], d, problem["causal"],
                             problem["direction"])
-    rows = []
+    rows, runnable = {}, {}
     for name in backends:
-        row = dict(problem, backend=name, status="ok", median_ms=None, tflops=None,
-                   first_call_ms=None, peak_mem_bytes=None)
+        rows[name] = dict(problem, backend=name, status="ok", median_ms=None, tflops=None,
+                          first_call_ms=None, peak_mem_bytes=None)
         try:
             if name == "sdpa_math" and s > args.math_max_seqlen:
                 raise BackendUnavailable(f"skipped above --math-max-seqlen {args.math_max_seqlen}")
             fn = make_callable(name, q, k, v, problem["causal"], d ** -0.5, problem["direction"])
-            t = time_fn(fn, repeats=args.repeats)
-            row.update(median_ms=t.median_ms, tflops=tflops(flops, t.median_ms),
-                       first_call_ms=t.first_call_ms, peak_mem_bytes=t.peak_mem_bytes,
-                       repeats=t.repeats)
+            # The first call (JIT compile included) runs alone; a backend that
+            # cannot run this problem fails here, as its own row.
+            first_ms, peak = first_call(fn)
+            rows[name].update(first_call_ms=first_ms, peak_mem_bytes=peak)
+            runnable[name] = fn
         except BackendUnavailable as exc:
-            row["status"] = f"unavailable: {exc}"
+            rows[name]["status"] = f"unavailable: {exc}"
         except Exception as exc:  # a failing backend is a row, not the end of the run
-            row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-        rows.append(row)
+            rows[name]["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         gc.collect()
         torch.cuda.empty_cache()
-    return rows
+    if runnable:
+        for name, (median, _, count) in time_interleaved(runnable,
+                                                         repeats=args.repeats).items():
+            rows[name].update(median_ms=median, tflops=tflops(flops, median), repeats=count)
+    return [rows[name] for name in backends]
 
 
 def progress(items, desc: str):
@@ -122,13 +129,12 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profiling.bench: needs a CUDA GPU (the H100 of the device tool)")
-    from .timing import time_cuda
 
     backends = [OURS] + [b for b in args.backends if b != OURS] if OURS in args.backends \
         else args.backends
     rows = []
     for problem in progress(problems(args), "bench"):
-        rows += run_problem(problem, backends, args, time_cuda)
+        rows += run_problem(problem, backends, args)
     add_ratios(rows)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     env = environment()

@@ -1,5 +1,10 @@
 """GPU timing: CUDA events around each call, median of repeats, L2 flushed
-between repeats, first call (JIT compile included) timed on its own."""
+between repeats, first call (JIT compile included) timed on its own.
+
+`time_interleaved` times several callables round-robin (each repeat runs every
+one once), so clock and power drift during a run land on all of them alike and
+the ratios between them stay meaningful.
+"""
 
 from __future__ import annotations
 
@@ -31,30 +36,43 @@ def _flush_l2():
     _flush_buffer.zero_()
 
 
-def time_cuda(fn, warmup: int = 3, repeats: int = 30, max_seconds: float = 3.0) -> Timing:
-    """Median time of fn() in milliseconds; fn must launch work on the current stream."""
+def first_call(fn) -> tuple[float, int]:
+    """(milliseconds, peak bytes allocated) of one call, JIT compile included."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    first_ms = (time.perf_counter() - start) * 1e3
-    peak = torch.cuda.max_memory_allocated() - base
-    for _ in range(warmup):
-        fn()
+    return (time.perf_counter() - start) * 1e3, torch.cuda.max_memory_allocated() - base
+
+
+def time_interleaved(fns: dict, warmup: int = 3, repeats: int = 30,
+                     max_seconds: float = 10.0) -> dict[str, tuple[float, float, int]]:
+    """(median ms, min ms, repeats) of each callable, measured round-robin."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times = {name: [] for name in fns}
     budget_start = time.perf_counter()
     for i in range(repeats):
-        _flush_l2()
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
+        for name, fn in fns.items():
+            _flush_l2()
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(begin.elapsed_time(end))
         if i >= 4 and time.perf_counter() - budget_start > max_seconds:
             break
-    return Timing(statistics.median(times), min(times), first_ms, len(times), peak)
+    return {name: (statistics.median(t), min(t), len(t)) for name, t in times.items()}
+
+
+def time_cuda(fn, warmup: int = 3, repeats: int = 30, max_seconds: float = 3.0) -> Timing:
+    """Median time of fn() in milliseconds; fn must launch work on the current stream."""
+    first_ms, peak = first_call(fn)
+    median, fastest, count = time_interleaved({"fn": fn}, warmup, repeats, max_seconds)["fn"]
+    return Timing(median, fastest, first_ms, count, peak)
