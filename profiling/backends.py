@@ -68,7 +68,8 @@ PEERS = ("fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 
 
 def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str):
-    """A zero-argument callable running `direction` ('fwd' or 'fwd_bwd')."""
+    """A zero-argument callable running `direction`: 'fwd', 'bwd' (the backward of one
+    recorded forward, graph retained) or 'fwd_bwd'."""
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {name!r}")
     if direction == "fwd":
@@ -78,15 +79,19 @@ def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direct
             with torch.no_grad():
                 return fwd()
         return run_fwd
-    if direction == "fwd_bwd":
-        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-        fwd = BACKENDS[name](qg, kg, vg, causal, softmax_scale)
-        grad_out = torch.randn_like(q)
+    if direction not in ("bwd", "fwd_bwd"):
+        raise ValueError(f"direction: expected 'fwd', 'bwd' or 'fwd_bwd', got {direction!r}")
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    fwd = BACKENDS[name](qg, kg, vg, causal, softmax_scale)
+    grad_out = torch.randn_like(q)
 
-        def run_fwd_bwd():
-            out = fwd()
-            if out.dim() == 4 and out.shape != q.shape:  # SDPA returns (b, h, s, d)
-                out = out.transpose(1, 2)
-            out.backward(grad_out)
-        return run_fwd_bwd
-    raise ValueError(f"direction: expected 'fwd' or 'fwd_bwd', got {direction!r}")
+    def forward():
+        out = fwd()
+        if out.shape != q.shape:  # SDPA returns (b, h, s, d)
+            out = out.transpose(1, 2)
+        return out
+
+    if direction == "fwd_bwd":
+        return lambda: forward().backward(grad_out)
+    out = forward()
+    return lambda: out.backward(grad_out, retain_graph=True)

@@ -56,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if b not in BACKENDS:
             p.error(f"--backends: expected items of {sorted(BACKENDS)}, got {b!r}")
     for d in args.directions:
-        if d not in ("fwd", "fwd_bwd"):
-            p.error(f"--directions: expected items of fwd, fwd_bwd, got {d!r}")
+        if d not in ("fwd", "bwd", "fwd_bwd"):
+            p.error(f"--directions: expected items of fwd, bwd, fwd_bwd, got {d!r}")
     return args
 
 
