@@ -10,6 +10,7 @@ message instead of a hang or a launch error on the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 WARPGROUP_THREADS = 128
@@ -105,10 +106,8 @@ class FwdConfig:
     def replace(self, **changes) -> "FwdConfig":
         return dataclasses.replace(self, **changes)
 
-    def key(self) -> tuple:
-        return dataclasses.astuple(self)
 
-
+@functools.lru_cache(maxsize=None)
 def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     """The op's choice per problem, picked with `profiling.sweep` on an H100
     (bf16, 16k tokens; TFLOP/s of the choice vs the runner-up):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
-from .reference import attention_reference, default_scale
-from .validate import check_attention_inputs
+from .reference import attention_reference
+from .validate import check_argument_types
 
 __all__ = ["flash_attn_func", "attention_reference"]
 
@@ -29,7 +29,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     softmax_scale: defaults to 1/sqrt(headdim).
     Returns out (like q), and with return_lse the fp32 log-sum-exp (batch, nheads, seqlen_q).
     """
-    check_attention_inputs(q, k, v, softmax_scale)
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.cute_fa.fwd(q, k, v, scale, bool(causal))
+    check_argument_types(q, k, v, softmax_scale)
+    # The op validates the rest (once) and resolves the default scale.
+    out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal))
     return (out, lse) if return_lse else out

@@ -63,7 +63,8 @@ class CompiledKernel:
 
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> tuple:
-    return ("fwd_sm90", str(dtype), head_dim, bool(causal), config.key())
+    # FwdConfig is frozen, so hashable: the key costs no copying on the hot path.
+    return ("fwd_sm90", dtype, head_dim, bool(causal), config)
 
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,

@@ -1,7 +1,8 @@
 """The torch custom ops (`torch.ops.cute_fa.*`): device kernels, fake and CPU
 implementations.
 
-`cute_fa::fwd(q, k, v, softmax_scale, causal) -> (out, lse)`
+`cute_fa::fwd(q, k, v, softmax_scale=None, causal=False) -> (out, lse)`
+(softmax_scale None means 1/sqrt(headdim); inputs are validated here, once.)
 - CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py);
 - CPU: the reference math (reference.py), so the op runs anywhere;
 - fake: shapes only, so torch.compile(fullgraph=True) traces callers.
@@ -18,7 +19,7 @@ import torch
 from cute_kernels.config import FwdConfig, default_fwd_config
 
 from . import nvtx as nvtx_ranges
-from .reference import attention_reference
+from .reference import attention_reference, default_scale
 from .validate import check_attention_inputs, check_cuda_device
 
 LOG2_E = math.log2(math.e)
@@ -64,23 +65,29 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     return out, lse
 
 
+def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+
+
 @torch.library.custom_op("cute_fa::fwd", mutates_args=(), device_types="cpu")
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+        causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(q, k, v, softmax_scale)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
-        out, lse = attention_reference(q, k, v, softmax_scale, causal)
+        out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal)
     return out.contiguous(), lse.contiguous()
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, softmax_scale, causal):
+def _fwd_cuda(q, k, v, softmax_scale=None, causal=False):
     check_attention_inputs(q, k, v, softmax_scale)
-    return forward_cuda(q, k, v, softmax_scale, causal)
+    return forward_cuda(q, k, v, _resolve_scale(q, softmax_scale), causal)
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal):
+def _fwd_fake(q, k, v, softmax_scale=None, causal=False):
+    # Validating here makes a bad call fail while torch.compile traces, not at run time.
+    check_attention_inputs(q, k, v, softmax_scale)
     batch, seqlen_q, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)

@@ -18,11 +18,22 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def check_attention_inputs(q, k, v, softmax_scale=None) -> None:
-    """Validate (batch, seqlen, nheads, headdim) q, k, v for the forward."""
+def check_argument_types(q, k, v, softmax_scale=None) -> None:
+    """The checks the torch dispatcher would otherwise answer with its own
+    message; cheap enough for the public function to run before the op."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"softmax_scale: expected a float or None, "
+                        f"got {type(softmax_scale).__name__}")
+
+
+def check_attention_inputs(q, k, v, softmax_scale=None) -> None:
+    """Validate (batch, seqlen, nheads, headdim) q, k, v for the forward."""
+    check_argument_types(q, k, v, softmax_scale)
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, nheads, headdim), "
                              f"got {t.dim()}-D with {_describe(t)}")
@@ -54,9 +65,6 @@ def check_attention_inputs(q, k, v, softmax_scale=None) -> None:
         raise ValueError(f"k: expected nheads_kv to divide nheads_q = {q.shape[2]} "
                          f"(GQA/MQA), got nheads_kv = {k.shape[2]}")
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale: expected a float or None, "
-                            f"got {type(softmax_scale).__name__}")
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale: expected a finite positive float, "
                              f"got {softmax_scale}")
