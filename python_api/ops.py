@@ -3,6 +3,11 @@ implementations.
 
 `cute_fa::fwd(q, k, v, softmax_scale=None, causal=False) -> (out, lse)`
 (softmax_scale None means 1/sqrt(headdim); inputs are validated here, once.)
+`cute_fa::bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None)
+ -> (grad_q, grad_k, grad_v)`, the autograd formula of `fwd`, which saves only
+q, k, v, out and lse. Its CPU implementation is the closed-form backward of
+reference.py; the CUDA kernel is issue 4's work: until it lands, a backward on
+CUDA tensors stops with the dispatcher's error naming `cute_fa::bwd` and CUDA.
 - CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py);
 - CPU: the reference math (reference.py), so the op runs anywhere;
 - fake: shapes only, so torch.compile(fullgraph=True) traces callers.
@@ -19,7 +24,7 @@ import torch
 from cute_kernels.config import FwdConfig, default_fwd_config
 
 from . import nvtx as nvtx_ranges
-from .reference import attention_reference, default_scale
+from .reference import attention_backward_reference, attention_reference, default_scale
 from .validate import check_attention_inputs, check_cuda_device
 
 LOG2_E = math.log2(math.e)
@@ -92,3 +97,38 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+@torch.library.custom_op("cute_fa::bwd", mutates_args=(), device_types="cpu")
+def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
+        grad_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
+        grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
+                                             causal, grad_lse)
+    return tuple(g.contiguous() for g in grads)
+
+
+@bwd.register_fake
+def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale = _resolve_scale(q, softmax_scale)
+    ctx.causal = causal
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grad_q, grad_k, grad_v = torch.ops.cute_fa.bwd(
+        grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, grad_lse)
+    return grad_q, grad_k, grad_v, None, None
+
+
+torch.library.register_autograd("cute_fa::fwd", _fwd_backward, setup_context=_fwd_setup_context)

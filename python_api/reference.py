@@ -41,8 +41,46 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
     if causal:
         visible = causal_mask(q.shape[1], k.shape[1], device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)
+    lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     probs = torch.exp(scores - lse[..., None].to(scores.dtype))
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out.to(out_dtype), lse
+
+
+def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, causal,
+                                 grad_lse=None, compute_dtype=torch.float32):
+    """Closed-form gradients (dq, dk, dv) of attention_reference, in the form the
+    backward kernel computes them:
+        P  = exp(scale·QKᵀ − LSE)            (0 where masked or the row sees no key)
+        dV = Pᵀ·dO            dP = dO·Vᵀ
+        D  = rowsum(dO ∘ O) − dLSE
+        dS = P ∘ (dP − D)
+        dQ = scale·dS·K       dK = scale·dSᵀ·Q
+    GQA: dK and dV are summed over the query heads that share a K/V head.
+    grad_lse: gradient flowing into the LSE output (None = 0)."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    f = (lambda t: t.to(compute_dtype)) if compute_dtype is not None else (lambda t: t)
+    q, k, v, out, grad_out = f(q), f(k), f(v), f(out), f(grad_out)
+    batch, seqlen_q, heads, _ = q.shape
+    heads_kv = k.shape[2]
+    group = heads // heads_kv
+    k_rep = k.repeat_interleave(group, dim=2) if group > 1 else k
+    v_rep = v.repeat_interleave(group, dim=2) if group > 1 else v
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k_rep) * softmax_scale
+    if causal:
+        visible = causal_mask(seqlen_q, k.shape[1], device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.nan_to_num(torch.exp(scores - lse[..., None].to(scores.dtype)), nan=0.0)
+    grad_v = torch.einsum("bhqk,bqhd->bkhd", probs, grad_out)
+    grad_p = torch.einsum("bqhd,bkhd->bhqk", grad_out, v_rep)
+    delta = (grad_out * out).sum(-1).transpose(1, 2)  # (b, h, s_q)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(delta.dtype)
+    grad_s = probs * (grad_p - delta[..., None])
+    grad_q = torch.einsum("bhqk,bkhd->bqhd", grad_s, k_rep) * softmax_scale
+    grad_k = torch.einsum("bhqk,bqhd->bkhd", grad_s, q) * softmax_scale
+    if group > 1:
+        grad_k = grad_k.unflatten(2, (heads_kv, group)).sum(3)
+        grad_v = grad_v.unflatten(2, (heads_kv, group)).sum(3)
+    return grad_q.to(dtypes[0]), grad_k.to(dtypes[1]), grad_v.to(dtypes[2])
