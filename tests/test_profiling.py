@@ -129,7 +129,7 @@ def test_directions_run_on_cpu_through_sdpa_math(direction):
     fn = make_callable("sdpa_math", q, k, k.clone(), True, 0.125, direction)
     out = fn()
     if direction == "fwd":
-        assert out.shape == (1, 2, 16, 64)  # SDPA layout; only timed, never compared
+        assert out.shape == q.shape  # every backend answers in (b, s, h, d)
 
 
 def test_our_fwd_bwd_row_runs_on_cpu():

@@ -1,0 +1,63 @@
+"""One calling convention for every attention implementation the project
+compares: q, k, v in (batch, seqlen, nheads, headdim), GQA allowed, causal
+bottom-right aligned (SDPA's is_causal is top-left aligned, identical when
+seqlen_q == seqlen_k; other shapes are refused there). Used by the model's
+`Attention(backend=...)` and by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SDPA_BACKENDS = {
+    "sdpa": None,  # PyTorch's own choice
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+    "sdpa_math": "MATH",
+}
+BACKEND_NAMES = ("cute", "fa4", *SDPA_BACKENDS)
+
+
+class BackendUnavailable(Exception):
+    pass
+
+
+def _sdpa(q, k, v, causal, softmax_scale, backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if causal and q.shape[1] != k.shape[1]:
+        raise BackendUnavailable("SDPA's causal mask is top-left aligned; "
+                                 "seqlen_q != seqlen_k would differ from ours")
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+    kwargs = dict(is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
+    if backend_name is None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
+    else:
+        with sdpa_kernel([getattr(SDPBackend, backend_name)]):
+            out = F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
+    return out.transpose(1, 2)
+
+
+def _fa4(q, k, v, causal, softmax_scale):
+    try:
+        from flash_attn.cute import flash_attn_func as fa4_func
+    except Exception as exc:  # ImportError, or a DSL/runtime mismatch at import
+        raise BackendUnavailable(f"flash_attn.cute not importable: {exc}") from exc
+    out = fa4_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
+              backend: str = "cute") -> torch.Tensor:
+    """softmax(q·kᵀ·scale)·v with the chosen implementation; (b, s, h, d) out."""
+    if backend == "cute":
+        from . import flash_attn_func
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    if backend == "fa4":
+        return _fa4(q, k, v, causal, softmax_scale)
+    if backend in SDPA_BACKENDS:
+        return _sdpa(q, k, v, causal, softmax_scale, SDPA_BACKENDS[backend])
+    raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {backend!r}")
