@@ -1,0 +1,242 @@
+"""Train the llama-like model with one attention backend or several in turn.
+
+    python -m profiling.train --backend cute --steps 1000 --seq 4096 --batch 1
+    python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash,fa4 --steps 1000 --compile
+
+AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast.
+Every backend starts from the same seed, the same initial weights and the same
+batches. Logged every --log-every steps: loss, tokens/s, TFLOP/s and MFU, with
+    model FLOPs per token = 6·N + 6·n_layers·seq·dim
+(N: parameters except the input embedding; the second term is causal attention,
+QKᵀ and P·V, forward and backward) and MFU against the H100 SXM dense bf16 peak
+of 989.4 TFLOP/s. Writes <out>/<backend>.csv and .json, <out>/compare.json,
+<out>/train.png (loss and tokens/s per backend) and prints the comparison table.
+A backend that fails is a row with its error; the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import math
+import os
+import time
+
+import torch
+
+from python_api.attention_backends import BACKEND_NAMES
+from python_api.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, Transformer, count_parameters,
+                              training_flops_per_token)
+
+from .data import TokenStream, ensure_dataset, load_split
+
+CONFIGS = {"default": DEFAULT, "tiny": TINY}
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up to base_lr over `warmup` steps, then cosine decay to min_ratio·base_lr."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save_checkpoint(path: str, model: Transformer, optimizer=None, step: int = 0,
+                    backend: str = "") -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save({"model": model.state_dict(), "config": model.config.__dict__,
+                "optimizer": optimizer.state_dict() if optimizer else None,
+                "step": step, "backend": backend}, path)
+
+
+def load_checkpoint(path: str, backend: str, device="cpu") -> tuple[Transformer, dict]:
+    """Rebuild the model from a checkpoint under any backend (the state dict is
+    backend-independent)."""
+    state = torch.load(path, map_location=device, weights_only=False)
+    from python_api.model import ModelConfig
+    model = Transformer(ModelConfig(**state["config"]), backend=backend).to(device)
+    model.load_state_dict(state["model"])
+    return model, state
+
+
+def train_one(backend: str, init_state: dict, args, device) -> dict:
+    config = CONFIGS[args.config].replace(max_seq_len=max(args.seq, CONFIGS[args.config].max_seq_len))
+    torch.manual_seed(args.seed)
+    model = Transformer(config, backend=backend).to(device)
+    model.load_state_dict(init_state)
+    n_params = count_parameters(model, exclude_embeddings=True)
+    flops_per_token = training_flops_per_token(config, args.seq, n_params)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=fused)
+    stream = TokenStream(load_split(args.data, "train"), args.seq, args.batch, seed=args.seed)
+    step_fn = model
+    if args.compile:
+        step_fn = torch.compile(model, fullgraph=True)
+
+    def loss_of(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return step_fn(x, y)[1]
+
+    log, window_tokens = [], 0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    window_start = run_start = time.perf_counter()
+    steps = range(args.steps)
+    try:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc=f"train {backend}", unit="step")
+    except ImportError:
+        pass
+    for step in steps:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.lr, args.warmup, args.steps)
+        x, y = stream.next_batch(device)
+        loss = loss_of(x, y)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        window_tokens += x.numel()
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            loss_value = loss.item()  # synchronizes
+            sync()
+            now = time.perf_counter()
+            tokens_per_s = window_tokens / (now - window_start)
+            tflops = flops_per_token * tokens_per_s / 1e12
+            row = dict(step=step + 1, loss=loss_value, lr=optimizer.param_groups[0]["lr"],
+                       grad_norm=float(grad_norm), tokens_per_s=tokens_per_s, tflops=tflops,
+                       mfu=tflops * 1e12 / H100_BF16_DENSE_PEAK, elapsed_s=now - run_start)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss became {loss_value} at step {step + 1}")
+            log.append(row)
+            if hasattr(steps, "set_postfix"):
+                steps.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            window_tokens, window_start = 0, time.perf_counter()
+
+    val = evaluate(model, args, device)
+    if args.save_checkpoint:
+        save_checkpoint(os.path.join(args.out, f"{backend}.pt"), model, optimizer, args.steps,
+                        backend)
+    steady = log[1:] or log  # the first window holds compilation and warm-up
+    return dict(backend=backend, status="ok", log=log, val_loss=val,
+                final_loss=log[-1]["loss"], params=count_parameters(model),
+                tokens_per_s=sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2],
+                tflops=sorted(r["tflops"] for r in steady)[len(steady) // 2],
+                mfu=sorted(r["mfu"] for r in steady)[len(steady) // 2],
+                wall_s=log[-1]["elapsed_s"])
+
+
+@torch.no_grad()
+def evaluate(model, args, device, batches: int = 8) -> float:
+    stream = TokenStream(load_split(args.data, "val"), args.seq, args.batch, seed=1234)
+    losses = []
+    for _ in range(batches):
+        x, y = stream.next_batch(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            losses.append(model(x, y)[1].item())
+    return sum(losses) / len(losses)
+
+
+def write_outputs(results: list[dict], out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        with open(os.path.join(out, f"{r['backend']}.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(r["log"][0]))
+            writer.writeheader()
+            writer.writerows(r["log"])
+        with open(os.path.join(out, f"{r['backend']}.json"), "w") as f:
+            json.dump(r, f, indent=1)
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump([{k: v for k, v in r.items() if k != "log"} for r in results], f, indent=1)
+    ok = [r for r in results if r["status"] == "ok"]
+    if ok:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+        for r in ok:
+            steps = [row["step"] for row in r["log"]]
+            ax_loss.plot(steps, [row["loss"] for row in r["log"]], label=r["backend"])
+            ax_tps.plot(steps, [row["tokens_per_s"] for row in r["log"]], label=r["backend"])
+        ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
+        ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput")
+        for ax in (ax_loss, ax_tps):
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "train.png"), dpi=110)
+        plt.close(fig)
+
+
+def format_comparison(results: list[dict]) -> str:
+    lines = [f"{'backend':<15} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'final loss':>10} "
+             f"{'val loss':>9}  status"]
+    for r in results:
+        if r["status"] == "ok":
+            lines.append(f"{r['backend']:<15} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.1f} "
+                         f"{r['mfu']:>6.1%} {r['final_loss']:>10.4f} {r['val_loss']:>9.4f}  ok")
+        else:
+            lines.append(f"{r['backend']:<15} {'-':>10} {'-':>8} {'-':>6} {'-':>10} {'-':>9}  "
+                         f"{r['status']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m profiling.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default=None, help="one backend (default: cute)")
+    p.add_argument("--backends", default=None, help="comma-separated, run in sequence")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="default")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default="data/stdlib.parquet")
+    p.add_argument("--out", default="train_out")
+    p.add_argument("--save-checkpoint", action="store_true")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = p.parse_args(argv)
+    names = (args.backends.split(",") if args.backends else [args.backend or "cute"])
+    for name in names:
+        if name not in BACKEND_NAMES:
+            p.error(f"--backends: expected items of {BACKEND_NAMES}, got {name!r}")
+    args.backend_list = names
+    if args.steps < 1 or args.seq < 2 or args.batch < 1:
+        p.error(f"--steps, --seq, --batch: expected positive values (seq >= 2), got "
+                f"{args.steps}, {args.seq}, {args.batch}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ensure_dataset(args.data)
+    config = CONFIGS[args.config].replace(max_seq_len=max(args.seq, CONFIGS[args.config].max_seq_len))
+    torch.manual_seed(args.seed)
+    init_state = copy.deepcopy(Transformer(config).state_dict())
+    results = []
+    for backend in args.backend_list:
+        try:
+            results.append(train_one(backend, init_state, args, device))
+        except Exception as exc:  # a failing backend is a row, not the end of the run
+            results.append(dict(backend=backend, status=f"failed: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:150]}"))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    write_outputs(results, args.out)
+    print(format_comparison(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The llama-like model, its data pipeline, training and inference scripts on the CPU."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from python_api.model import (DEFAULT, TINY, Transformer, apply_rope, count_parameters,
+                              rope_tables, training_flops_per_token)
+from profiling import data, infer, train
+
+
+def _tiny_model(backend="cute", seed=0):
+    torch.manual_seed(seed)
+    return Transformer(TINY, backend=backend).to(torch.bfloat16)
+
+
+def test_default_model_has_a_few_hundred_million_parameters():
+    with torch.device("meta"):
+        model = Transformer(DEFAULT)
+    assert 150e6 < count_parameters(model) < 500e6
+    assert DEFAULT.head_dim == 128 and DEFAULT.n_heads % DEFAULT.n_kv_heads == 0
+
+
+def test_state_dict_is_backend_independent():
+    states = [_tiny_model(b).state_dict() for b in ("cute", "sdpa_math", "fa4")]
+    for other in states[1:]:
+        assert list(other) == list(states[0])
+        assert all(torch.equal(other[k], states[0][k]) for k in states[0])
+
+
+def test_backends_give_the_same_logits_on_cpu():
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    ref = _tiny_model("sdpa_math")(tokens).float()
+    ours = _tiny_model("cute")(tokens).float()
+    # bf16 model: both paths round attention outputs to bf16 (relative 2^-8).
+    torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_backend_and_config_errors():
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        Transformer(TINY, backend="flashy")
+    with pytest.raises(ValueError, match="ModelConfig.n_kv_heads: expected a divisor"):
+        Transformer(TINY.replace(n_kv_heads=3))
+    with pytest.raises(ValueError, match="tokens: expected seq <= max_seq_len=64"):
+        _tiny_model()(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_rope_is_a_rotation():
+    cos, sin = rope_tables(64, 16, 10000.0)
+    x = torch.randn(2, 16, 3, 64)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0 is not rotated
+
+
+def test_flop_and_lr_arithmetic():
+    flops = training_flops_per_token(DEFAULT, 4096, 100_000_000)
+    assert flops == 6e8 + 6 * DEFAULT.n_layers * 4096 * DEFAULT.dim
+    assert train.lr_at(0, 1.0, 10, 100) == pytest.approx(0.1)
+    assert train.lr_at(9, 1.0, 10, 100) == pytest.approx(1.0)
+    assert train.lr_at(10, 1.0, 10, 100) == pytest.approx(1.0)
+    assert train.lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)
+    assert train.lr_at(55, 1.0, 10, 100) == pytest.approx(0.55)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lib")
+    for i in range(60):
+        (root / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
+    (root / "site-packages").mkdir()
+    (root / "site-packages" / "skip.py").write_text("ignored = True\n")
+    path = str(tmp_path_factory.mktemp("data") / "toy.parquet")
+    counts = data.prepare(path, str(root))
+    return path, counts
+
+
+def test_data_pipeline(dataset):
+    path, counts = dataset
+    train_tokens, val_tokens = data.load_split(path, "train"), data.load_split(path, "val")
+    assert counts["train"] > 0 and len(train_tokens) >= counts["train"]
+    assert train_tokens.dtype == np.uint8
+    assert b"ignored" not in train_tokens.tobytes() + val_tokens.tobytes()
+    assert data.split_of("mod3.py") == data.split_of("mod3.py")
+    stream = data.TokenStream(train_tokens, seq_len=32, batch=4, seed=7)
+    x, y = stream.next_batch()
+    assert x.shape == y.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    again = data.TokenStream(train_tokens, seq_len=32, batch=4, seed=7).next_batch()[0]
+    assert torch.equal(x, again)
+    with pytest.raises(ValueError, match="split: expected"):
+        data.load_split(path, "test")
+
+
+def test_stdlib_is_found():
+    files = data.stdlib_files()
+    assert len(files) > 500 and all(rel.endswith(".py") for rel, _ in files)
+
+
+def test_train_two_backends_and_checkpoint_cross_load(dataset, tmp_path):
+    path, _ = dataset
+    out = str(tmp_path / "run")
+    results = train.main(["--config", "tiny", "--backends", "cute,sdpa_math,fa4",
+                          "--steps", "6", "--seq", "32", "--batch", "2", "--lr", "1e-3",
+                          "--warmup", "2", "--log-every", "3", "--data", path, "--out", out,
+                          "--save-checkpoint", "--device", "cpu"])
+    ok = {r["backend"]: r for r in results if r["status"] == "ok"}
+    assert set(ok) == {"cute", "sdpa_math"}
+    assert results[2]["status"].startswith("failed: BackendUnavailable")
+    assert math.isclose(ok["cute"]["final_loss"], ok["sdpa_math"]["final_loss"], rel_tol=5e-3)
+    assert all(math.isfinite(r["loss"]) for r in ok["cute"]["log"])
+    for name in ("cute.csv", "cute.json", "sdpa_math.csv", "compare.json", "train.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    assert len(json.load(open(os.path.join(out, "compare.json")))) == 3
+
+    model_a, state = train.load_checkpoint(os.path.join(out, "cute.pt"), "cute")
+    model_b, _ = train.load_checkpoint(os.path.join(out, "cute.pt"), "sdpa_math")
+    assert state["step"] == 6 and state["backend"] == "cute"
+    tokens = torch.randint(0, 256, (1, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(model_a(tokens).float(), model_b(tokens).float(),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_infer_rows(tmp_path):
+    rows = infer.main(["--config", "tiny", "--seq", "32", "--steps", "2", "--warmup", "1",
+                       "--backends", "cute,sdpa_math", "--device", "cpu",
+                       "--out", str(tmp_path / "i.json")])
+    assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["mean_ms"] > 0
