@@ -134,3 +134,16 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
 
 def config_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(FwdConfig)]
+
+
+def parse_field(name: str, text: str):
+    """A FwdConfig field value from text ('1'/'true'/'yes' for booleans), for
+    command lines; ValueError names the field."""
+    if name not in config_fields():
+        raise ValueError(f"unknown FwdConfig field {name!r}; fields: {config_fields()}")
+    if isinstance(getattr(FwdConfig(), name), bool):
+        return text.lower() in ("1", "true", "yes")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"FwdConfig.{name}: expected an integer, got {text!r}") from None

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from python_api.attention_backends import BACKEND_NAMES, BackendUnavailable, attention
+from python_api.attention_backends import BACKEND_NAMES, BackendUnavailable, attention  # noqa: F401  (re-exported)
 
 BACKENDS = tuple(b for b in BACKEND_NAMES if b != "sdpa")  # each pinned, plus ours and fa4
 OURS = "cute"
-PEERS = tuple(b for b in BACKENDS if b != OURS)
 
 
 def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str):

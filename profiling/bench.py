@@ -18,9 +18,8 @@ import torch
 
 from .backends import BACKENDS, OURS, BackendUnavailable, make_callable
 from .flops import attention_flops, batch_for, tflops
+from .problem import DTYPES, MODEL_DIM, default_heads, make_qkv
 from .report import add_ratios, environment, format_table, write_json, write_plots
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SEQLENS = "512,1024,2048,4096,8192,16384"
 
 
@@ -37,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seqlens", type=_csv(int), default=_csv(int)(DEFAULT_SEQLENS))
     p.add_argument("--total-tokens", type=int, default=16384,
                    help="batch = total_tokens // seqlen")
-    p.add_argument("--model-dim", type=int, default=2048,
+    p.add_argument("--model-dim", type=int, default=MODEL_DIM,
                    help="query heads = model_dim // head_dim (unless --heads)")
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--gqa", type=int, default=1, help="query heads per K/V head")
@@ -67,7 +66,7 @@ def problems(args) -> list[dict]:
     for direction in args.directions:
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
-                heads = args.heads or max(1, args.model_dim // head_dim)
+                heads = args.heads or default_heads(head_dim, args.model_dim)
                 if heads % args.gqa:
                     raise SystemExit(f"--gqa: expected a divisor of heads={heads}, got {args.gqa}")
                 for causal in causal_values:
@@ -83,12 +82,8 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
     from .timing import first_call, time_interleaved
 
     """All backends on the same inputs, timed round-robin (timing.time_interleaved)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dtype = DTYPES[problem["dtype"]]
     b, s, h, hkv, d = (problem[k] for k in ("batch", "seqlen_q", "heads", "heads_kv", "head_dim"))
-    q = torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(b, problem["seqlen_k"], hkv, d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn_like(k)
+    q, k, v = make_qkv(b, s, problem["seqlen_k"], h, hkv, d, DTYPES[problem["dtype"]], seed=0)
     flops = attention_flops(b, h, s, problem["seqlen_k"], d, problem["causal"],
                             problem["direction"])
     rows, runnable = {}, {}
@@ -111,8 +106,7 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
         gc.collect()
         torch.cuda.empty_cache()
     if runnable:
-        for name, (median, _, count) in time_interleaved(runnable,
-                                                         repeats=args.repeats).items():
+        for name, (median, count) in time_interleaved(runnable, repeats=args.repeats).items():
             rows[name].update(median_ms=median, tflops=tflops(flops, median), repeats=count)
     return [rows[name] for name in backends]
 

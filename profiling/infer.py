@@ -21,7 +21,7 @@ import torch
 from python_api.attention_backends import BACKEND_NAMES
 from python_api.model import Transformer
 
-from .train import CONFIGS
+from .train import CONFIGS, model_config
 
 
 def time_forward(model, tokens, steps: int, warmup: int) -> list[float]:
@@ -63,7 +63,7 @@ def main(argv=None) -> list[dict]:
         if name not in BACKEND_NAMES:
             p.error(f"--backends: expected items of {BACKEND_NAMES}, got {name!r}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = CONFIGS[args.config].replace(max_seq_len=max(args.seq, CONFIGS[args.config].max_seq_len))
+    config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
     model = Transformer(config).to(device=device, dtype=torch.bfloat16).eval()
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq),

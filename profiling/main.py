@@ -21,8 +21,7 @@ from python_api.compile_cache import compile_fwd
 from cute_kernels.config import default_fwd_config
 
 from .kernel_info import dumped_kernel_info
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from .problem import DTYPES
 
 
 def describe_kernels(dtypes, head_dims, causals) -> list[dict]:

@@ -68,15 +68,15 @@ def parse_args(argv=None):
 
 
 def parse_overrides(text: str) -> dict:
-    from cute_kernels.config import FwdConfig, config_fields
+    from cute_kernels.config import parse_field
 
     out = {}
-    types = {f: type(getattr(FwdConfig(), f)) for f in config_fields()}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if name not in types:
-            raise SystemExit(f"--config: unknown field {name!r}; fields: {sorted(types)}")
-        out[name] = value.lower() in ("1", "true", "yes") if types[name] is bool else int(value)
+        try:
+            out[name] = parse_field(name, value)
+        except ValueError as exc:
+            raise SystemExit(f"--config: {exc}") from None
     return out
 
 
@@ -84,14 +84,11 @@ def run_workload(args) -> None:
     """The profiled process: warm up (compile), then the selected call once."""
     from .backends import make_callable
     from .flops import batch_for
+    from .problem import DTYPES, default_heads, make_qkv
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    heads = args.heads or max(1, 2048 // args.head_dim)
-    batch = batch_for(args.total_tokens, args.seqlen)
-    q = torch.randn(batch, args.seqlen, heads, args.head_dim, device="cuda", dtype=dtype)
-    k = torch.randn(batch, args.seqlen, heads // args.gqa, args.head_dim, device="cuda",
-                    dtype=dtype)
-    v = torch.randn_like(k)
+    heads = args.heads or default_heads(args.head_dim)
+    q, k, v = make_qkv(batch_for(args.total_tokens, args.seqlen), args.seqlen, args.seqlen,
+                       heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype])
     scale = args.head_dim ** -0.5
     if args.backend == "cute" and args.config:
         from cute_kernels.config import default_fwd_config

@@ -19,21 +19,20 @@ import os
 
 import torch
 
-from cute_kernels.config import FwdConfig, config_fields, default_fwd_config
+from cute_kernels.config import FwdConfig, default_fwd_config, parse_field
 
 from .flops import attention_flops, batch_for, tflops
+from .problem import DTYPES, default_heads, make_qkv
 
 
 def parse_vary(items: list[str]) -> dict[str, list]:
-    defaults = FwdConfig()
     out = {}
     for item in items:
         name, _, values = item.partition("=")
-        if name not in config_fields():
-            raise SystemExit(f"--vary: unknown FwdConfig field {name!r}; fields: {config_fields()}")
-        kind = type(getattr(defaults, name))
-        parse = (lambda v: v.lower() in ("1", "true", "yes")) if kind is bool else int
-        out[name] = [parse(v) for v in values.split(",") if v]
+        try:
+            out[name] = [parse_field(name, v) for v in values.split(",") if v]
+        except ValueError as exc:
+            raise SystemExit(f"--vary: {exc}") from None
     return out
 
 
@@ -65,15 +64,12 @@ def main(argv=None):
     from python_api.reference import attention_reference
     from .timing import time_cuda
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    heads = args.heads or max(1, 2048 // args.head_dim)
+    heads = args.heads or default_heads(args.head_dim)
     batch = batch_for(args.total_tokens, args.seqlen)
     scale = args.head_dim ** -0.5
 
     def make(b, sq, sk):
-        q = torch.randn(b, sq, heads, args.head_dim, device="cuda", dtype=dtype)
-        k = torch.randn(b, sk, heads // args.gqa, args.head_dim, device="cuda", dtype=dtype)
-        return q, k, torch.randn_like(k)
+        return make_qkv(b, sq, sk, heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype])
 
     check_inputs = make(1, args.check_seqlen + 7, args.check_seqlen + 29)
     ref, _ = attention_reference(*check_inputs, scale, args.causal)

@@ -20,7 +20,6 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # > 50 MB L2 of an H100, with margin
 @dataclass
 class Timing:
     median_ms: float
-    min_ms: float
     first_call_ms: float
     repeats: int
     peak_mem_bytes: int
@@ -48,8 +47,8 @@ def first_call(fn) -> tuple[float, int]:
 
 
 def time_interleaved(fns: dict, warmup: int = 3, repeats: int = 30,
-                     max_seconds: float = 10.0) -> dict[str, tuple[float, float, int]]:
-    """(median ms, min ms, repeats) of each callable, measured round-robin."""
+                     max_seconds: float = 10.0) -> dict[str, tuple[float, int]]:
+    """(median ms, repeats) of each callable, measured round-robin."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -68,11 +67,11 @@ def time_interleaved(fns: dict, warmup: int = 3, repeats: int = 30,
             times[name].append(begin.elapsed_time(end))
         if i >= 4 and time.perf_counter() - budget_start > max_seconds:
             break
-    return {name: (statistics.median(t), min(t), len(t)) for name, t in times.items()}
+    return {name: (statistics.median(t), len(t)) for name, t in times.items()}
 
 
 def time_cuda(fn, warmup: int = 3, repeats: int = 30, max_seconds: float = 3.0) -> Timing:
     """Median time of fn() in milliseconds; fn must launch work on the current stream."""
     first_ms, peak = first_call(fn)
-    median, fastest, count = time_interleaved({"fn": fn}, warmup, repeats, max_seconds)["fn"]
-    return Timing(median, fastest, first_ms, count, peak)
+    median, count = time_interleaved({"fn": fn}, warmup, repeats, max_seconds)["fn"]
+    return Timing(median, first_ms, count, peak)

@@ -27,12 +27,18 @@ import time
 import torch
 
 from python_api.attention_backends import BACKEND_NAMES
-from python_api.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, Transformer, count_parameters,
-                              training_flops_per_token)
+from python_api.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, ModelConfig, Transformer,
+                              count_parameters, training_flops_per_token)
 
 from .data import TokenStream, ensure_dataset, load_split
 
 CONFIGS = {"default": DEFAULT, "tiny": TINY}
+
+
+def model_config(name: str, seq_len: int) -> ModelConfig:
+    """The named config, with room for seq_len positions."""
+    config = CONFIGS[name]
+    return config.replace(max_seq_len=max(seq_len, config.max_seq_len))
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
@@ -55,14 +61,13 @@ def load_checkpoint(path: str, backend: str, device="cpu") -> tuple[Transformer,
     """Rebuild the model from a checkpoint under any backend (the state dict is
     backend-independent)."""
     state = torch.load(path, map_location=device, weights_only=False)
-    from python_api.model import ModelConfig
     model = Transformer(ModelConfig(**state["config"]), backend=backend).to(device)
     model.load_state_dict(state["model"])
     return model, state
 
 
 def train_one(backend: str, init_state: dict, args, device) -> dict:
-    config = CONFIGS[args.config].replace(max_seq_len=max(args.seq, CONFIGS[args.config].max_seq_len))
+    config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
     model = Transformer(config, backend=backend).to(device)
     model.load_state_dict(init_state)
@@ -221,7 +226,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ensure_dataset(args.data)
-    config = CONFIGS[args.config].replace(max_seq_len=max(args.seq, CONFIGS[args.config].max_seq_len))
+    config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
     init_state = copy.deepcopy(Transformer(config).state_dict())
     results = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,14 +52,8 @@ def _fake_bshd(dtype, batch, seqlen, heads, head_dim):
 
 @dataclass
 class CompiledKernel:
-    fn: object
-    key: tuple
+    fn: object  # the TVM-FFI callable: fn(q, k, v, out, lse, scale_log2, num_sms)
     compile_seconds: float
-    ptx_dir: str | None = None
-    meta: dict = field(default_factory=dict)
-
-    def __call__(self, *args):
-        return self.fn(*args)
 
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> tuple:
@@ -87,10 +81,7 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     start = time.perf_counter()
     fn = cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), stream,
                       options=options)
-    return CompiledKernel(fn, fwd_key(dtype, head_dim, causal, config),
-                          time.perf_counter() - start, dump_dir,
-                          {"threads": config.threads,
-                           "smem_bytes_estimate": config.smem_bytes(head_dim)})
+    return CompiledKernel(fn, time.perf_counter() - start)
 
 
 _cache: dict[tuple, CompiledKernel] = {}
@@ -107,7 +98,3 @@ def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) 
                 kernel = compile_fwd(dtype, head_dim, causal, config)
                 _cache[key] = kernel
     return kernel
-
-
-def cache_info() -> dict:
-    return {"entries": len(_cache), "keys": list(_cache)}

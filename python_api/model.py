@@ -159,9 +159,9 @@ class Transformer(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def set_backend(self, backend: str) -> None:
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {backend!r}")
         for layer in self.layers:
-            if backend not in BACKEND_NAMES:
-                raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {backend!r}")
             layer.attention.backend = backend
 
     def forward(self, tokens, targets=None):

@@ -3,15 +3,16 @@ implementations.
 
 `cute_fa::fwd(q, k, v, softmax_scale=None, causal=False) -> (out, lse)`
 (softmax_scale None means 1/sqrt(headdim); inputs are validated here, once.)
+- CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py);
+- CPU: the reference math (reference.py), so the op runs anywhere;
+- fake: shapes only, so torch.compile(fullgraph=True) traces callers.
+Every real call runs inside an NVTX range named after the problem (nvtx.py).
+
 `cute_fa::bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None)
  -> (grad_q, grad_k, grad_v)`, the autograd formula of `fwd`, which saves only
 q, k, v, out and lse. Its CPU implementation is the closed-form backward of
 reference.py; the CUDA kernel is issue 4's work: until it lands, a backward on
 CUDA tensors stops with the dispatcher's error naming `cute_fa::bwd` and CUDA.
-- CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py);
-- CPU: the reference math (reference.py), so the op runs anywhere;
-- fake: shapes only, so torch.compile(fullgraph=True) traces callers.
-Every real call runs inside an NVTX range named after the problem (nvtx.py).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
-        kernel(q, k, v, out, lse, softmax_scale * LOG2_E, _num_sms(device_index))
+        kernel.fn(q, k, v, out, lse, softmax_scale * LOG2_E, _num_sms(device_index))
     return out, lse
 
 

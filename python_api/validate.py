@@ -10,8 +10,9 @@ import math
 
 import torch
 
+from cute_kernels.config import SUPPORTED_HEAD_DIMS
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
+from python_api.attention_backends import BACKEND_NAMES
 from python_api.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.gpu
 
 CONFIG = ModelConfig(dim=512, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=1408,
                      max_seq_len=1024)
-PEERS = ["sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "fa4"]
+PEERS = [b for b in BACKEND_NAMES if b != "cute"]
 
 
 def _has_cuda_backward() -> bool:
