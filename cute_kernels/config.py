@@ -132,18 +132,113 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True)
 
 
-def config_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(FwdConfig)]
+@dataclass(frozen=True)
+class BwdConfig:
+    """Structural choices of the SM90 backward kernel (bwd_sm90.py).
+
+    One CTA owns tile_n keys (tile_n // 64 consumer warpgroups, 64 keys each)
+    and walks the query tiles that see them, tile_m queries at a time.
+    tile_m: queries per main-loop step (WGMMA N of Sᵀ = K·Qᵀ, K of dV/dK).
+    tile_n: keys per CTA.
+    qdo_stages: depth of the Q (+LSE) and dO (+D) shared-memory rings.
+    deterministic: dQ partial sums are added to the fp32 accumulator in
+        key-block order (a per-tile semaphore), so gradients are bitwise
+        reproducible; otherwise in whatever order CTAs finish.
+    producer_regs / consumer_regs: setmaxnreg targets.
+    """
+
+    tile_m: int = 64
+    tile_n: int = 128
+    qdo_stages: int = 2
+    deterministic: bool = False
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_n // WGMMA_M
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
+
+    def dq_split_m(self) -> bool:
+        """dQ = dS·K: warpgroups split the tile's rows when there is one 64-row
+        slice per warpgroup, else they split the head dimension."""
+        return self.tile_m == WGMMA_M * self.consumer_warpgroups
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        def align(n: int) -> int:
+            return -(-n // 1024) * 1024
+        size = 8 * (2 + 4 * self.qdo_stages)                                   # mbarriers
+        size = align(size) + 2 * self.tile_n * head_dim * elem_bytes           # K, V
+        size = align(size) + 2 * self.qdo_stages * self.tile_m * head_dim * elem_bytes  # Q, dO
+        size = align(size) + 2 * self.qdo_stages * self.tile_m * 4             # LSE, D
+        size = align(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
+        size = align(size) + self.tile_m * head_dim * 4                        # dQ partial
+        return size
+
+    def validate(self, head_dim: int) -> None:
+        def bad(field: str, expected: str) -> ValueError:
+            return ValueError(
+                f"BwdConfig.{field}: expected {expected}, got {getattr(self, field)!r} "
+                f"(head_dim={head_dim}, config={self})")
+
+        if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
+            raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
+        if self.tile_m % WGMMA_M or not WGMMA_M <= self.tile_m <= 192:
+            raise bad("tile_m", "64, 128 or 192 (the dS tile is stored in 64-row atoms)")
+        if not self.dq_split_m():
+            if self.tile_m != WGMMA_M or (head_dim // self.consumer_warpgroups) % 8 \
+                    or head_dim % self.consumer_warpgroups:
+                raise bad("tile_m", f"64 * consumer_warpgroups "
+                                    f"({WGMMA_M * self.consumer_warpgroups}), or 64 with "
+                                    f"head_dim split evenly in multiples of 8 across "
+                                    f"{self.consumer_warpgroups} warpgroups")
+        if not 1 <= self.qdo_stages <= 4:
+            raise bad("qdo_stages", "an integer in [1, 4]")
+        for field in ("producer_regs", "consumer_regs"):
+            value = getattr(self, field)
+            if value % 8 or not 24 <= value <= 256:
+                raise bad(field, "a multiple of 8 in [24, 256] (setmaxnreg)")
+        total = WARPGROUP_THREADS * (self.producer_regs
+                                     + self.consumer_warpgroups * self.consumer_regs)
+        if total > REGISTERS_PER_SM:
+            raise bad("consumer_regs", f"producer_regs + {self.consumer_warpgroups} * "
+                                       f"consumer_regs <= {REGISTERS_PER_SM // WARPGROUP_THREADS}")
+        if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
+            raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
+                                    f"this needs {self.smem_bytes(head_dim)} B")
+
+    def replace(self, **changes) -> "BwdConfig":
+        return dataclasses.replace(self, **changes)
 
 
-def parse_field(name: str, text: str):
-    """A FwdConfig field value from text ('1'/'true'/'yes' for booleans), for
+@functools.lru_cache(maxsize=None)
+def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False) -> BwdConfig:
+    """128 keys per CTA in two consumer warpgroups (their dK and dV stay in
+    registers for the whole walk over queries); 64 queries per step for head
+    dims 96/128 (the register budget of dK+dV+Sᵀ+dPᵀ), 128 for head dim 64."""
+    tile_m = 128 if head_dim <= 64 else 64
+    return BwdConfig(tile_m=tile_m, tile_n=128, qdo_stages=2, deterministic=deterministic)
+
+
+KERNEL_CONFIGS = {"fwd": FwdConfig, "bwd": BwdConfig}
+
+
+def config_fields(kind: str = "fwd") -> list[str]:
+    return [f.name for f in dataclasses.fields(KERNEL_CONFIGS[kind])]
+
+
+def parse_field(name: str, text: str, kind: str = "fwd"):
+    """A config field value from text ('1'/'true'/'yes' for booleans), for
     command lines; ValueError names the field."""
-    if name not in config_fields():
-        raise ValueError(f"unknown FwdConfig field {name!r}; fields: {config_fields()}")
-    if isinstance(getattr(FwdConfig(), name), bool):
+    cls = KERNEL_CONFIGS[kind]
+    if name not in config_fields(kind):
+        raise ValueError(f"unknown {cls.__name__} field {name!r}; fields: {config_fields(kind)}")
+    if isinstance(getattr(cls(), name), bool):
         return text.lower() in ("1", "true", "yes")
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"FwdConfig.{name}: expected an integer, got {text!r}") from None
+        raise ValueError(f"{cls.__name__}.{name}: expected an integer, got {text!r}") from None

@@ -62,3 +62,48 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, m_block: Int32, n_block:
         for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
             if c[r, j][1] >= limit:
                 s[r, j] = -Float32.inf
+
+
+@dataclass
+class QueryBlockRange(DslStruct):
+    """The backward's view: which query blocks (units of tile_m) see one key block."""
+
+    tile_m: int
+    tile_n: int
+    causal: bool
+
+    def m_block_min(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        if cutlass.const_expr(not self.causal):
+            return Int32(0)
+        first_query = n_block * self.tile_n - (seqlen_k - seqlen_q)
+        return cutlass.max(first_query, 0) // self.tile_m
+
+    def m_block_max(self, seqlen_q: Int32) -> Int32:
+        return cute.ceil_div(seqlen_q, self.tile_m)
+
+    def m_block_min_unmasked(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        """From this query block on, every query sees every key of the block."""
+        last_key_query = (n_block + 1) * self.tile_n - 1 - (seqlen_k - seqlen_q)
+        return cute.ceil_div(cutlass.max(last_key_query, 0), self.tile_m)
+
+
+@cute.jit
+def apply_mask_transposed(acc_st: cute.Tensor, coords: cute.Tensor, n_block: Int32,
+                          m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                          tile_n: cutlass.Constexpr[int], tile_m: cutlass.Constexpr[int],
+                          causal: cutlass.Constexpr[bool]):
+    """Set Sᵀ entries (rows: keys, columns: queries) of invisible keys to -inf:
+    keys past seqlen_k and, when causal, keys right of a query's diagonal."""
+    s = acc_rows_cols(acc_st)
+    c = acc_rows_cols(coords)
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        key = n_block * tile_n + c[r, 0][0]
+        # columns (queries in the tile) below this index cannot see the key
+        col_limit = Int32(0)
+        if cutlass.const_expr(causal):
+            col_limit = key - (seqlen_k - seqlen_q) - m_block * tile_m
+        if key >= seqlen_k:
+            col_limit = Int32(tile_m)
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            if c[r, j][1] < col_limit:
+                s[r, j] = -Float32.inf

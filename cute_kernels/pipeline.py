@@ -93,3 +93,19 @@ class PingPong(DslStruct):
             nxt = (wg + 1) % self.warpgroups
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.PINGPONG_BASE) + nxt,
                                      number_of_threads=self.threads)
+
+
+class BwdBarrier(enum.IntEnum):
+    """Named barriers of the backward kernel (bwd_sm90.py).
+
+    DS_READY: every consumer warpgroup has written its rows of dSᵀ to shared
+        memory, so dQ = dS·K, which reads all of them, may start.
+    DQ_FREE_BASE + w: warpgroup w's previous dQ reduce-add has finished reading
+        its shared-memory slab.
+    DQ_READY_BASE + w: warpgroup w has written its dQ partial; its issuing
+        thread starts the reduce-add.
+    """
+
+    DS_READY = 1
+    DQ_FREE_BASE = 2
+    DQ_READY_BASE = 5

@@ -23,9 +23,13 @@ from cutlass._mlir.dialects import llvm
 from cutlass.tensor_utils import LayoutEnum
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """Row-major (K-major) swizzled tile, optionally staged: (rows, cols[, stages])."""
-    atom_kind = sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
+                atom_cols: int | None = None):
+    """Row-major (K-major) swizzled tile, optionally staged: (rows, cols[, stages]).
+
+    The swizzle width is the widest that divides `atom_cols` (default: cols);
+    a GEMM that reads the tile MN-major in slices of N needs it to divide N."""
+    atom_kind = sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols)
     atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
@@ -41,17 +45,23 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
 
 def tiled_mma_ss(dtype, warpgroups: int, n: int):
     """S = Q·Kᵀ: both operands K-major in shared memory."""
-    return sm90.make_trivial_tiled_mma(
-        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-        Float32, atom_layout_mnk=(warpgroups, 1, 1), tiler_mn=(64, n))
+    return tiled_mma(dtype, True, True, (warpgroups, 1, 1), n)
 
 
 def tiled_mma_rs(dtype, warpgroups: int, n: int):
     """O += P·V: P from registers, V read MN-major (Vᵀ view) from shared memory."""
+    return tiled_mma(dtype, True, False, (warpgroups, 1, 1), n, a_in_registers=True)
+
+
+def tiled_mma(dtype, a_major_k: bool, b_major_k: bool, atom_layout_mnk, n: int,
+              a_in_registers: bool = False):
+    """The general form: operand majorness, warpgroup arrangement and
+    per-warpgroup N chosen by the caller (the backward needs all of them)."""
+    major = cute.nvgpu.OperandMajorMode
     return sm90.make_trivial_tiled_mma(
-        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-        Float32, atom_layout_mnk=(warpgroups, 1, 1), tiler_mn=(64, n),
-        a_source=warpgroup.OperandSource.RMEM)
+        dtype, dtype, major.K if a_major_k else major.MN, major.K if b_major_k else major.MN,
+        Float32, atom_layout_mnk=atom_layout_mnk, tiler_mn=(64, n),
+        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM)
 
 
 @cute.jit

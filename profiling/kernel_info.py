@@ -23,6 +23,9 @@ PTX_PATTERNS = {
     "ex2": r"ex2\.approx",
     "stmatrix": r"stmatrix",
     "local_memory": r"\b(ld|st)\.local",
+    "dq_reduce": r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32",
+    "acquire_load": r"ld\.acquire\.gpu",
+    "release_add": r"red\.release\.gpu",
 }
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x12

@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=None, help="default: 2048 // head_dim")
     p.add_argument("--gqa", type=int, default=1)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--direction", choices=["fwd", "bwd"], default="fwd",
+                   help="bwd profiles the backward of one recorded forward")
     p.add_argument("--config", default="", help="FwdConfig overrides for ours, e.g. "
                                                "'tile_n=176,kv_stages=2'")
     p.add_argument("--out", default="profiling_out/ncu")
@@ -90,14 +92,14 @@ def run_workload(args) -> None:
     q, k, v = make_qkv(batch_for(args.total_tokens, args.seqlen), args.seqlen, args.seqlen,
                        heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype])
     scale = args.head_dim ** -0.5
-    if args.backend == "cute" and args.config:
+    if args.backend == "cute" and args.config and args.direction == "fwd":
         from cute_kernels.config import default_fwd_config
         from python_api.ops import forward_cuda
         config = default_fwd_config(args.head_dim, args.causal).replace(
             **parse_overrides(args.config))
         fn = lambda: forward_cuda(q, k, v, scale, args.causal, config)  # noqa: E731
     else:
-        fn = make_callable(args.backend, q, k, v, args.causal, scale, "fwd")
+        fn = make_callable(args.backend, q, k, v, args.causal, scale, args.direction)
     fn()  # compile and warm up outside the profiled launch
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
@@ -113,7 +115,7 @@ def ncu_command(args, report: str) -> list[str]:
     for s in SECTIONS:
         cmd += ["--section", s]
     if args.backend == "cute":
-        cmd += ["--nvtx", "--nvtx-include", "regex:cute_fa\\.fwd.*/"]
+        cmd += ["--nvtx", "--nvtx-include", f"regex:cute_fa\\.{args.direction}.*/"]
     else:
         cmd += ["-k", PEER_KERNEL_REGEX.get(args.backend, "regex:.*")]
     return cmd + child

@@ -3,8 +3,8 @@
     from python_api import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)      # (batch, seqlen, nheads, headdim)
 
-The work is done by `torch.ops.cute_fa.fwd` (ops.py): the DSL kernel on an
-sm_90 GPU, the reference math on the CPU.
+The work is done by `torch.ops.cute_fa.fwd` and `torch.ops.cute_fa.bwd`
+(ops.py): the DSL kernels on an sm_90 GPU, the reference math on the CPU.
 """
 
 from __future__ import annotations
@@ -20,16 +20,19 @@ __all__ = ["flash_attn_func", "attention_reference"]
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     softmax_scale: float | None = None, causal: bool = False,
-                    return_lse: bool = False):
+                    return_lse: bool = False, deterministic: bool = False):
     """Exact attention softmax(q·kᵀ·scale)·v.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
     with nheads_kv dividing nheads (GQA/MQA); bf16 or fp16; headdim 64, 96 or 128.
     causal: bottom-right aligned mask when seqlen_q != seqlen_k.
     softmax_scale: defaults to 1/sqrt(headdim).
+    deterministic: the backward adds dQ partials in a fixed order, so gradients
+        are bitwise reproducible (a little slower).
     Returns out (like q), and with return_lse the fp32 log-sum-exp (batch, nheads, seqlen_q).
+    Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd).
     """
     check_argument_types(q, k, v, softmax_scale)
     # The op validates the rest (once) and resolves the default scale.
-    out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal))
+    out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
     return (out, lse) if return_lse else out

@@ -31,7 +31,9 @@ _ensure_arch_env()
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from cute_kernels.config import FwdConfig  # noqa: E402
+from cute_kernels.bwd_pre_post import BackwardPostprocess, BackwardPreprocess  # noqa: E402
+from cute_kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
+from cute_kernels.config import BwdConfig, FwdConfig  # noqa: E402
 from cute_kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 
 TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -48,6 +50,23 @@ def _fake_bshd(dtype, batch, seqlen, heads, head_dim):
               cute.sym_int64(divisibility=_ALIGN_ELEMS), 1)
     return cute.runtime.make_fake_tensor(dtype, (batch, seqlen, heads, head_dim), stride=stride,
                                          assumed_align=16)
+
+
+def _fake_rows(dtype, batch, heads, length, divisibility: int = 1, align: int = 4):
+    """(batch, heads, length) with the last dim contiguous: LSE, D, the dQ accumulator."""
+    stride = (cute.sym_int64(divisibility=divisibility), cute.sym_int64(divisibility=divisibility),
+              1)
+    return cute.runtime.make_fake_tensor(dtype, (batch, heads, length), stride=stride,
+                                         assumed_align=align)
+
+
+def _compile(kernel, *args, dump_dir: str | None = None):
+    options = "--enable-tvm-ffi"
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *args, stream, options=options)
 
 
 @dataclass
@@ -73,28 +92,78 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     lse = cute.runtime.make_fake_tensor(
         cutlass.Float32, (batch, heads_q, seqlen_q),
         stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    options = "--enable-tvm-ffi"
-    if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     start = time.perf_counter()
-    fn = cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), stream,
-                      options=options)
+    fn = _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1),
+                  dump_dir=dump_dir)
     return CompiledKernel(fn, time.perf_counter() - start)
 
 
-_cache: dict[tuple, CompiledKernel] = {}
+@dataclass
+class CompiledBackward:
+    """The three launches of one backward, in order:
+    preprocess(o, do, lse, dlse, lse2, dsum, dq_accum)
+    main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale)
+    postprocess(dq_accum, dq, scale)"""
+    preprocess: object
+    main: object
+    postprocess: object
+    compile_seconds: float
+
+
+def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
+            has_grad_lse: bool) -> tuple:
+    return ("bwd_sm90", dtype, head_dim, bool(causal), config, bool(has_grad_lse))
+
+
+def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
+                has_grad_lse: bool = False, dump_dir: str | None = None) -> CompiledBackward:
+    cute_dtype = TORCH_TO_CUTE[dtype]
+    f32 = cutlass.Float32
+    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config)
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
+    padded_q = cute.sym_int(divisibility=config.tile_m)
+    accum_len = cute.sym_int(divisibility=config.tile_m * head_dim)
+    q, do = (_fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim) for _ in range(2))
+    k, v, dk, dv = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
+                    for _ in range(4))
+    lse2, dsum = (_fake_rows(f32, batch, heads_q, padded_q, config.tile_m, 16) for _ in range(2))
+    dq_accum = _fake_rows(f32, batch, heads_q, accum_len, config.tile_m * head_dim, 16)
+    semaphore = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # tiny unless deterministic
+    lse, dlse = (_fake_rows(f32, batch, heads_q, seqlen_q) for _ in range(2))
+    dq = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
+    start = time.perf_counter()
+    fns = (
+        _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse), q, do, lse, dlse, lse2,
+                 dsum, dq_accum, dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
+        _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, f32(1.0), f32(1.0),
+                 dump_dir=dump_dir and os.path.join(dump_dir, "main")),
+        _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
+                 dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
+    )
+    return CompiledBackward(*fns, compile_seconds=time.perf_counter() - start)
+
+
+_cache: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> CompiledKernel:
-    key = fwd_key(dtype, head_dim, causal, config)
+def _cached(key: tuple, build):
     kernel = _cache.get(key)
     if kernel is None:
         with _lock:
             kernel = _cache.get(key)
             if kernel is None:
-                kernel = compile_fwd(dtype, head_dim, causal, config)
+                kernel = build()
                 _cache[key] = kernel
     return kernel
+
+
+def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> CompiledKernel:
+    return _cached(fwd_key(dtype, head_dim, causal, config),
+                   lambda: compile_fwd(dtype, head_dim, causal, config))
+
+
+def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
+            has_grad_lse: bool) -> CompiledBackward:
+    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse),
+                   lambda: compile_bwd(dtype, head_dim, causal, config, has_grad_lse))

@@ -1,18 +1,20 @@
 """The torch custom ops (`torch.ops.cute_fa.*`): device kernels, fake and CPU
 implementations.
 
-`cute_fa::fwd(q, k, v, softmax_scale=None, causal=False) -> (out, lse)`
+`cute_fa::fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False) -> (out, lse)`
 (softmax_scale None means 1/sqrt(headdim); inputs are validated here, once.)
 - CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py);
 - CPU: the reference math (reference.py), so the op runs anywhere;
 - fake: shapes only, so torch.compile(fullgraph=True) traces callers.
 Every real call runs inside an NVTX range named after the problem (nvtx.py).
 
-`cute_fa::bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None)
- -> (grad_q, grad_k, grad_v)`, the autograd formula of `fwd`, which saves only
-q, k, v, out and lse. Its CPU implementation is the closed-form backward of
-reference.py; the CUDA kernel is issue 4's work: until it lands, a backward on
-CUDA tensors stops with the dispatcher's error naming `cute_fa::bwd` and CUDA.
+`cute_fa::bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
+ deterministic=False) -> (grad_q, grad_k, grad_v)`, the autograd formula of `fwd`,
+which saves only q, k, v, out and lse. `deterministic` (a forward argument, so
+that autograd can hand it on) makes the gradients bitwise reproducible.
+- CUDA (sm_90): preprocess, the DSL backward kernel and the dQ postprocess
+  (cute_kernels/bwd_sm90.py, bwd_pre_post.py);
+- CPU: the closed-form backward of reference.py; fake: shapes only.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import math
 
 import torch
 
-from cute_kernels.config import FwdConfig, default_fwd_config
+from cute_kernels.config import BwdConfig, FwdConfig, default_bwd_config, default_fwd_config
 
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
-from .validate import check_attention_inputs, check_cuda_device
+from .validate import check_attention_inputs, check_backward_inputs, check_cuda_device
 
 LOG2_E = math.log2(math.e)
 
@@ -71,13 +73,50 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     return out, lse
 
 
+def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
+                  grad_lse: torch.Tensor | None = None, config: BwdConfig | None = None):
+    """Run preprocess, the DSL backward kernel and the dQ postprocess; `config`
+    overrides the per-problem default (profiling.sweep)."""
+    from .compile_cache import get_bwd  # imports cutlass: only where kernels run
+
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    _checked_device(device_index)
+    head_dim = q.shape[3]
+    config = config or default_bwd_config(head_dim, causal)
+    kernels = get_bwd(q.dtype, head_dim, causal, config, grad_lse is not None)
+    q, k, v, out, grad_out = (_tma_ready(t) for t in (q, k, v, out, grad_out))
+    lse = lse.contiguous()
+    grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
+    batch, seqlen_q, heads, _ = q.shape
+    m_blocks = -(-seqlen_q // config.tile_m)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((batch, heads, m_blocks * config.tile_m), **f32)
+    dsum = torch.empty_like(lse2)
+    dq_accum = torch.empty((batch, heads, m_blocks * config.tile_m * head_dim), **f32)
+    if config.deterministic:
+        semaphore = torch.zeros((batch, heads, m_blocks * config.consumer_warpgroups),
+                                dtype=torch.int32, device=q.device)
+    else:
+        semaphore = torch.empty((1, 1, 1), dtype=torch.int32, device=q.device)
+    grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
+    grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
+    grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
+        kernels.preprocess(out, grad_out, lse, grad_lse, lse2, dsum, dq_accum)
+        kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, grad_k, grad_v, semaphore,
+                     softmax_scale * LOG2_E, softmax_scale)
+        kernels.postprocess(dq_accum, grad_q, softmax_scale)
+    return grad_q, grad_k, grad_v
+
+
 def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
     return default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
 
 
 @torch.library.custom_op("cute_fa::fwd", mutates_args=(), device_types="cpu")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-        causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        causal: bool = False, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(q, k, v, softmax_scale)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
         out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal)
@@ -85,13 +124,13 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float 
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, softmax_scale=None, causal=False):
+def _fwd_cuda(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     check_attention_inputs(q, k, v, softmax_scale)
     return forward_cuda(q, k, v, _resolve_scale(q, softmax_scale), causal)
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale=None, causal=False):
+def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     # Validating here makes a bad call fail while torch.compile traces, not at run time.
     check_attention_inputs(q, k, v, softmax_scale)
     batch, seqlen_q, heads, _ = q.shape
@@ -103,24 +142,37 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False):
 @torch.library.custom_op("cute_fa::bwd", mutates_args=(), device_types="cpu")
 def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-        grad_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        grad_lse: torch.Tensor | None = None,
+        deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
                                              causal, grad_lse)
     return tuple(g.contiguous() for g in grads)
 
 
+@bwd.register_kernel("cuda")
+def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
+              deterministic=False):
+    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
+    config = default_bwd_config(q.shape[3], causal, deterministic)
+    return backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse, config)
+
+
 @bwd.register_fake
-def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None):
+def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
+              deterministic=False):
+    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = _resolve_scale(q, softmax_scale)
     ctx.causal = causal
+    ctx.deterministic = deterministic
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
@@ -128,8 +180,9 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grad_q, grad_k, grad_v = torch.ops.cute_fa.bwd(
-        grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, grad_lse)
-    return grad_q, grad_k, grad_v, None, None
+        grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, grad_lse,
+        ctx.deterministic)
+    return grad_q, grad_k, grad_v, None, None, None
 
 
 torch.library.register_autograd("cute_fa::fwd", _fwd_backward, setup_context=_fwd_setup_context)

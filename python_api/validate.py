@@ -71,6 +71,31 @@ def check_attention_inputs(q, k, v, softmax_scale=None) -> None:
                              f"got {softmax_scale}")
 
 
+def check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse=None) -> None:
+    """Validate the arguments of cute_fa::bwd (autograd passes them right; a
+    direct caller may not)."""
+    check_attention_inputs(q, k, v, softmax_scale)
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected shape {tuple(q.shape)}, dtype {q.dtype}, "
+                             f"device {q.device} (those of q), got {_describe(t)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected the last dimension to be contiguous, "
+                             f"got strides {tuple(t.stride())}")
+    batch, seqlen_q, heads, _ = q.shape
+    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
+        if t is None and name == "grad_lse":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != (batch, heads, seqlen_q) or t.dtype != torch.float32 \
+                or t.device != q.device:
+            raise ValueError(f"{name}: expected shape {(batch, heads, seqlen_q)}, dtype "
+                             f"torch.float32, device {q.device}, got {_describe(t)}")
+
+
 def check_cuda_device(device: torch.device) -> None:
     """The DSL kernels are built for sm_90a (Hopper) only."""
     major, minor = torch.cuda.get_device_capability(device)

@@ -1,11 +1,11 @@
-"""Every forward kernel the op serves compiles for sm_90a (no GPU needed) and
+"""Every forward and backward kernel the op serves compiles for sm_90a (no GPU needed) and
 holds the instructions the FA3 design requires."""
 
 import pytest
 import torch
 
-from cute_kernels.config import FwdConfig, default_fwd_config
-from python_api.compile_cache import compile_fwd, get_fwd
+from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config
+from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
 from profiling.kernel_info import dumped_kernel_info
 
 
@@ -47,3 +47,30 @@ def test_compile_cache_reuses_by_static_key():
     a = get_fwd(torch.bfloat16, 64, False, config)
     b = get_fwd(torch.bfloat16, 64, False, FwdConfig(**config.__dict__))
     assert a is b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_kernel_ptx(tmp_path, dtype, head_dim, causal):
+    config = default_bwd_config(head_dim, causal)
+    compile_bwd(dtype, head_dim, causal, config, dump_dir=str(tmp_path))
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    # Sᵀ, dPᵀ, dV, dK, dQ: five GEMMs, each issued as WGMMA
+    assert info.counts["wgmma"] >= 5
+    assert info.counts["tma_load"] >= 6  # K, V, Q, dO, LSE₂, D
+    assert info.counts["mbarrier_wait"] > 0
+    assert ("dec", config.producer_regs) in info.setmaxnreg
+    assert ("inc", config.consumer_regs) in info.setmaxnreg
+    assert info.warpgroups == 1 + config.consumer_warpgroups == 3
+    assert info.counts["dq_reduce"] == 1  # the bulk fp32 reduce-add of dQ partials
+    assert info.registers is not None and info.registers <= 255
+    for helper in ("preprocess", "postprocess"):
+        assert dumped_kernel_info(str(tmp_path / helper)).counts["local_memory"] == 0
+
+
+def test_deterministic_backward_waits_on_semaphores(tmp_path):
+    config = default_bwd_config(128, True, deterministic=True)
+    compile_bwd(torch.bfloat16, 128, True, config, dump_dir=str(tmp_path))
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    assert info.counts["acquire_load"] > 0 and info.counts["release_add"] > 0

@@ -1,0 +1,119 @@
+"""The two small kernels around the backward main kernel (bwd_sm90.py).
+
+Preprocess, one row (query, head, batch) per 8 threads:
+    D    = rowsum(dO ∘ O) − dLSE     (dLSE: gradient flowing into the LSE output, if any)
+    LSE₂ = LSE · log2(e)             (+inf for rows with no visible key and for padding,
+                                      so exp2(s·scale_log2 − LSE₂) is 0 there, never NaN)
+    dQ accumulator rows zeroed
+Both per-row vectors are padded to whole query tiles, so the main kernel's
+TMA loads of them never leave the buffer.
+
+Postprocess, one CTA per (query tile, head, batch), same threads as the
+main kernel's consumers: dQ = scale · accumulator, converted to 16 bits.
+It reads the accumulator in its register-order layout (dq_accum.py) and
+maps each value to (row, col) through the main kernel's own dQ tiled MMA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from . import dq_accum
+from .bwd_sm90 import dq_tiled_mma
+from .config import WARPGROUP_THREADS, BwdConfig
+
+LOG2_E = math.log2(math.e)
+LANES_PER_ROW = 8
+PRE_THREADS = 128
+ROWS_PER_CTA = PRE_THREADS // LANES_PER_ROW
+
+
+class BackwardPreprocess:
+    def __init__(self, dtype, head_dim: int, has_grad_lse: bool):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.has_grad_lse = has_grad_lse
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mdLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+                 mdQaccum: cute.Tensor, stream: cuda.CUstream):
+        """O, dO (b, s, h, d); LSE, dLSE (b, h, s) fp32 (dLSE ignored unless
+        has_grad_lse); LSE₂, D (b, h, s_pad) fp32; dQ accumulator (b, h, s_pad·d)."""
+        grid = (cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mLSE2.shape[1], mLSE2.shape[0])
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum).launch(
+            grid=list(grid), block=[PRE_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor):
+        tid = cute.arch.thread_idx()[0]
+        row_block, head, batch = cute.arch.block_idx()
+        row = row_block * ROWS_PER_CTA + tid // LANES_PER_ROW
+        lane = tid % LANES_PER_ROW
+        chunk = self.head_dim // LANES_PER_ROW
+        seqlen, padded = mO.shape[1], mLSE2.shape[2]
+
+        dot = Float32(0.0)
+        if row < seqlen:
+            o = cute.local_tile(mO[batch, row, head, None], (chunk,), (lane,))
+            do = cute.local_tile(mdO[batch, row, head, None], (chunk,), (lane,))
+            prod = o.load().to(Float32) * do.load().to(Float32)
+            dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        dot = cute.arch.warp_reduction_sum(dot, threads_in_group=LANES_PER_ROW)
+        if row < padded:
+            if lane == 0:
+                lse2 = Float32.inf
+                dsum = Float32(0.0)
+                if row < seqlen:
+                    lse = mLSE[batch, head, row]
+                    if lse != -Float32.inf:
+                        lse2 = lse * LOG2_E
+                    dsum = dot
+                    if cutlass.const_expr(self.has_grad_lse):
+                        dsum = dot - mdLSE[batch, head, row]
+                mLSE2[batch, head, row] = lse2
+                mD[batch, head, row] = dsum
+            acc_row = cute.local_tile(mdQaccum[batch, head, None], (self.head_dim,), (row,))
+            zeros = cute.local_tile(acc_row, (chunk,), (lane,))
+            zeros.fill(0.0)
+
+
+class BackwardPostprocess:
+    def __init__(self, dtype, head_dim: int, config: BwdConfig):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.cfg = config
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream):
+        """dQ accumulator (b, h, s_pad·d) fp32 -> dQ (b, s, h, d)."""
+        mma = dq_tiled_mma(self.dtype, self.cfg, self.head_dim)
+        grid = (cute.ceil_div(mdQ.shape[1], self.cfg.tile_m), mdQ.shape[2], mdQ.shape[0])
+        self.kernel(mdQaccum, mdQ, softmax_scale, mma).launch(
+            grid=list(grid), block=[self.cfg.consumer_warpgroups * WARPGROUP_THREADS, 1, 1],
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+               mma: cute.TiledMma):
+        tid = cute.arch.thread_idx()[0]
+        m_block, head, batch = cute.arch.block_idx()
+        tile_m, d, wgs = self.cfg.tile_m, self.head_dim, self.cfg.consumer_warpgroups
+        wg = tid // WARPGROUP_THREADS
+        tile = mdQaccum[batch, head, None].iterator + m_block * tile_m * d
+        src = dq_accum.thread_view(tile, wg, tid % WARPGROUP_THREADS, tile_m, d, wgs)
+        values = cute.make_rmem_tensor(src.shape, Float32)
+        cute.autovec_copy(src, values)
+        coords = mma.get_slice(tid).partition_C(cute.make_identity_tensor((tile_m, d)))
+        for j in cutlass.range_constexpr(cute.size(values)):
+            row = m_block * tile_m + coords[j][0]
+            if row < mdQ.shape[1]:
+                mdQ[batch, row, head, coords[j][1]] = (values[j] * softmax_scale).to(self.dtype)
+

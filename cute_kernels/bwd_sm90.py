@@ -1,0 +1,426 @@
+"""FlashAttention-3 backward for Hopper (sm_90a), in the CuTe DSL.
+
+One CTA per (key block, kv head, batch); threads = 128 · (1 + consumer_warpgroups).
+  warpgroup 0   producer (setmaxnreg.dec): its warp 0 issues every TMA load:
+                K and V of the CTA's key block once, then, for each query head
+                of the KV group and each query block that sees these keys,
+                Q + LSE₂ into the Q ring and dO + D into the dO ring.
+  warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each. dK and dV stay in
+                registers for the whole walk over query blocks.
+Pipelines: K/V (1 stage), Q and dO (qdo_stages each), TMA → consumer-warp
+mbarriers (pipeline.py); named barriers BwdBarrier between consumers.
+
+Per query block, each consumer warpgroup (the computation runs transposed,
+keys on WGMMA's M axis, so Pᵀ and dSᵀ come out in the register layout the
+next WGMMA takes as its A operand):
+    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          SS-WGMMA, both in flight
+    Pᵀ = exp2(Sᵀ·scale_log2 − LSE₂)    LSE₂ = LSE·log2(e), from the preprocess
+    dSᵀ = Pᵀ ∘ (dPᵀ − D)               D = rowsum(dO ∘ O), from the preprocess
+    dV += Pᵀ·dO,  dK += dSᵀ·Q          RS-WGMMA, Pᵀ and dSᵀ from registers
+    dSᵀ → smem; [DS_READY]  dQ_part = dS·K   (SS-WGMMA over all keys of the CTA)
+    dQ_part → smem → bulk reduce-add into the fp32 dQ accumulator (dq_accum.py)
+At the end dK·scale and dV go to global memory; the postprocess kernel turns
+the dQ accumulator into dQ (bwd_pre_post.py).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as cpipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+from . import dq_accum, wgmma
+from .config import WARPGROUP_THREADS, BwdConfig
+from .mask import QueryBlockRange, apply_mask_transposed
+from .pipeline import BwdBarrier, consumer_state, make_tma_pipeline, producer_state
+
+SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
+
+
+def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
+    """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared memory.
+    The postprocess partitions the dQ accumulator with this same MMA."""
+    wgs = config.consumer_warpgroups
+    if config.dq_split_m():
+        return wgmma.tiled_mma(dtype, False, False, (wgs, 1, 1), head_dim)
+    return wgmma.tiled_mma(dtype, False, False, (1, wgs, 1), head_dim // wgs)
+
+
+class FlashAttentionBackwardSm90:
+    """One compiled kernel per (dtype, head_dim, causal, config)."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config: BwdConfig):
+        config.validate(head_dim)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.cfg = config
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.consumer_wgs = config.consumer_warpgroups
+        self.consumer_threads = WARPGROUP_THREADS * self.consumer_wgs
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
+                 mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor,
+                 softmax_scale_log2: Float32, softmax_scale: Float32, stream: cuda.CUstream):
+        """Torch order: Q, dO (b, s_q, h, d); K, V, dK, dV (b, s_k, h_kv, d);
+        LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
+        · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
+        (read only in deterministic mode)."""
+        mQ, mK, mV, mdO, mdK, mdV = [_permute(t, [1, 3, 2, 0])
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mD, mdQaccum, mSemaphore = [_permute(t, [2, 1, 0])
+                                           for t in (mLSE2, mD, mdQaccum, mSemaphore)]
+        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.cfg.qdo_stages
+
+        sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, stages)
+        # dQ = dS·K reads K MN-major, split across warpgroups along d when not along M.
+        k_atom_cols = d if self.cfg.dq_split_m() else d // self.consumer_wgs
+        sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, atom_cols=k_atom_cols)
+        sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, 2)
+        sStat_layout = cute.make_layout((tile_m, stages))
+        mma_sdp = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_m)
+        mma_dkv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
+        mma_dq = dq_tiled_mma(self.dtype, self.cfg, d)
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        q_stage = cute.select(sQ_layout, mode=[0, 1])
+        tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, q_stage, (tile_m, d))
+        tma_do, tdO = cpasync.make_tiled_tma_atom(load, mdO, q_stage, (tile_m, d))
+        tma_k, tK = cpasync.make_tiled_tma_atom(load, mK, sK_layout, (tile_n, d))
+        tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, sK_layout, (tile_n, d))
+        stat_stage = cute.make_layout(tile_m)
+        tma_lse, tLSE2 = cpasync.make_tiled_tma_atom(load, mLSE2, stat_stage, (tile_m,))
+        tma_d, tD = cpasync.make_tiled_tma_atom(load, mD, stat_stage, (tile_m,))
+
+        @cute.struct
+        class SharedStorage:
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
+                                  SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
+                                  SMEM_ALIGN]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
+                                  SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
+                                   SMEM_ALIGN]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * stages], 128]
+            sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)],
+                                    SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * d], 128]
+
+        grid = (cute.ceil_div(mK.shape[0], tile_n), mK.shape[2], mK.shape[3])
+        self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, mdK, mdV, mSemaphore,
+                    tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, softmax_scale_log2,
+                    softmax_scale, sQ_layout, sK_layout, sdSt_layout, sStat_layout,
+                    mma_sdp, mma_dkv, mma_dq, SharedStorage).launch(
+            grid=list(grid), block=[self.cfg.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mSemaphore: cute.Tensor, tma_q: cute.CopyAtom,
+               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
+               tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, softmax_scale_log2: Float32,
+               softmax_scale: Float32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
+               sStat_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
+               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        consumer_warps = self.consumer_threads // 32
+        elem = self.dtype.width // 8
+        stat_bytes = self.tile_m * 4
+        qdo_bytes = self.tile_m * self.head_dim * elem
+        pipes = (
+            make_tma_pipeline(storage.kv_barriers.data_ptr(), 1, consumer_warps,
+                              2 * self.tile_n * self.head_dim * elem),
+            make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.qdo_stages,
+                              consumer_warps, qdo_bytes + stat_bytes),
+            make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.qdo_stages,
+                              consumer_warps, qdo_bytes + stat_bytes),
+        )
+        cpipeline.pipeline_init_arrive()
+        smem = (
+            storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            storage.sLSE2.get_tensor(sStat_layout),
+            storage.sD.get_tensor(sStat_layout),
+            storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
+            storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
+        )
+        n_block, head_kv, batch = cute.arch.block_idx()
+        cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                self.produce(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
+                             tma_lse, tma_d, smem, pipes, n_block, head_kv, batch)
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            self.consume(mdQaccum, mdK, mdV, mSemaphore, mQ.shape[0], mK.shape[0],
+                         mQ.shape[2] // mK.shape[2], softmax_scale_log2, softmax_scale, smem,
+                         pipes, mma_sdp, mma_dkv, mma_dq, n_block, head_kv, batch)
+
+    # -------------------------------------------------------------- producer
+    @cute.jit
+    def produce(self, mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse,
+                tma_d, smem, pipes, n_block: Int32, head_kv: Int32, batch: Int32):
+        sK, sV, sQ, sdO, sLSE2, sD, _, _ = smem
+        pipe_kv, pipe_q, pipe_do = pipes
+        d = self.head_dim
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        q_per_kv = mQ.shape[2] // mK.shape[2]
+
+        kv_state = producer_state(1)
+        pipe_kv.producer_acquire(kv_state)
+        kv_bar = pipe_kv.producer_get_barrier(kv_state)
+        tKs, tKg = self._tma_views(tma_k, sK, cute.local_tile(
+            mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
+        tVs, tVg = self._tma_views(tma_v, sV, cute.local_tile(
+            mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
+        cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
+        cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
+
+        blocks = QueryBlockRange(self.tile_m, self.tile_n, self.causal)
+        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
+        m_count = blocks.m_block_max(seqlen_q) - m_min
+        q_state = producer_state(self.cfg.qdo_stages)
+        do_state = producer_state(self.cfg.qdo_stages)
+        for group_head in cutlass.range(q_per_kv, unroll=1):
+            head = head_kv * q_per_kv + group_head
+            tQs, tQg = self._tma_views(tma_q, sQ, cute.local_tile(
+                mQ[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
+            tdOs, tdOg = self._tma_views(tma_do, sdO, cute.local_tile(
+                mdO[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
+            tLs, tLg = self._tma_views(tma_lse, sLSE2, cute.local_tile(
+                mLSE2[None, head, batch], (self.tile_m,), (None,)), staged=True)
+            tDs, tDg = self._tma_views(tma_d, sD, cute.local_tile(
+                mD[None, head, batch], (self.tile_m,), (None,)), staged=True)
+            for i in cutlass.range(m_count, unroll=1):
+                m_block = m_min + i
+                pipe_q.producer_acquire(q_state)
+                q_bar = pipe_q.producer_get_barrier(q_state)
+                cute.copy(tma_q, tQg[None, m_block], tQs[None, q_state.index], tma_bar_ptr=q_bar)
+                cute.copy(tma_lse, tLg[None, m_block], tLs[None, q_state.index],
+                          tma_bar_ptr=q_bar)
+                q_state.advance()
+                pipe_do.producer_acquire(do_state)
+                do_bar = pipe_do.producer_get_barrier(do_state)
+                cute.copy(tma_do, tdOg[None, m_block], tdOs[None, do_state.index],
+                          tma_bar_ptr=do_bar)
+                cute.copy(tma_d, tDg[None, m_block], tDs[None, do_state.index],
+                          tma_bar_ptr=do_bar)
+                do_state.advance()
+
+    def _tma_views(self, atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
+        """(smem view, gmem view) of a TMA copy; staged tensors keep their last mode."""
+        s_rank = cute.rank(s) - 1 if staged else cute.rank(s)
+        g_rank = cute.rank(g) - 1 if staged else cute.rank(g)
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                     cute.group_modes(s, 0, s_rank), cute.group_modes(g, 0, g_rank))
+
+    # ------------------------------------------------------------- consumers
+    @cute.jit
+    def consume(self, mdQaccum, mdK, mdV, mSemaphore, seqlen_q: Int32, seqlen_k: Int32,
+                q_per_kv: Int32, softmax_scale_log2: Float32, softmax_scale: Float32, smem,
+                pipes, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+                n_block: Int32, head_kv: Int32, batch: Int32):
+        sK, sV, sQ, sdO, sLSE2, sD, sdSt, sdQ = smem
+        pipe_kv, pipe_q, pipe_do = pipes
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+        wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
+        # WGMMA operands are per warpgroup (descriptors / register A); the
+        # accumulator coordinates are per thread.
+        wg_sdp = mma_sdp.get_slice(wg * WARPGROUP_THREADS)
+        wg_dkv = mma_dkv.get_slice(wg * WARPGROUP_THREADS)
+        wg_dq = mma_dq.get_slice(wg * WARPGROUP_THREADS)
+        frags = dict(
+            K=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
+            Q=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
+            V=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
+            dO=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
+            Pt=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m))),
+            dSt=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m))),
+            dOt=wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(sdO))),
+            Qt=wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(sQ))),
+            dS=wg_dq.make_fragment_A(wg_dq.partition_A(wgmma.transpose_view(sdSt))),
+            Kt=wg_dq.make_fragment_B(wg_dq.partition_B(wgmma.transpose_view(sK))),
+        )
+        acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dv = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        thr_sdp = mma_sdp.get_slice(tid)
+        st_coords = thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+
+        blocks = QueryBlockRange(tile_m, tile_n, self.causal)
+        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
+        m_count = blocks.m_block_max(seqlen_q) - m_min
+        m_unmasked = blocks.m_block_min_unmasked(n_block, seqlen_q, seqlen_k)
+        seqlen_edge = (n_block + 1) * tile_n > seqlen_k
+        q_state = consumer_state(self.cfg.qdo_stages)
+        do_state = consumer_state(self.cfg.qdo_stages)
+        kv_state = consumer_state(1)
+        pipe_kv.consumer_wait(kv_state)
+        step = Int32(0)
+        for group_head in cutlass.range(q_per_kv, unroll=1):
+            head = head_kv * q_per_kv + group_head
+            for i in cutlass.range(m_count, unroll=1):
+                m_block = m_min + i
+                needs_mask = seqlen_edge
+                if cutlass.const_expr(self.causal):
+                    needs_mask = needs_mask or m_block < m_unmasked
+                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, thr_sdp, mma_sdp, mma_dkv,
+                                   mma_dq, sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state,
+                                   step % 2, needs_mask, n_block, m_block, seqlen_q, seqlen_k,
+                                   softmax_scale_log2)
+                q_state.advance()
+                do_state.advance()
+                self.reduce_dq(acc_dq, sdQ, mdQaccum, mSemaphore, wg, tid, n_block, m_block,
+                               head, batch)
+                step += 1
+        self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, softmax_scale, n_block,
+                       head_kv, batch, seqlen_k)
+        if tid % WARPGROUP_THREADS == 0:
+            # The last reduce-add must finish reading shared memory before the CTA exits.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def step(self, frags, acc_dk, acc_dv, st_coords, thr_sdp, mma_sdp, mma_dkv, mma_dq,
+             sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
+             needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+             softmax_scale_log2: Float32) -> cute.Tensor:
+        """One query block: all five GEMMs; returns this thread's dQ partial."""
+        tile_m, tile_n = self.tile_m, self.tile_n
+        pipe_q.consumer_wait(q_state)
+        acc_s = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+        wgmma.gemm(mma_sdp, acc_s, frags["K"], frags["Q"][None, None, None, q_state.index],
+                   zero_init=True, wait_groups=-1)
+        pipe_do.consumer_wait(do_state)
+        acc_dp = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+        wgmma.gemm(mma_sdp, acc_dp, frags["V"], frags["dO"][None, None, None, do_state.index],
+                   zero_init=True, wait_groups=-1)
+
+        # Per-query statistics of the columns this thread holds.
+        coords = wgmma.acc_rows_cols(st_coords)
+        cols = cute.size(coords, mode=[1])
+        lse2 = cute.make_rmem_tensor(cols, Float32)
+        dsum = cute.make_rmem_tensor(cols, Float32)
+        for j in cutlass.range_constexpr(cols):
+            lse2[j] = sLSE2[coords[0, j][1], q_state.index]
+            dsum[j] = sD[coords[0, j][1], do_state.index]
+
+        warpgroup.wait_group(1)  # Sᵀ has landed
+        if needs_mask:
+            apply_mask_transposed(acc_s, st_coords, n_block, m_block, seqlen_q, seqlen_k,
+                                  tile_n, tile_m, self.causal)
+        p = wgmma.acc_rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+            for j in cutlass.range_constexpr(cols):
+                p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2[j], fastmath=True)
+        warpgroup.wait_group(0)  # dPᵀ has landed
+        ds = wgmma.acc_rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
+            for j in cutlass.range_constexpr(cols):
+                ds[r, j] = p[r, j] * (ds[r, j] - dsum[j])
+
+        wgmma.convert_to_16bit(acc_s, frags["Pt"])
+        wgmma.gemm(mma_dkv, acc_dv, frags["Pt"], frags["dOt"][None, None, None, do_state.index],
+                   zero_init=False, wait_groups=-1)
+        wgmma.convert_to_16bit(acc_dp, frags["dSt"])
+        wgmma.gemm(mma_dkv, acc_dk, frags["dSt"], frags["Qt"][None, None, None, q_state.index],
+                   zero_init=False, wait_groups=-1)
+
+        # dSᵀ to shared memory for dQ, which needs every warpgroup's keys.
+        r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+        wgmma.convert_to_16bit(acc_dp, r_ds)
+        cute.autovec_copy(r_ds, thr_sdp.partition_C(sdSt[None, None, ds_buffer]))
+        # generic-proxy stores, read next by WGMMA through the async proxy
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
+                          number_of_threads=self.consumer_threads)
+        acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((tile_m, self.head_dim)),
+                                       Float32)
+        wgmma.gemm(mma_dq, acc_dq, frags["dS"][None, None, None, ds_buffer], frags["Kt"],
+                   zero_init=True, wait_groups=0)  # also retires dV and dK
+        pipe_q.consumer_release(q_state)
+        pipe_do.consumer_release(do_state)
+        return acc_dq
+
+    @cute.jit
+    def reduce_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, mdQaccum: cute.Tensor,
+                  mSemaphore: cute.Tensor, wg: Int32, tid: Int32, n_block: Int32,
+                  m_block: Int32, head: Int32, batch: Int32):
+        """This warpgroup's dQ partial: registers -> its smem slab -> one bulk
+        reduce-add into the accumulator, issued by the warpgroup's thread 0.
+        The slab's previous reduce is awaited here, a step after it was issued."""
+        wg_tid = tid % WARPGROUP_THREADS
+        tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
+        region = dq_accum.warpgroup_region(tile_m, d, wgs)
+        if wg_tid == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FREE_BASE) + wg,
+                          number_of_threads=WARPGROUP_THREADS)
+        cute.autovec_copy(dq_accum.register_view(acc_dq),
+                          dq_accum.thread_view(sdQ.iterator, wg, wg_tid, tile_m, d, wgs))
+        # generic-proxy stores, read next by the bulk copy through the async proxy
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_BASE) + wg,
+                          number_of_threads=WARPGROUP_THREADS)
+        if wg_tid == 0:
+            offset = m_block * tile_m * d + wg * region
+            dst = mdQaccum.iterator + cute.crd2idx((offset, head, batch), mdQaccum.layout)
+            if cutlass.const_expr(self.cfg.deterministic):
+                semaphore = mSemaphore.iterator + cute.crd2idx(
+                    (m_block * wgs + wg, head, batch), mSemaphore.layout)
+                dq_accum.wait_turn(semaphore, n_block)
+            dq_accum.bulk_reduce_add_f32(dst, sdQ.iterator + wg * region, region * 4)
+            cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.cfg.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                dq_accum.pass_turn(semaphore)
+
+    # -------------------------------------------------------------- epilogue
+    @cute.jit
+    def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, mdK: cute.Tensor,
+                  mdV: cute.Tensor, mma_dkv: cute.TiledMma, tid: Int32, softmax_scale: Float32,
+                  n_block: Int32, head_kv: Int32, batch: Int32, seqlen_k: Int32):
+        """dK = scale · Σ dSᵀ·Q and dV, straight from registers (once per CTA)."""
+        for i in cutlass.range_constexpr(cute.size(acc_dk)):
+            acc_dk[i] = acc_dk[i] * softmax_scale
+        r_dk = cute.make_rmem_tensor_like(acc_dk, self.dtype)
+        r_dv = cute.make_rmem_tensor_like(acc_dv, self.dtype)
+        wgmma.convert_to_16bit(acc_dk, r_dk)
+        wgmma.convert_to_16bit(acc_dv, r_dv)
+        coords = mma_dkv.get_slice(tid).partition_C(
+            cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        for i in cutlass.range_constexpr(cute.size(r_dk)):
+            row = n_block * self.tile_n + coords[i][0]
+            if row < seqlen_k:
+                mdK[row, coords[i][1], head_kv, batch] = r_dk[i]
+                mdV[row, coords[i][1], head_kv, batch] = r_dv[i]

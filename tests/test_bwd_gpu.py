@@ -1,0 +1,138 @@
+"""Backward kernel on the H100: dQ, dK, dV against fp32 reference gradients,
+measured against PyTorch's own low-precision math path on the same inputs."""
+
+import random
+
+import pytest
+import torch
+
+from cute_kernels.config import BwdConfig
+from python_api import flash_attn_func
+from python_api.ops import backward_cuda
+from python_api.reference import attention_reference, default_scale
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+
+    q = randn(batch, seqlen_q, heads, head_dim)
+    k, v = randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_k, heads_kv, head_dim)
+    grad_out = randn(batch, seqlen_q, heads, head_dim)
+    return q, k, v, grad_out
+
+
+def _reference_grads(q, k, v, grad_out, causal, compute_dtype, grad_lse=None):
+    """Autograd through the reference math: fp32 (compute_dtype=float32) or
+    torch's own low-precision path (None)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_reference(*leaves, None, causal, compute_dtype=compute_dtype)
+    loss = (out.float() * grad_out.float()).sum()
+    if grad_lse is not None:
+        loss = loss + (torch.nan_to_num(lse, neginf=0.0) * grad_lse).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+def _ours(q, k, v, grad_out, causal, grad_lse=None, deterministic=False):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_func(*leaves, causal=causal, return_lse=True,
+                               deterministic=deterministic)
+    loss = (out.float() * grad_out.float()).sum()
+    if grad_lse is not None:
+        loss = loss + (torch.nan_to_num(lse, neginf=0.0) * grad_lse).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+def _check(q, k, v, grad_out, causal, grad_lse=None):
+    ours = _ours(q, k, v, grad_out, causal, grad_lse)
+    ref = _reference_grads(q, k, v, grad_out, causal, torch.float32, grad_lse)
+    low = _reference_grads(q, k, v, grad_out, causal, None, grad_lse)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), ours, ref, low):
+        assert g.dtype == r.dtype == q.dtype and g.shape == r.shape, name
+        assert torch.isfinite(g).all(), f"{name} has NaN/Inf"
+        err = (g.float() - r.float()).abs().max().item()
+        low_err = (lo.float() - r.float()).abs().max().item()
+        assert err <= 2 * low_err + 1e-4, \
+            f"{name}: max error {err:.3e} > 2 x torch low-precision {low_err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(128, 128), (1, 1), (17, 17), (1000, 1000), (256, 1024),
+                                     (1024, 256), (113, 203), (300, 77)])
+def test_backward_matches_reference(dtype, head_dim, causal, seqlens):
+    seqlen_q, seqlen_k = seqlens
+    _check(*_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, seed=seqlen_q * 7 + seqlen_k),
+           causal)
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_backward_random_shapes(trial):
+    rng = random.Random(4321 + trial)
+    batch = rng.randint(1, 8)
+    group = [1, 2, 8][trial % 3]
+    heads_kv = rng.choice([1, 2])
+    head_dim = rng.choice([64, 128])
+    seqlen_q = rng.choice([1, 17, 64, 190, 511, 777, 1500])
+    seqlen_k = rng.choice([seqlen_q, 1, 33, 400, 1023, 2049])
+    causal = rng.random() < 0.5
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    _check(*_inputs(batch, seqlen_q, seqlen_k, heads_kv * group, heads_kv, head_dim, dtype,
+                    seed=trial), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_with_lse_gradient(causal):
+    q, k, v, grad_out = _inputs(2, 333, 500, 4, 4, 128, torch.bfloat16, seed=9)
+    grad_lse = torch.randn((2, 4, 333), device="cuda")
+    _check(q, k, v, grad_out, causal, grad_lse)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
+    q, k, v, grad_out = _inputs(2, 2048, 2048, 8, 2, head_dim, torch.bfloat16, seed=3)
+    first = _ours(q, k, v, grad_out, causal, deterministic=True)
+    for _ in range(3):
+        again = _ours(q, k, v, grad_out, causal, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between runs in deterministic mode"
+    _check(q, k, v, grad_out, causal)
+
+
+@pytest.mark.parametrize("overrides", [dict(tile_m=64), dict(qdo_stages=1),
+                                       dict(tile_n=64, tile_m=64), dict(deterministic=True)])
+def test_backward_config_variants(overrides):
+    head_dim = 64
+    config = BwdConfig(tile_m=128).replace(**overrides)
+    q, k, v, grad_out = _inputs(2, 700, 900, 4, 1, head_dim, torch.bfloat16, seed=5)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    ours = backward_cuda(grad_out, q, k, v, out, lse, default_scale(head_dim), True,
+                         config=config)
+    ref = _reference_grads(q, k, v, grad_out, True, torch.float32)
+    low = _reference_grads(q, k, v, grad_out, True, None)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), ours, ref, low):
+        err = (g.float() - r.float()).abs().max().item()
+        low_err = (lo.float() - r.float()).abs().max().item()
+        assert err <= 2 * low_err + 1e-4, f"{config}: {name} error {err:.3e} vs {low_err:.3e}"
+
+
+def test_backward_under_torch_compile():
+    q, k, v, grad_out = _inputs(2, 256, 256, 4, 4, 64, torch.bfloat16, seed=11)
+
+    @torch.compile(fullgraph=True)
+    def loss_fn(q, k, v):
+        return (flash_attn_func(q, k, v, causal=True).float() * grad_out.float()).sum()
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    loss_fn(*leaves).backward()
+    eager = _ours(q, k, v, grad_out, True)
+    for name, a, b in zip(("dq", "dk", "dv"), [t.grad for t in leaves], eager):
+        assert torch.equal(a, b), f"{name}: compiled and eager gradients differ"
