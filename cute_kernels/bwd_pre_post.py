@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from . import dq_accum
+from . import dq_accum, wgmma
 from .bwd_sm90 import dq_tiled_mma
 from .config import WARPGROUP_THREADS, BwdConfig
 
@@ -111,9 +111,14 @@ class BackwardPostprocess:
         src = dq_accum.thread_view(tile, wg, tid % WARPGROUP_THREADS, tile_m, d, wgs)
         values = cute.make_rmem_tensor(src.shape, Float32)
         cute.autovec_copy(src, values)
-        coords = mma.get_slice(tid).partition_C(cute.make_identity_tensor((tile_m, d)))
-        for j in cutlass.range_constexpr(cute.size(values)):
-            row = m_block * tile_m + coords[j][0]
-            if row < mdQ.shape[1]:
-                mdQ[batch, row, head, coords[j][1]] = (values[j] * softmax_scale).to(self.dtype)
-
+        for j in cutlass.range(cute.size(values), unroll_full=True):
+            values[j] = values[j] * softmax_scale
+        values_16bit = cute.make_rmem_tensor(values.shape, self.dtype)
+        wgmma.convert_to_16bit(values, values_16bit)
+        # (tile_m, d) tile of dQ in (row, col) order; mdQ is (b, s, h, d)
+        g_tile = cute.local_tile(mdQ[batch, None, head, None], (tile_m, d), (m_block, 0))
+        # values are in accumulator register order: view them with its shape
+        acc_shaped = cute.make_tensor(values_16bit.iterator,
+                                      cute.make_layout(mma.partition_shape_C((tile_m, d))))
+        wgmma.store_acc_tile(acc_shaped, mma.get_slice(tid), g_tile,
+                             mdQ.shape[1] - m_block * tile_m)

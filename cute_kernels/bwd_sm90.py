@@ -1,24 +1,30 @@
 """FlashAttention-3 backward for Hopper (sm_90a), in the CuTe DSL.
 
 One CTA per (key block, kv head, batch); threads = 128 · (1 + consumer_warpgroups).
-  warpgroup 0   producer (setmaxnreg.dec): its warp 0 issues every TMA load:
+  warpgroup 0   producer (setmaxnreg.dec). Warp 0 issues every TMA load:
                 K and V of the CTA's key block once, then, for each query head
                 of the KV group and each query block that sees these keys,
                 Q + LSE₂ into the Q ring and dO + D into the dO ring.
+                Warp 1 is the dQ writer: it adds each consumer warpgroup's dQ
+                partial from shared memory into the fp32 accumulator (one bulk
+                reduce-add each), so consumers never wait on global memory.
   warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each. dK and dV stay in
                 registers for the whole walk over query blocks.
 Pipelines: K/V (1 stage), Q and dO (qdo_stages each), TMA → consumer-warp
-mbarriers (pipeline.py); named barriers BwdBarrier between consumers.
+mbarriers (pipeline.py); named barriers BwdBarrier between consumers and
+between consumers and the dQ writer.
 
 Per query block, each consumer warpgroup (the computation runs transposed,
 keys on WGMMA's M axis, so Pᵀ and dSᵀ come out in the register layout the
 next WGMMA takes as its A operand):
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          SS-WGMMA, both in flight
     Pᵀ = exp2(Sᵀ·scale_log2 − LSE₂)    LSE₂ = LSE·log2(e), from the preprocess
+    dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers
     dSᵀ = Pᵀ ∘ (dPᵀ − D)               D = rowsum(dO ∘ O), from the preprocess
-    dV += Pᵀ·dO,  dK += dSᵀ·Q          RS-WGMMA, Pᵀ and dSᵀ from registers
+    dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers
     dSᵀ → smem; [DS_READY]  dQ_part = dS·K   (SS-WGMMA over all keys of the CTA)
-    dQ_part → smem → bulk reduce-add into the fp32 dQ accumulator (dq_accum.py)
+    dQ_part → smem [DQ_FULL]; the writer warp reduce-adds it into the fp32
+    dQ accumulator (dq_accum.py) and frees the slab [DQ_EMPTY]
 At the end dK·scale and dV go to global memory; the postprocess kernel turns
 the dQ accumulator into dQ (bwd_pre_post.py).
 """
@@ -179,11 +185,14 @@ class FlashAttentionBackwardSm90:
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
                              tma_lse, tma_d, smem, pipes, n_block, head_kv, batch)
+            if warp_idx == 1:
+                self.write_dq(mdQaccum, mSemaphore, smem[7], mQ.shape[0], mK.shape[0],
+                              mQ.shape[2] // mK.shape[2], n_block, head_kv, batch)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mdQaccum, mdK, mdV, mSemaphore, mQ.shape[0], mK.shape[0],
-                         mQ.shape[2] // mK.shape[2], softmax_scale_log2, softmax_scale, smem,
-                         pipes, mma_sdp, mma_dkv, mma_dq, n_block, head_kv, batch)
+            self.consume(mdK, mdV, mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2],
+                         softmax_scale_log2, softmax_scale, smem, pipes, mma_sdp, mma_dkv,
+                         mma_dq, n_block, head_kv, batch)
 
     # -------------------------------------------------------------- producer
     @cute.jit
@@ -245,7 +254,7 @@ class FlashAttentionBackwardSm90:
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mdQaccum, mdK, mdV, mSemaphore, seqlen_q: Int32, seqlen_k: Int32,
+    def consume(self, mdK, mdV, seqlen_q: Int32, seqlen_k: Int32,
                 q_per_kv: Int32, softmax_scale_log2: Float32, softmax_scale: Float32, smem,
                 pipes, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                 n_block: Int32, head_kv: Int32, batch: Int32):
@@ -289,77 +298,83 @@ class FlashAttentionBackwardSm90:
         pipe_kv.consumer_wait(kv_state)
         step = Int32(0)
         for group_head in cutlass.range(q_per_kv, unroll=1):
-            head = head_kv * q_per_kv + group_head
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 needs_mask = seqlen_edge
                 if cutlass.const_expr(self.causal):
                     needs_mask = needs_mask or m_block < m_unmasked
-                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, thr_sdp, mma_sdp, mma_dkv,
-                                   mma_dq, sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state,
-                                   step % 2, needs_mask, n_block, m_block, seqlen_q, seqlen_k,
-                                   softmax_scale_log2)
+                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, thr_sdp,
+                                   mma_sdp, mma_dkv, mma_dq, sLSE2, sD, sdSt, pipe_q, q_state,
+                                   pipe_do, do_state, step % 2, needs_mask, n_block, m_block,
+                                   seqlen_q, seqlen_k, softmax_scale_log2)
                 q_state.advance()
                 do_state.advance()
-                self.reduce_dq(acc_dq, sdQ, mdQaccum, mSemaphore, wg, tid, n_block, m_block,
-                               head, batch)
+                self.stage_dq(acc_dq, sdQ, wg, tid)
                 step += 1
         self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, softmax_scale, n_block,
                        head_kv, batch, seqlen_k)
-        if tid % WARPGROUP_THREADS == 0:
-            # The last reduce-add must finish reading shared memory before the CTA exits.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def step(self, frags, acc_dk, acc_dv, st_coords, thr_sdp, mma_sdp, mma_dkv, mma_dq,
-             sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
-             needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-             softmax_scale_log2: Float32) -> cute.Tensor:
-        """One query block: all five GEMMs; returns this thread's dQ partial."""
-        tile_m, tile_n = self.tile_m, self.tile_n
+    def issue_s(self, frags, acc_s, mma_sdp, pipe_q, q_state):
+        """Sᵀ = K·Qᵀ of one query block, left in flight."""
         pipe_q.consumer_wait(q_state)
-        acc_s = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
         wgmma.gemm(mma_sdp, acc_s, frags["K"], frags["Q"][None, None, None, q_state.index],
                    zero_init=True, wait_groups=-1)
+
+    @cute.jit
+    def issue_dp(self, frags, acc_dp, mma_sdp, pipe_do, do_state):
+        """dPᵀ = V·dOᵀ of one query block, left in flight."""
         pipe_do.consumer_wait(do_state)
-        acc_dp = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
         wgmma.gemm(mma_sdp, acc_dp, frags["V"], frags["dO"][None, None, None, do_state.index],
                    zero_init=True, wait_groups=-1)
 
-        # Per-query statistics of the columns this thread holds.
+    @cute.jit
+    def step(self, frags, acc_dk, acc_dv, st_coords, thr_sdp, mma_sdp, mma_dkv,
+             mma_dq, sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
+             needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+             softmax_scale_log2: Float32) -> cute.Tensor:
+        """One query block: all five GEMMs; returns this thread's dQ partial with
+        every GEMM retired. (Issuing the next block's Sᵀ across the loop edge
+        makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
+        tile_m, tile_n = self.tile_m, self.tile_n
+        acc_s = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+        acc_dp = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+        self.issue_s(frags, acc_s, mma_sdp, pipe_q, q_state)
+        self.issue_dp(frags, acc_dp, mma_sdp, pipe_do, do_state)
+
+        # Per-query statistics are read from shared memory column by column,
+        # next to their use: holding them for all columns costs 2 · tile_m / 4
+        # registers, which spills.
         coords = wgmma.acc_rows_cols(st_coords)
         cols = cute.size(coords, mode=[1])
-        lse2 = cute.make_rmem_tensor(cols, Float32)
-        dsum = cute.make_rmem_tensor(cols, Float32)
-        for j in cutlass.range_constexpr(cols):
-            lse2[j] = sLSE2[coords[0, j][1], q_state.index]
-            dsum[j] = sD[coords[0, j][1], do_state.index]
-
+        rows = cute.size(coords, mode=[0])
         warpgroup.wait_group(1)  # Sᵀ has landed
         if needs_mask:
             apply_mask_transposed(acc_s, st_coords, n_block, m_block, seqlen_q, seqlen_k,
                                   tile_n, tile_m, self.causal)
         p = wgmma.acc_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-            for j in cutlass.range_constexpr(cols):
-                p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2[j], fastmath=True)
-        warpgroup.wait_group(0)  # dPᵀ has landed
-        ds = wgmma.acc_rows_cols(acc_dp)
-        for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
-            for j in cutlass.range_constexpr(cols):
-                ds[r, j] = p[r, j] * (ds[r, j] - dsum[j])
-
+        for j in cutlass.range_constexpr(cols):
+            lse2 = sLSE2[coords[0, j][1], q_state.index]
+            for r in cutlass.range_constexpr(rows):
+                p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2, fastmath=True)
+        # dV += Pᵀ·dO runs while dSᵀ is computed.
         wgmma.convert_to_16bit(acc_s, frags["Pt"])
         wgmma.gemm(mma_dkv, acc_dv, frags["Pt"], frags["dOt"][None, None, None, do_state.index],
                    zero_init=False, wait_groups=-1)
+        warpgroup.wait_group(1)  # dPᵀ has landed (dV may still run)
+        ds = wgmma.acc_rows_cols(acc_dp)
+        for j in cutlass.range_constexpr(cols):
+            dsum = sD[coords[0, j][1], do_state.index]
+            for r in cutlass.range_constexpr(rows):
+                ds[r, j] = p[r, j] * (ds[r, j] - dsum)
         wgmma.convert_to_16bit(acc_dp, frags["dSt"])
         wgmma.gemm(mma_dkv, acc_dk, frags["dSt"], frags["Qt"][None, None, None, q_state.index],
                    zero_init=False, wait_groups=-1)
 
-        # dSᵀ to shared memory for dQ, which needs every warpgroup's keys.
-        r_ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-        wgmma.convert_to_16bit(acc_dp, r_ds)
-        cute.autovec_copy(r_ds, thr_sdp.partition_C(sdSt[None, None, ds_buffer]))
+        # dSᵀ to shared memory for dQ, which needs every warpgroup's keys. The
+        # register A fragment holds the values in accumulator order.
+        ds_16bit = cute.make_tensor(frags["dSt"].iterator, cute.make_layout(acc_dp.shape))
+        cute.autovec_copy(ds_16bit, thr_sdp.partition_C(sdSt[None, None, ds_buffer]))
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
@@ -373,37 +388,63 @@ class FlashAttentionBackwardSm90:
         return acc_dq
 
     @cute.jit
-    def reduce_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, mdQaccum: cute.Tensor,
-                  mSemaphore: cute.Tensor, wg: Int32, tid: Int32, n_block: Int32,
-                  m_block: Int32, head: Int32, batch: Int32):
-        """This warpgroup's dQ partial: registers -> its smem slab -> one bulk
-        reduce-add into the accumulator, issued by the warpgroup's thread 0.
-        The slab's previous reduce is awaited here, a step after it was issued."""
-        wg_tid = tid % WARPGROUP_THREADS
-        tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
-        region = dq_accum.warpgroup_region(tile_m, d, wgs)
-        if wg_tid == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FREE_BASE) + wg,
-                          number_of_threads=WARPGROUP_THREADS)
+    def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
+        """Hand this warpgroup's dQ partial to the writer warp through its slab."""
+        barrier_threads = WARPGROUP_THREADS + 32
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + wg,
+                          number_of_threads=barrier_threads)
         cute.autovec_copy(dq_accum.register_view(acc_dq),
-                          dq_accum.thread_view(sdQ.iterator, wg, wg_tid, tile_m, d, wgs))
+                          dq_accum.thread_view(sdQ.iterator, wg, tid % WARPGROUP_THREADS,
+                                               self.tile_m, self.head_dim, self.consumer_wgs))
         # generic-proxy stores, read next by the bulk copy through the async proxy
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_BASE) + wg,
-                          number_of_threads=WARPGROUP_THREADS)
-        if wg_tid == 0:
-            offset = m_block * tile_m * d + wg * region
-            dst = mdQaccum.iterator + cute.crd2idx((offset, head, batch), mdQaccum.layout)
-            if cutlass.const_expr(self.cfg.deterministic):
-                semaphore = mSemaphore.iterator + cute.crd2idx(
-                    (m_block * wgs + wg, head, batch), mSemaphore.layout)
-                dq_accum.wait_turn(semaphore, n_block)
-            dq_accum.bulk_reduce_add_f32(dst, sdQ.iterator + wg * region, region * 4)
-            cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.cfg.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                dq_accum.pass_turn(semaphore)
+        cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + wg,
+                                 number_of_threads=barrier_threads)
+
+    @cute.jit
+    def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
+                 seqlen_q: Int32, seqlen_k: Int32, q_per_kv: Int32, n_block: Int32,
+                 head_kv: Int32, batch: Int32):
+        """The dQ writer warp: per query block and consumer warpgroup, one bulk
+        reduce-add of the slab into the accumulator (lane 0 issues it). In
+        deterministic mode it first waits until the key blocks before this one
+        have added theirs to the same tile, and signals after its own landed."""
+        tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
+        region = dq_accum.warpgroup_region(tile_m, d, wgs)
+        barrier_threads = WARPGROUP_THREADS + 32
+        lane = cute.arch.lane_idx()
+        for w in cutlass.range_constexpr(wgs):  # every slab starts free
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
+                                     number_of_threads=barrier_threads)
+        blocks = QueryBlockRange(tile_m, self.tile_n, self.causal)
+        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
+        m_count = blocks.m_block_max(seqlen_q) - m_min
+        for group_head in cutlass.range(q_per_kv, unroll=1):
+            head = head_kv * q_per_kv + group_head
+            for i in cutlass.range(m_count, unroll=1):
+                m_block = m_min + i
+                for w in cutlass.range_constexpr(wgs):
+                    cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + w,
+                                      number_of_threads=barrier_threads)
+                    if lane == 0:
+                        offset = m_block * tile_m * d + w * region
+                        dst = mdQaccum.iterator + cute.crd2idx((offset, head, batch),
+                                                               mdQaccum.layout)
+                        if cutlass.const_expr(self.cfg.deterministic):
+                            semaphore = mSemaphore.iterator + cute.crd2idx(
+                                (m_block * wgs + w, head, batch), mSemaphore.layout)
+                            dq_accum.wait_turn(semaphore, n_block)
+                        dq_accum.bulk_reduce_add_f32(dst, sdQ.iterator + w * region, region * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                        if cutlass.const_expr(self.cfg.deterministic):
+                            cute.arch.cp_async_bulk_wait_group(0, read=False)
+                            dq_accum.pass_turn(semaphore)
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()  # the slabs are read: all lanes may release them
+                for w in cutlass.range_constexpr(wgs):
+                    cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
+                                             number_of_threads=barrier_threads)
 
     # -------------------------------------------------------------- epilogue
     @cute.jit
@@ -411,16 +452,13 @@ class FlashAttentionBackwardSm90:
                   mdV: cute.Tensor, mma_dkv: cute.TiledMma, tid: Int32, softmax_scale: Float32,
                   n_block: Int32, head_kv: Int32, batch: Int32, seqlen_k: Int32):
         """dK = scale · Σ dSᵀ·Q and dV, straight from registers (once per CTA)."""
-        for i in cutlass.range_constexpr(cute.size(acc_dk)):
+        for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
             acc_dk[i] = acc_dk[i] * softmax_scale
-        r_dk = cute.make_rmem_tensor_like(acc_dk, self.dtype)
-        r_dv = cute.make_rmem_tensor_like(acc_dv, self.dtype)
-        wgmma.convert_to_16bit(acc_dk, r_dk)
-        wgmma.convert_to_16bit(acc_dv, r_dv)
-        coords = mma_dkv.get_slice(tid).partition_C(
-            cute.make_identity_tensor((self.tile_n, self.head_dim)))
-        for i in cutlass.range_constexpr(cute.size(r_dk)):
-            row = n_block * self.tile_n + coords[i][0]
-            if row < seqlen_k:
-                mdK[row, coords[i][1], head_kv, batch] = r_dk[i]
-                mdV[row, coords[i][1], head_kv, batch] = r_dv[i]
+        thr = mma_dkv.get_slice(tid)
+        rows_valid = seqlen_k - n_block * self.tile_n
+        for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
+            values = cute.make_rmem_tensor_like(acc, self.dtype)
+            wgmma.convert_to_16bit(acc, values)
+            g_tile = cute.local_tile(m_out[None, None, head_kv, batch],
+                                     (self.tile_n, self.head_dim), (n_block, 0))
+            wgmma.store_acc_tile(values, thr, g_tile, rows_valid)

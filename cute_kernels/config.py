@@ -217,10 +217,10 @@ class BwdConfig:
 @functools.lru_cache(maxsize=None)
 def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False) -> BwdConfig:
     """128 keys per CTA in two consumer warpgroups (their dK and dV stay in
-    registers for the whole walk over queries); 64 queries per step for head
-    dims 96/128 (the register budget of dK+dV+Sᵀ+dPᵀ), 128 for head dim 64."""
-    tile_m = 128 if head_dim <= 64 else 64
-    return BwdConfig(tile_m=tile_m, tile_n=128, qdo_stages=2, deterministic=deterministic)
+    registers for the whole walk over queries), 64 queries per step: with 128
+    (head dim 64) Sᵀ and dPᵀ take 64 registers each and ptxas serialises every
+    WGMMA of the kernel for want of registers."""
+    return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic)
 
 
 KERNEL_CONFIGS = {"fwd": FwdConfig, "bwd": BwdConfig}

@@ -100,12 +100,13 @@ class BwdBarrier(enum.IntEnum):
 
     DS_READY: every consumer warpgroup has written its rows of dSᵀ to shared
         memory, so dQ = dS·K, which reads all of them, may start.
-    DQ_FREE_BASE + w: warpgroup w's previous dQ reduce-add has finished reading
-        its shared-memory slab.
-    DQ_READY_BASE + w: warpgroup w has written its dQ partial; its issuing
-        thread starts the reduce-add.
+    DQ_FULL_BASE + w: consumer warpgroup w has written its dQ partial to its
+        shared-memory slab (128 arrive); the dQ-writer warp (32) waits, then
+        issues the reduce-add.
+    DQ_EMPTY_BASE + w: the reduce-add has finished reading slab w (the writer
+        warp arrives); warpgroup w waits before writing the slab again.
     """
 
     DS_READY = 1
-    DQ_FREE_BASE = 2
-    DQ_READY_BASE = 5
+    DQ_FULL_BASE = 2
+    DQ_EMPTY_BASE = 5

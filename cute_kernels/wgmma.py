@@ -113,3 +113,18 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
     to_bf16 = cutlass.const_expr(dst.element_type is cutlass.BFloat16)
     for i in cutlass.range_constexpr(cute.size(dst_words)):
         dst_words[i] = _cvt_pack2(src[2 * i], src[2 * i + 1], to_bf16)
+
+
+@cute.jit
+def store_acc_tile(values: cute.Tensor, thr_mma, g_tile: cute.Tensor, rows_valid: cutlass.Int32):
+    """Write a thread's 16-bit values (accumulator order) into its part of a
+    global (rows, cols) tile. Whole tiles take vectorised stores (column pairs
+    are adjacent); the ragged last tile stores row-checked elements."""
+    dst = thr_mma.partition_C(g_tile)
+    if rows_valid >= cute.size(g_tile, mode=[0]):
+        cute.autovec_copy(values, dst)
+    else:
+        coords = thr_mma.partition_C(cute.make_identity_tensor(g_tile.shape))
+        for i in cutlass.range_constexpr(cute.size(values)):
+            if coords[i][0] < rows_valid:
+                dst[i] = values[i]

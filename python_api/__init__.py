@@ -13,7 +13,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
 from .reference import attention_reference
-from .validate import check_argument_types
+from .validate import check_argument_types, check_attention_inputs
 
 __all__ = ["flash_attn_func", "attention_reference"]
 
@@ -33,6 +33,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd).
     """
     check_argument_types(q, k, v, softmax_scale)
-    # The op validates the rest (once) and resolves the default scale.
-    out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+    if q.is_cuda and not torch.compiler.is_compiling():
+        # Eager on the GPU: same kernels, without the custom-op dispatch cost.
+        check_attention_inputs(q, k, v, softmax_scale)
+        out, lse = ops.EagerCudaAttention.apply(q, k, v, softmax_scale, bool(causal),
+                                                bool(deterministic))
+    else:
+        # The op validates the rest (once) and resolves the default scale.
+        out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal),
+                                         bool(deterministic))
     return (out, lse) if return_lse else out

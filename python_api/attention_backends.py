@@ -18,6 +18,9 @@ SDPA_BACKENDS = {
     "sdpa_math": "MATH",
 }
 BACKEND_NAMES = ("cute", "fa4", *SDPA_BACKENDS)
+# SDPA backends that refuse enable_gqa ("No available kernel", torch 2.11 on
+# the H100): K/V are expanded to the query heads for them.
+NO_NATIVE_GQA = ("EFFICIENT_ATTENTION",)
 
 
 class BackendUnavailable(Exception):
@@ -32,6 +35,10 @@ def _sdpa(q, k, v, causal, softmax_scale, backend_name):
                                  "seqlen_q != seqlen_k would differ from ours")
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[2] != k.shape[2]
+    if gqa and backend_name in NO_NATIVE_GQA:
+        group = q.shape[2] // k.shape[2]
+        kt, vt = (t.repeat_interleave(group, dim=1) for t in (kt, vt))
+        gqa = False
     kwargs = dict(is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
     if backend_name is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, **kwargs)

@@ -186,3 +186,30 @@ def _fwd_backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("cute_fa::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+class EagerCudaAttention(torch.autograd.Function):
+    """The same kernels and NVTX ranges as the ops, for eager calls on CUDA
+    tensors: flash_attn_func uses it outside torch.compile. The custom-op
+    autograd path costs ~0.7 ms of host time per backward (measured on the H100
+    host: 0.86 ms vs 0.14 ms for the op alone), which a model with one
+    attention call per layer cannot hide. Inputs arrive validated."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+        scale = _resolve_scale(q, softmax_scale)
+        out, lse = forward_cuda(q, k, v, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
+        ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        config = default_bwd_config(q.shape[3], ctx.causal, ctx.deterministic)
+        grads = backward_cuda(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale,
+                              ctx.causal, grad_lse, config)
+        return *grads, None, None, None
