@@ -36,11 +36,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cpipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
-from .config import WARPGROUP_THREADS, BwdConfig
+from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
 from .mask import QueryBlockRange, apply_mask_transposed
 from .pipeline import BwdBarrier, consumer_state, make_tma_pipeline, producer_state
 
@@ -284,8 +284,14 @@ class FlashAttentionBackwardSm90:
         acc_dv = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        thr_sdp = mma_sdp.get_slice(tid)
-        st_coords = thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+        st_coords = mma_sdp.get_slice(tid).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+        # dSᵀ goes to shared memory with stmatrix; inside a warpgroup the
+        # accumulator layout is that of a one-warpgroup MMA over its 64 keys.
+        ds_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                      self.dtype)
+        ds_store = (ds_atom, cute.make_tiled_copy_C(
+            ds_atom, wgmma.tiled_mma_ss(self.dtype, 1, tile_m)).get_slice(
+                tid % WARPGROUP_THREADS), wg)
 
         blocks = QueryBlockRange(tile_m, tile_n, self.causal)
         m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
@@ -303,7 +309,7 @@ class FlashAttentionBackwardSm90:
                 needs_mask = seqlen_edge
                 if cutlass.const_expr(self.causal):
                     needs_mask = needs_mask or m_block < m_unmasked
-                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, thr_sdp,
+                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, ds_store,
                                    mma_sdp, mma_dkv, mma_dq, sLSE2, sD, sdSt, pipe_q, q_state,
                                    pipe_do, do_state, step % 2, needs_mask, n_block, m_block,
                                    seqlen_q, seqlen_k, softmax_scale_log2)
@@ -329,7 +335,7 @@ class FlashAttentionBackwardSm90:
                    zero_init=True, wait_groups=-1)
 
     @cute.jit
-    def step(self, frags, acc_dk, acc_dv, st_coords, thr_sdp, mma_sdp, mma_dkv,
+    def step(self, frags, acc_dk, acc_dv, st_coords, ds_store, mma_sdp, mma_dkv,
              mma_dq, sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
              needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
              softmax_scale_log2: Float32) -> cute.Tensor:
@@ -374,7 +380,9 @@ class FlashAttentionBackwardSm90:
         # dSᵀ to shared memory for dQ, which needs every warpgroup's keys. The
         # register A fragment holds the values in accumulator order.
         ds_16bit = cute.make_tensor(frags["dSt"].iterator, cute.make_layout(acc_dp.shape))
-        cute.autovec_copy(ds_16bit, thr_sdp.partition_C(sdSt[None, None, ds_buffer]))
+        ds_atom, thr_ds, wg = ds_store
+        slab = cute.local_tile(sdSt[None, None, ds_buffer], (WGMMA_M, tile_m), (wg, 0))
+        cute.copy(ds_atom, thr_ds.retile(ds_16bit), thr_ds.partition_D(slab))
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
