@@ -41,15 +41,9 @@ from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
+from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
 from .mask import QueryBlockRange, apply_mask_transposed
 from .pipeline import BwdBarrier, consumer_state, make_tma_pipeline, producer_state
-
-SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
-
-
-def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
-
 
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared memory.
@@ -60,19 +54,8 @@ def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     return wgmma.tiled_mma(dtype, False, False, (1, wgs, 1), head_dim // wgs)
 
 
-class FlashAttentionBackwardSm90:
-    """One compiled kernel per (dtype, head_dim, causal, config)."""
-
-    def __init__(self, dtype, head_dim: int, causal: bool, config: BwdConfig):
-        config.validate(head_dim)
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.causal = causal
-        self.cfg = config
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
-        self.consumer_wgs = config.consumer_warpgroups
-        self.consumer_threads = WARPGROUP_THREADS * self.consumer_wgs
+class FlashAttentionBackwardSm90(Sm90AttentionKernel):
+    """One compiled kernel per (dtype, head_dim, causal, config: BwdConfig)."""
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -84,9 +67,9 @@ class FlashAttentionBackwardSm90:
         LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
         · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
         (read only in deterministic mode)."""
-        mQ, mK, mV, mdO, mdK, mdV = [_permute(t, [1, 3, 2, 0])
+        mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE2, mD, mdQaccum, mSemaphore = [_permute(t, [2, 1, 0])
+        mLSE2, mD, mdQaccum, mSemaphore = [permute(t, [2, 1, 0])
                                            for t in (mLSE2, mD, mdQaccum, mSemaphore)]
         tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.cfg.qdo_stages
 
@@ -207,9 +190,9 @@ class FlashAttentionBackwardSm90:
         kv_state = producer_state(1)
         pipe_kv.producer_acquire(kv_state)
         kv_bar = pipe_kv.producer_get_barrier(kv_state)
-        tKs, tKg = self._tma_views(tma_k, sK, cute.local_tile(
+        tKs, tKg = tma_views(tma_k, sK, cute.local_tile(
             mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
-        tVs, tVg = self._tma_views(tma_v, sV, cute.local_tile(
+        tVs, tVg = tma_views(tma_v, sV, cute.local_tile(
             mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
         cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
         cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
@@ -221,13 +204,13 @@ class FlashAttentionBackwardSm90:
         do_state = producer_state(self.cfg.qdo_stages)
         for group_head in cutlass.range(q_per_kv, unroll=1):
             head = head_kv * q_per_kv + group_head
-            tQs, tQg = self._tma_views(tma_q, sQ, cute.local_tile(
+            tQs, tQg = tma_views(tma_q, sQ, cute.local_tile(
                 mQ[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
-            tdOs, tdOg = self._tma_views(tma_do, sdO, cute.local_tile(
+            tdOs, tdOg = tma_views(tma_do, sdO, cute.local_tile(
                 mdO[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
-            tLs, tLg = self._tma_views(tma_lse, sLSE2, cute.local_tile(
+            tLs, tLg = tma_views(tma_lse, sLSE2, cute.local_tile(
                 mLSE2[None, head, batch], (self.tile_m,), (None,)), staged=True)
-            tDs, tDg = self._tma_views(tma_d, sD, cute.local_tile(
+            tDs, tDg = tma_views(tma_d, sD, cute.local_tile(
                 mD[None, head, batch], (self.tile_m,), (None,)), staged=True)
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
@@ -244,13 +227,6 @@ class FlashAttentionBackwardSm90:
                 cute.copy(tma_d, tDg[None, m_block], tDs[None, do_state.index],
                           tma_bar_ptr=do_bar)
                 do_state.advance()
-
-    def _tma_views(self, atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
-        """(smem view, gmem view) of a TMA copy; staged tensors keep their last mode."""
-        s_rank = cute.rank(s) - 1 if staged else cute.rank(s)
-        g_rank = cute.rank(g) - 1 if staged else cute.rank(g)
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                     cute.group_modes(s, 0, s_rank), cute.group_modes(g, 0, g_rank))
 
     # ------------------------------------------------------------- consumers
     @cute.jit

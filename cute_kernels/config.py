@@ -22,6 +22,32 @@ REGISTERS_PER_SM = 65536
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 
 
+def _align_1k(n: int) -> int:
+    """Shared-memory buffers start on 1 KB (swizzle-pattern) boundaries."""
+    return -(-n // 1024) * 1024
+
+
+def _check_register_split(config, bad) -> None:
+    """setmaxnreg targets, and the register file they divide (both kernels)."""
+    for field in ("producer_regs", "consumer_regs"):
+        value = getattr(config, field)
+        if value % 8 or not 24 <= value <= 256:
+            raise bad(field, "a multiple of 8 in [24, 256] (setmaxnreg)")
+    total = WARPGROUP_THREADS * (config.producer_regs
+                                 + config.consumer_warpgroups * config.consumer_regs)
+    if total > REGISTERS_PER_SM:
+        raise bad("consumer_regs", f"producer_regs + {config.consumer_warpgroups} * "
+                                   f"consumer_regs <= {REGISTERS_PER_SM // WARPGROUP_THREADS}")
+
+
+def _field_error(config, head_dim: int):
+    def bad(field: str, expected: str) -> ValueError:
+        return ValueError(
+            f"{type(config).__name__}.{field}: expected {expected}, got "
+            f"{getattr(config, field)!r} (head_dim={head_dim}, config={config})")
+    return bad
+
+
 @dataclass(frozen=True)
 class FwdConfig:
     """Structural choices of the SM90 forward kernel.
@@ -63,21 +89,16 @@ class FwdConfig:
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Dynamic shared memory of the kernel's SharedStorage, as laid out there:
         mbarriers first, then Q, the K and V rings and the O slabs, each 1 KB aligned."""
-        def align(n: int) -> int:
-            return -(-n // 1024) * 1024
         size = 8 * (2 + 4 * self.kv_stages)                              # mbarriers
-        size = align(size) + self.tile_m * head_dim * elem_bytes          # Q
-        size = align(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # K
-        size = align(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # V
-        size = align(size) + self.tile_m * head_dim * elem_bytes          # O slabs
+        size = _align_1k(size) + self.tile_m * head_dim * elem_bytes          # Q
+        size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # K
+        size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # V
+        size = _align_1k(size) + self.tile_m * head_dim * elem_bytes          # O slabs
         return size
 
     def validate(self, head_dim: int) -> None:
         """Raise ValueError naming the field when the combination cannot run."""
-        def bad(field: str, expected: str) -> ValueError:
-            return ValueError(
-                f"FwdConfig.{field}: expected {expected}, got {getattr(self, field)!r} "
-                f"(head_dim={head_dim}, config={self})")
+        bad = _field_error(self, head_dim)
 
         if self.tile_m % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_m", "64, 128 or 192 (one consumer warpgroup per 64 rows)")
@@ -88,15 +109,7 @@ class FwdConfig:
         if self.intra_wg_overlap and self.kv_stages < 2:
             raise bad("kv_stages", ">= 2 when intra_wg_overlap is on (K_{j+1} and V_j are "
                                    "in flight together)")
-        for field in ("producer_regs", "consumer_regs"):
-            value = getattr(self, field)
-            if value % 8 or not 24 <= value <= 256:
-                raise bad(field, "a multiple of 8 in [24, 256] (setmaxnreg)")
-        total = WARPGROUP_THREADS * (self.producer_regs
-                                     + self.consumer_warpgroups * self.consumer_regs)
-        if total > REGISTERS_PER_SM:
-            raise bad("consumer_regs", f"producer_regs + {self.consumer_warpgroups} * "
-                                       f"consumer_regs <= {REGISTERS_PER_SM // WARPGROUP_THREADS}")
+        _check_register_split(self, bad)
         if not 1 <= self.l2_section_mb <= 1024:
             raise bad("l2_section_mb", "an integer in [1, 1024]")
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
@@ -168,21 +181,16 @@ class BwdConfig:
         return self.tile_m == WGMMA_M * self.consumer_warpgroups
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
-        def align(n: int) -> int:
-            return -(-n // 1024) * 1024
         size = 8 * (2 + 4 * self.qdo_stages)                                   # mbarriers
-        size = align(size) + 2 * self.tile_n * head_dim * elem_bytes           # K, V
-        size = align(size) + 2 * self.qdo_stages * self.tile_m * head_dim * elem_bytes  # Q, dO
-        size = align(size) + 2 * self.qdo_stages * self.tile_m * 4             # LSE, D
-        size = align(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
-        size = align(size) + self.tile_m * head_dim * 4                        # dQ partial
+        size = _align_1k(size) + 2 * self.tile_n * head_dim * elem_bytes           # K, V
+        size = _align_1k(size) + 2 * self.qdo_stages * self.tile_m * head_dim * elem_bytes  # Q, dO
+        size = _align_1k(size) + 2 * self.qdo_stages * self.tile_m * 4             # LSE, D
+        size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
+        size = _align_1k(size) + self.tile_m * head_dim * 4                        # dQ partial
         return size
 
     def validate(self, head_dim: int) -> None:
-        def bad(field: str, expected: str) -> ValueError:
-            return ValueError(
-                f"BwdConfig.{field}: expected {expected}, got {getattr(self, field)!r} "
-                f"(head_dim={head_dim}, config={self})")
+        bad = _field_error(self, head_dim)
 
         if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
@@ -197,15 +205,7 @@ class BwdConfig:
                                     f"{self.consumer_warpgroups} warpgroups")
         if not 1 <= self.qdo_stages <= 4:
             raise bad("qdo_stages", "an integer in [1, 4]")
-        for field in ("producer_regs", "consumer_regs"):
-            value = getattr(self, field)
-            if value % 8 or not 24 <= value <= 256:
-                raise bad(field, "a multiple of 8 in [24, 256] (setmaxnreg)")
-        total = WARPGROUP_THREADS * (self.producer_regs
-                                     + self.consumer_warpgroups * self.consumer_regs)
-        if total > REGISTERS_PER_SM:
-            raise bad("consumer_regs", f"producer_regs + {self.consumer_warpgroups} * "
-                                       f"consumer_regs <= {REGISTERS_PER_SM // WARPGROUP_THREADS}")
+        _check_register_split(self, bad)
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
             raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                     f"this needs {self.smem_bytes(head_dim)} B")

@@ -35,33 +35,16 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import wgmma
-from .config import WARPGROUP_THREADS, WGMMA_M, FwdConfig
+from .config import WARPGROUP_THREADS, WGMMA_M
+from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
 from .mask import BlockRange, apply_mask
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
                        producer_state)
 from .scheduler import TileScheduler
 from .softmax import OnlineSoftmax
 
-SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
-
-
-def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
-
-
-class FlashAttentionForwardSm90:
-    """One compiled kernel per (dtype, head_dim, causal, config)."""
-
-    def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig):
-        config.validate(head_dim)
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.causal = causal
-        self.cfg = config
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
-        self.consumer_wgs = config.consumer_warpgroups
-        self.consumer_threads = WARPGROUP_THREADS * self.consumer_wgs
+class FlashAttentionForwardSm90(Sm90AttentionKernel):
+    """One compiled kernel per (dtype, head_dim, causal, config: FwdConfig)."""
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -71,8 +54,8 @@ class FlashAttentionForwardSm90:
         """Tensors in torch order: Q, O (b, s_q, h, d); K, V (b, s_k, h_kv, d);
         LSE (b, h, s_q) fp32."""
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
-        mQ, mK, mV, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = _permute(mLSE, [2, 1, 0])
+        mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = permute(mLSE, [2, 1, 0])
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
 
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d)
@@ -184,9 +167,9 @@ class FlashAttentionForwardSm90:
                                  (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim),
                                  (None, 0))
-            tQs, tQg = self._tma_views(tma_q, sQ, gQ, staged=False)
-            tKs, tKg = self._tma_views(tma_k, sK, gK, staged=True)
-            tVs, tVg = self._tma_views(tma_v, sV, gV, staged=True)
+            tQs, tQg = tma_views(tma_q, sQ, gQ, staged=False)
+            tKs, tKg = tma_views(tma_k, sK, gK, staged=True)
+            tVs, tVg = tma_views(tma_v, sV, gV, staged=True)
 
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
@@ -217,13 +200,6 @@ class FlashAttentionForwardSm90:
                         kv_state.advance()
             round_idx += 1
             tile = scheduler.tile_at(round_idx)
-
-    def _tma_views(self, atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
-        """(smem view, gmem view) of a TMA copy; staged tensors keep their last mode."""
-        s_rank = cute.rank(s) - 1 if staged else cute.rank(s)
-        g_rank = cute.rank(g) - 1 if staged else cute.rank(g)
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                     cute.group_modes(s, 0, s_rank), cute.group_modes(g, 0, g_rank))
 
     @cute.jit
     def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
@@ -464,7 +440,7 @@ class FlashAttentionForwardSm90:
             if row_block * WGMMA_M < seqlen_q:  # TMA clips the rows past seqlen_q
                 gO = cute.local_tile(mO[None, None, head, batch], (WGMMA_M, self.head_dim),
                                      (row_block, 0))
-                tOs, tOg = self._tma_views(tma_o, slab, gO, staged=False)
+                tOs, tOg = tma_views(tma_o, slab, gO, staged=False)
                 cute.copy(tma_o, tOs, tOg)
             cute.arch.cp_async_bulk_commit_group()
         else:

@@ -2,12 +2,13 @@
 
     python -m profiling.main
 
-Without a GPU: compiles every forward kernel variant the op serves (dtype ×
-head dim × causal, default config) for sm_90a and prints what each one is:
-threads and warpgroup roles, registers (at entry, and the setmaxnreg split),
-shared memory, and the instruction counts that show TMA, WGMMA, setmaxnreg
-and mbarrier waits are there.
-On an sm_90 GPU it then runs the op on a default problem and prints TFLOP/s.
+Without a GPU: compiles every forward and backward kernel variant the ops serve
+(dtype × head dim × causal, default config) for sm_90a and prints what each one
+is: threads and warpgroup roles, registers (at entry, and the setmaxnreg split),
+shared memory, and the instruction counts that show TMA, WGMMA, setmaxnreg,
+mbarrier waits (and for the backward the bulk reduce-add of dQ) are there.
+On an sm_90 GPU it then runs forward and forward+backward on a default problem
+and prints TFLOP/s.
 """
 
 from __future__ import annotations
@@ -17,47 +18,87 @@ import tempfile
 
 import torch
 
-from python_api.compile_cache import compile_fwd
-from cute_kernels.config import default_fwd_config
+from python_api.compile_cache import compile_bwd, compile_fwd
+from cute_kernels.config import default_bwd_config, default_fwd_config
 
 from .kernel_info import dumped_kernel_info
 from .problem import DTYPES
 
 
-def describe_kernels(dtypes, head_dims, causals) -> list[dict]:
+def describe_kernels(kind: str, dtypes, head_dims, causals) -> list[dict]:
+    """Compile each default-config kernel of `kind` ('fwd' or 'bwd') for sm_90a and
+    read its PTX and cubin (the backward: its main kernel)."""
+    default, compile_kernel = ((default_fwd_config, compile_fwd) if kind == "fwd"
+                               else (default_bwd_config, compile_bwd))
     rows = []
     for dtype in dtypes:
         for head_dim in head_dims:
             for causal in causals:
-                config = default_fwd_config(head_dim, causal)
+                config = default(head_dim, causal)
                 with tempfile.TemporaryDirectory() as dump:
-                    kernel = compile_fwd(DTYPES[dtype], head_dim, causal, config, dump_dir=dump)
-                    info = dumped_kernel_info(dump)
+                    kernel = compile_kernel(DTYPES[dtype], head_dim, causal, config,
+                                            dump_dir=dump)
+                    info = dumped_kernel_info(dump if kind == "fwd" else f"{dump}/main")
                 rows.append(dict(dtype=dtype, head_dim=head_dim, causal=causal, config=config,
                                  info=info, compile_s=kernel.compile_seconds))
     return rows
 
 
-def print_kernels(rows: list[dict]) -> None:
-    print("Forward kernels for sm_90a (one compile each, reused for every batch/heads/seqlen)")
-    head = (f"{'dtype':<5} {'d':>4} {'causal':>6}  {'threads':>7}  {'roles':<22} {'regs':>4} "
-            f"{'setmaxnreg':<14} {'smem KB':>7}  {'TMA ld/st':>9} {'WGMMA':>5} "
-            f"{'mbar wait':>9} {'spills':>6} {'compile s':>9}")
+def _setmaxnreg(info) -> str:
+    return "/".join(f"{k[0]}{n}" for k, n in info.setmaxnreg)
+
+
+def _spills(info) -> int:
+    return info.counts["local_memory"] + (info.stack_bytes or 0)
+
+
+# (header, width, value of a row); the columns both kernels share, then each one's own
+_COMMON = [
+    ("dtype", -5, lambda r: r["dtype"]), ("d", 4, lambda r: r["head_dim"]),
+    ("causal", 6, lambda r: r["causal"]), ("threads", 7, lambda r: r["info"].threads),
+]
+_TAIL = [
+    ("regs", 4, lambda r: r["info"].registers or "?"),
+    ("setmaxnreg", -14, lambda r: _setmaxnreg(r["info"])),
+    ("smem KB", 7, lambda r: f"{r['config'].smem_bytes(r['head_dim']) / 1024:.1f}"),
+    ("TMA ld", 6, lambda r: r["info"].counts["tma_load"]),
+    ("WGMMA", 5, lambda r: r["info"].counts["wgmma"]),
+]
+COLUMNS = {
+    "fwd": _COMMON + [("roles", -22, lambda r: f"1 TMA + {r['config'].consumer_warpgroups} "
+                                               f"MMA/softmax")] + _TAIL + [
+        ("TMA st", 6, lambda r: r["info"].counts["tma_store"]),
+        ("mbar wait", 9, lambda r: r["info"].counts["mbarrier_wait"])],
+    "bwd": _COMMON + [("roles", -28, lambda r: f"1 TMA+dQ-writer + "
+                                               f"{r['config'].consumer_warpgroups} MMA")] + _TAIL + [
+        ("dQ red", 6, lambda r: r["info"].counts["dq_reduce"])],
+}
+TITLES = {
+    "fwd": "Forward kernels for sm_90a (one compile each, reused for every batch/heads/seqlen)",
+    "bwd": "Backward main kernels for sm_90a (compiled with their preprocess and postprocess)",
+}
+FOOTNOTES = {
+    "fwd": "regs: at kernel entry; setmaxnreg d<n>/i<n>: producer decreases, consumers "
+           "increase.\nspills: ld/st.local in PTX + stack frame bytes in the cubin.",
+    "bwd": "tile: 128 keys per CTA (64 per MMA warpgroup), 64 queries per step; dQ red: bulk "
+           "fp32 reduce-add instructions.",
+}
+
+
+def print_kernels(kind: str, rows: list[dict]) -> None:
+    columns = COLUMNS[kind] + [("spills", 6, lambda r: _spills(r["info"])),
+                               ("compile s", 9, lambda r: f"{r['compile_s']:.1f}")]
+
+    def cell(value, width):
+        return f"{str(value):<{-width}}" if width < 0 else f"{str(value):>{width}}"
+
+    print("\n" + TITLES[kind])
+    head = " ".join(cell(name, width) for name, width, _ in columns)
     print(head)
     print("-" * len(head))
     for r in rows:
-        info, cfg = r["info"], r["config"]
-        roles = f"1 TMA + {cfg.consumer_warpgroups} MMA/softmax"
-        nreg = "/".join(f"{k[0]}{n}" for k, n in info.setmaxnreg)
-        spills = info.counts["local_memory"] + (info.stack_bytes or 0)
-        print(f"{r['dtype']:<5} {r['head_dim']:>4} {str(r['causal']):>6}  {info.threads:>7}  "
-              f"{roles:<22} {info.registers or '?':>4} {nreg:<14} "
-              f"{cfg.smem_bytes(r['head_dim']) / 1024:>7.1f}  "
-              f"{info.counts['tma_load']:>4}/{info.counts['tma_store']:<4} "
-              f"{info.counts['wgmma']:>5} {info.counts['mbarrier_wait']:>9} {spills:>6} "
-              f"{r['compile_s']:>9.1f}")
-    print("regs: at kernel entry; setmaxnreg d<n>/i<n>: producer decreases, consumers increase."
-          "\nspills: ld/st.local in PTX + stack frame bytes in the cubin.")
+        print(" ".join(cell(value(r), width) for _, width, value in columns))
+    print(FOOTNOTES[kind])
 
 
 def run_default_problem() -> None:
@@ -68,11 +109,17 @@ def run_default_problem() -> None:
     print(f"\n{torch.cuda.get_device_name(0)}: flash_attn_func, bf16, batch 4, seqlen 4096, "
           f"16 heads, head dim 128")
     for causal in (False, True):
-        q, k, v = (torch.randn(4, 4096, 16, 128, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        t = time_cuda(lambda: flash_attn_func(q, k, v, causal=causal))
-        flops = attention_flops(4, 16, 4096, 4096, 128, causal)
-        print(f"  causal={causal!s:<5}  {t.median_ms:.3f} ms  {tflops(flops, t.median_ms):.1f} TFLOP/s")
+        q, k, v = (torch.randn(4, 4096, 16, 128, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        grad_out = torch.randn_like(q)
+        with torch.no_grad():
+            t = time_cuda(lambda: flash_attn_func(q, k, v, causal=causal))
+        t_train = time_cuda(lambda: flash_attn_func(q, k, v, causal=causal).backward(grad_out))
+        for name, timing in (("fwd", t), ("fwd+bwd", t_train)):
+            flops = attention_flops(4, 16, 4096, 4096, 128, causal,
+                                    "fwd" if name == "fwd" else "fwd_bwd")
+            print(f"  causal={causal!s:<5} {name:<8} {timing.median_ms:.3f} ms  "
+                  f"{tflops(flops, timing.median_ms):.1f} TFLOP/s")
 
 
 def main(argv=None):
@@ -81,9 +128,9 @@ def main(argv=None):
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--head-dims", default="64,96,128")
     args = p.parse_args(argv)
-    rows = describe_kernels(args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")],
-                            (False, True))
-    print_kernels(rows)
+    dtypes, head_dims = args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")]
+    for kind in ("fwd", "bwd"):
+        print_kernels(kind, describe_kernels(kind, dtypes, head_dims, (False, True)))
     if torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0):
         run_default_problem()
     else:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cute_kernels.config import BwdConfig
+from shapes import random_problem
 from python_api import flash_attn_func
 from python_api.ops import backward_cuda
 from python_api.reference import attention_reference, default_scale
@@ -75,17 +76,9 @@ def test_backward_matches_reference(dtype, head_dim, causal, seqlens):
 
 @pytest.mark.parametrize("trial", range(12))
 def test_backward_random_shapes(trial):
-    rng = random.Random(4321 + trial)
-    batch = rng.randint(1, 8)
-    group = [1, 2, 8][trial % 3]
-    heads_kv = rng.choice([1, 2])
-    head_dim = rng.choice([64, 128])
-    seqlen_q = rng.choice([1, 17, 64, 190, 511, 777, 1500])
-    seqlen_k = rng.choice([seqlen_q, 1, 33, 400, 1023, 2049])
-    causal = rng.random() < 0.5
-    dtype = rng.choice([torch.bfloat16, torch.float16])
-    _check(*_inputs(batch, seqlen_q, seqlen_k, heads_kv * group, heads_kv, head_dim, dtype,
-                    seed=trial), causal)
+    shape = random_problem(random.Random(4321 + trial), group=[1, 2, 8][trial % 3])
+    causal = shape.pop("causal")
+    _check(*_inputs(**shape, seed=trial), causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -24,3 +24,43 @@ def test_smem_accounts_for_every_buffer():
     config = FwdConfig()
     # 2 stages of K and V (32 KB each) + Q + O (32 KB each) + 1 KB of barriers
     assert config.smem_bytes(128) == 1024 + 6 * 32 * 1024
+
+
+def test_backward_defaults_validate_and_fit():
+    from cute_kernels.config import SMEM_CAPACITY_BYTES, default_bwd_config
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            for deterministic in (False, True):
+                config = default_bwd_config(head_dim, causal, deterministic)
+                config.validate(head_dim)
+                assert config.deterministic is deterministic
+                assert config.smem_bytes(head_dim) <= SMEM_CAPACITY_BYTES
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(tile_n=96), "tile_n"), (dict(tile_n=256), "tile_n"), (dict(tile_m=32), "tile_m"),
+    (dict(tile_m=128, tile_n=192), "tile_m"), (dict(qdo_stages=0), "qdo_stages"),
+    (dict(qdo_stages=4), "qdo_stages"), (dict(consumer_regs=252), "consumer_regs"),
+    (dict(tile_n=192, consumer_regs=240, tile_m=192), "consumer_regs"),
+])
+def test_invalid_backward_configs_name_the_field(changes, field):
+    from cute_kernels.config import BwdConfig
+    with pytest.raises(ValueError, match=rf"BwdConfig\.{field}: expected"):
+        BwdConfig().replace(**changes).validate(128)
+
+
+def test_backward_dq_split_follows_the_tile():
+    from cute_kernels.config import BwdConfig
+    assert BwdConfig(tile_m=128, tile_n=128).dq_split_m()      # one 64-row slice per warpgroup
+    assert not BwdConfig(tile_m=64, tile_n=128).dq_split_m()   # warpgroups split head_dim
+    BwdConfig(tile_m=64, tile_n=192, consumer_regs=160, producer_regs=32).validate(96)
+    with pytest.raises(ValueError, match="BwdConfig.tile_m"):  # 64 / 3 is not a WGMMA N
+        BwdConfig(tile_m=64, tile_n=192, consumer_regs=160, producer_regs=32).validate(64)
+
+
+def test_parse_field_per_kernel():
+    from cute_kernels.config import parse_field
+    assert parse_field("deterministic", "yes", "bwd") is True
+    assert parse_field("qdo_stages", "3", "bwd") == 3
+    with pytest.raises(ValueError, match="unknown BwdConfig field 'kv_stages'"):
+        parse_field("kv_stages", "2", "bwd")

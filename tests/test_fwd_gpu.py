@@ -10,6 +10,7 @@ from python_api import flash_attn_func
 from python_api.ops import forward_cuda
 from python_api.reference import attention_reference, default_scale
 from cute_kernels.config import FwdConfig
+from shapes import random_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -52,17 +53,9 @@ def test_forward_matches_reference(dtype, head_dim, causal, seqlens):
 
 @pytest.mark.parametrize("trial", range(12))
 def test_forward_random_shapes(trial):
-    rng = random.Random(1234 + trial)
-    batch = rng.randint(1, 8)
-    group = rng.choice([1, 2, 8])
-    heads_kv = rng.choice([1, 2])
-    head_dim = rng.choice([64, 128])
-    seqlen_q = rng.choice([1, 17, 64, 190, 511, 777, 1500])
-    seqlen_k = rng.choice([seqlen_q, 1, 33, 400, 1023, 2049])
-    causal = rng.random() < 0.5
-    dtype = rng.choice([torch.bfloat16, torch.float16])
-    q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads_kv * group, heads_kv, head_dim, dtype,
-                      seed=trial)
+    shape = random_problem(random.Random(1234 + trial))
+    causal = shape.pop("causal")
+    q, k, v = _inputs(**shape, seed=trial)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     _check(q, k, v, causal, out, lse)
 

@@ -57,3 +57,29 @@ def test_unsupported_cuda_device_error_names_device(monkeypatch):
     with pytest.raises(RuntimeError, match=r"cuda:0 \(NVIDIA A100, compute capability 8.0\) "
                                            r"is not supported.*sm_90"):
         validate.check_cuda_device(torch.device("cuda", 0))
+
+
+def _bwd_args():
+    q, k, v = _qkv()
+    out = torch.randn_like(q)
+    lse = torch.randn(2, 4, 16)
+    return dict(grad_out=torch.randn_like(q), q=q, k=k, v=v, out=out, lse=lse,
+                softmax_scale=0.125, causal=False)
+
+
+@pytest.mark.parametrize("change, error, pattern", [
+    (dict(grad_out=torch.randn(2, 16, 4, 32)), ValueError,
+     r"grad_out: expected shape \(2, 16, 4, 64\), dtype torch.bfloat16, device cpu \(those of q\)"),
+    (dict(out=torch.randn(2, 16, 4, 64)), ValueError, r"out: expected shape .* got shape"),
+    (dict(lse=torch.randn(2, 16, 4)), ValueError,
+     r"lse: expected shape \(2, 4, 16\), dtype torch.float32"),
+    (dict(lse=torch.randn(2, 4, 16).double()), ValueError, r"lse: expected .*float64"),
+    (dict(grad_lse=torch.randn(2, 4, 15)), ValueError, r"grad_lse: expected shape \(2, 4, 16\)"),
+    # the dispatcher's own message names the argument for a wrong type
+    (dict(out=[1.0]), RuntimeError, r"Expected a value of type 'Tensor' for argument 'out'"),
+])
+def test_backward_op_bad_inputs_raise_named_errors(change, error, pattern):
+    args = _bwd_args()
+    args.update(change)
+    with pytest.raises(error, match=pattern):
+        torch.ops.cute_fa.bwd(**args)

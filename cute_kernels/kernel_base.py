@@ -1,0 +1,41 @@
+"""What the SM90 attention kernels share on the host side: the static
+description every compiled kernel carries, the torch-order to kernel-order
+view of a tensor, and the TMA partition of a (staged) shared-memory buffer."""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+from .config import WARPGROUP_THREADS
+
+SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
+
+
+def permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    """A view of t with its modes reordered (no data moves)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+def tma_views(atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
+    """(smem view, gmem view) of a TMA copy; staged tensors keep their last mode."""
+    s_rank = cute.rank(s) - 1 if staged else cute.rank(s)
+    g_rank = cute.rank(g) - 1 if staged else cute.rank(g)
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                 cute.group_modes(s, 0, s_rank), cute.group_modes(g, 0, g_rank))
+
+
+class Sm90AttentionKernel:
+    """One compiled kernel per (dtype, head_dim, causal, config); the config
+    (FwdConfig or BwdConfig) is validated before anything is traced."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config):
+        config.validate(head_dim)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.cfg = config
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.consumer_wgs = config.consumer_warpgroups
+        self.consumer_threads = WARPGROUP_THREADS * self.consumer_wgs
