@@ -62,21 +62,22 @@ def parse_args(argv=None):
     p.add_argument("--causal", action="store_true")
     p.add_argument("--direction", choices=["fwd", "bwd"], default="fwd",
                    help="bwd profiles the backward of one recorded forward")
-    p.add_argument("--config", default="", help="FwdConfig overrides for ours, e.g. "
+    p.add_argument("--config", default="", help="config overrides for ours (FwdConfig, or "
+                                               "BwdConfig with --direction bwd), e.g. "
                                                "'tile_n=176,kv_stages=2'")
     p.add_argument("--out", default="profiling_out/ncu")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def parse_overrides(text: str) -> dict:
+def parse_overrides(text: str, kind: str = "fwd") -> dict:
     from cute_kernels.config import parse_field
 
     out = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         try:
-            out[name] = parse_field(name, value)
+            out[name] = parse_field(name, value, kind)
         except ValueError as exc:
             raise SystemExit(f"--config: {exc}") from None
     return out
@@ -92,12 +93,19 @@ def run_workload(args) -> None:
     q, k, v = make_qkv(batch_for(args.total_tokens, args.seqlen), args.seqlen, args.seqlen,
                        heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype])
     scale = args.head_dim ** -0.5
-    if args.backend == "cute" and args.config and args.direction == "fwd":
-        from cute_kernels.config import default_fwd_config
-        from python_api.ops import forward_cuda
-        config = default_fwd_config(args.head_dim, args.causal).replace(
-            **parse_overrides(args.config))
-        fn = lambda: forward_cuda(q, k, v, scale, args.causal, config)  # noqa: E731
+    if args.backend == "cute" and args.config:
+        from cute_kernels.config import default_bwd_config, default_fwd_config
+        from python_api.ops import backward_cuda, forward_cuda
+        default = default_fwd_config if args.direction == "fwd" else default_bwd_config
+        config = default(args.head_dim, args.causal).replace(
+            **parse_overrides(args.config, args.direction))
+        if args.direction == "fwd":
+            fn = lambda: forward_cuda(q, k, v, scale, args.causal, config)  # noqa: E731
+        else:
+            out, lse = forward_cuda(q, k, v, scale, args.causal)
+            grad_out = torch.randn_like(q)
+            fn = lambda: backward_cuda(grad_out, q, k, v, out, lse, scale,  # noqa: E731
+                                       args.causal, config=config)
     else:
         fn = make_callable(args.backend, q, k, v, args.causal, scale, args.direction)
     fn()  # compile and warm up outside the profiled launch

@@ -118,6 +118,10 @@ def test_ncu_config_overrides_are_typed():
     assert parse_overrides("tile_n=160,pingpong=0") == {"tile_n": 160, "pingpong": False}
     with pytest.raises(SystemExit):
         parse_overrides("tile_k=3")
+    assert parse_overrides("qdo_stages=3,deterministic=1", "bwd") == {
+        "qdo_stages": 3, "deterministic": True}
+    with pytest.raises(SystemExit, match="unknown BwdConfig field 'pingpong'"):
+        parse_overrides("pingpong=0", "bwd")
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd", "fwd_bwd"])
