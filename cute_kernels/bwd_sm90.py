@@ -36,14 +36,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cpipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
 from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
 from .mask import QueryBlockRange, apply_mask_transposed
-from .pipeline import BwdBarrier, consumer_state, make_tma_pipeline, producer_state
+from .pipeline import DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline, producer_state
 
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared memory.
@@ -177,6 +177,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                          softmax_scale_log2, softmax_scale, smem, pipes, mma_sdp, mma_dkv,
                          mma_dq, n_block, head_kv, batch)
 
+    def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """(first query block, count) that see this key block: the walk that the
+        producer, the consumers and the dQ writer all take, in step."""
+        blocks = QueryBlockRange(self.tile_m, self.tile_n, self.causal)
+        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
+        return m_min, blocks.m_block_max(seqlen_q) - m_min
+
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse,
@@ -197,9 +204,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
         cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
 
-        blocks = QueryBlockRange(self.tile_m, self.tile_n, self.causal)
-        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
-        m_count = blocks.m_block_max(seqlen_q) - m_min
+        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         q_state = producer_state(self.cfg.qdo_stages)
         do_state = producer_state(self.cfg.qdo_stages)
         for group_head in cutlass.range(q_per_kv, unroll=1):
@@ -261,18 +266,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
         st_coords = mma_sdp.get_slice(tid).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
-        # dSᵀ goes to shared memory with stmatrix; inside a warpgroup the
-        # accumulator layout is that of a one-warpgroup MMA over its 64 keys.
-        ds_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                      self.dtype)
-        ds_store = (ds_atom, cute.make_tiled_copy_C(
-            ds_atom, wgmma.tiled_mma_ss(self.dtype, 1, tile_m)).get_slice(
-                tid % WARPGROUP_THREADS), wg)
 
-        blocks = QueryBlockRange(tile_m, tile_n, self.causal)
-        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
-        m_count = blocks.m_block_max(seqlen_q) - m_min
-        m_unmasked = blocks.m_block_min_unmasked(n_block, seqlen_q, seqlen_k)
+        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        m_unmasked = QueryBlockRange(tile_m, tile_n, self.causal).m_block_min_unmasked(
+            n_block, seqlen_q, seqlen_k)
         seqlen_edge = (n_block + 1) * tile_n > seqlen_k
         q_state = consumer_state(self.cfg.qdo_stages)
         do_state = consumer_state(self.cfg.qdo_stages)
@@ -285,7 +282,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 needs_mask = seqlen_edge
                 if cutlass.const_expr(self.causal):
                     needs_mask = needs_mask or m_block < m_unmasked
-                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, ds_store,
+                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, wg, tid,
                                    mma_sdp, mma_dkv, mma_dq, sLSE2, sD, sdSt, pipe_q, q_state,
                                    pipe_do, do_state, step % 2, needs_mask, n_block, m_block,
                                    seqlen_q, seqlen_k, softmax_scale_log2)
@@ -311,7 +308,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                    zero_init=True, wait_groups=-1)
 
     @cute.jit
-    def step(self, frags, acc_dk, acc_dv, st_coords, ds_store, mma_sdp, mma_dkv,
+    def step(self, frags, acc_dk, acc_dv, st_coords, wg: Int32, tid: Int32, mma_sdp, mma_dkv,
              mma_dq, sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
              needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
              softmax_scale_log2: Float32) -> cute.Tensor:
@@ -356,9 +353,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         # dSᵀ to shared memory for dQ, which needs every warpgroup's keys. The
         # register A fragment holds the values in accumulator order.
         ds_16bit = cute.make_tensor(frags["dSt"].iterator, cute.make_layout(acc_dp.shape))
-        ds_atom, thr_ds, wg = ds_store
         slab = cute.local_tile(sdSt[None, None, ds_buffer], (WGMMA_M, tile_m), (wg, 0))
-        cute.copy(ds_atom, thr_ds.retile(ds_16bit), thr_ds.partition_D(slab))
+        wgmma.stmatrix_store(self.dtype, ds_16bit, slab, tid % WARPGROUP_THREADS)
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
@@ -374,16 +370,15 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
         """Hand this warpgroup's dQ partial to the writer warp through its slab."""
-        barrier_threads = WARPGROUP_THREADS + 32
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + wg,
-                          number_of_threads=barrier_threads)
+                          number_of_threads=DQ_HANDOFF_THREADS)
         cute.autovec_copy(dq_accum.register_view(acc_dq),
                           dq_accum.thread_view(sdQ.iterator, wg, tid % WARPGROUP_THREADS,
                                                self.tile_m, self.head_dim, self.consumer_wgs))
         # generic-proxy stores, read next by the bulk copy through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + wg,
-                                 number_of_threads=barrier_threads)
+                                 number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
@@ -395,21 +390,18 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         have added theirs to the same tile, and signals after its own landed."""
         tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
         region = dq_accum.warpgroup_region(tile_m, d, wgs)
-        barrier_threads = WARPGROUP_THREADS + 32
         lane = cute.arch.lane_idx()
         for w in cutlass.range_constexpr(wgs):  # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
-                                     number_of_threads=barrier_threads)
-        blocks = QueryBlockRange(tile_m, self.tile_n, self.causal)
-        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
-        m_count = blocks.m_block_max(seqlen_q) - m_min
+                                     number_of_threads=DQ_HANDOFF_THREADS)
+        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         for group_head in cutlass.range(q_per_kv, unroll=1):
             head = head_kv * q_per_kv + group_head
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + w,
-                                      number_of_threads=barrier_threads)
+                                      number_of_threads=DQ_HANDOFF_THREADS)
                     if lane == 0:
                         offset = m_block * tile_m * d + w * region
                         dst = mdQaccum.iterator + cute.crd2idx((offset, head, batch),
@@ -428,7 +420,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 cute.arch.sync_warp()  # the slabs are read: all lanes may release them
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
-                                             number_of_threads=barrier_threads)
+                                             number_of_threads=DQ_HANDOFF_THREADS)
 
     # -------------------------------------------------------------- epilogue
     @cute.jit

@@ -48,8 +48,21 @@ def _field_error(config, head_dim: int):
     return bad
 
 
+class _KernelConfig:
+    """What both config dataclasses derive the same way from their fields
+    (each defines `consumer_warpgroups`)."""
+
+    @property
+    def threads(self) -> int:
+        """One producer warpgroup and the consumer warpgroups."""
+        return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
 @dataclass(frozen=True)
-class FwdConfig:
+class FwdConfig(_KernelConfig):
     """Structural choices of the SM90 forward kernel.
 
     tile_m: query rows per CTA tile; each consumer warpgroup owns 64 of them,
@@ -82,9 +95,6 @@ class FwdConfig:
     def consumer_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
 
-    @property
-    def threads(self) -> int:
-        return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Dynamic shared memory of the kernel's SharedStorage, as laid out there:
@@ -116,8 +126,6 @@ class FwdConfig:
             raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                    f"this needs {self.smem_bytes(head_dim)} B")
 
-    def replace(self, **changes) -> "FwdConfig":
-        return dataclasses.replace(self, **changes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +154,7 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
 
 
 @dataclass(frozen=True)
-class BwdConfig:
+class BwdConfig(_KernelConfig):
     """Structural choices of the SM90 backward kernel (bwd_sm90.py).
 
     One CTA owns tile_n keys (tile_n // 64 consumer warpgroups, 64 keys each)
@@ -171,9 +179,6 @@ class BwdConfig:
     def consumer_warpgroups(self) -> int:
         return self.tile_n // WGMMA_M
 
-    @property
-    def threads(self) -> int:
-        return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
 
     def dq_split_m(self) -> bool:
         """dQ = dS·K: warpgroups split the tile's rows when there is one 64-row
@@ -210,8 +215,6 @@ class BwdConfig:
             raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                     f"this needs {self.smem_bytes(head_dim)} B")
 
-    def replace(self, **changes) -> "BwdConfig":
-        return dataclasses.replace(self, **changes)
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,7 +31,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cpipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import wgmma
@@ -414,14 +414,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
                           number_of_threads=WARPGROUP_THREADS)
-        # Inside a warpgroup the accumulator layout is that of a one-warpgroup
-        # MMA, so a one-warpgroup copy partitions this warpgroup's slab.
-        store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                         self.dtype)
-        thr_store = cute.make_tiled_copy_C(
-            store_atom, wgmma.tiled_mma_rs(self.dtype, 1, self.head_dim)).get_slice(wg_tid)
         slab = sO[None, None, wg]
-        cute.copy(store_atom, thr_store.retile(r_o), thr_store.partition_D(slab))
+        wgmma.stmatrix_store(self.dtype, r_o, slab, wg_tid)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
 

@@ -110,3 +110,7 @@ class BwdBarrier(enum.IntEnum):
     DS_READY = 1
     DQ_FULL_BASE = 2
     DQ_EMPTY_BASE = 5
+
+
+# DQ_FULL / DQ_EMPTY count one consumer warpgroup and the dQ-writer warp.
+DQ_HANDOFF_THREADS = WARPGROUP_THREADS + 32

@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 from cutlass.tensor_utils import LayoutEnum
@@ -128,3 +128,15 @@ def store_acc_tile(values: cute.Tensor, thr_mma, g_tile: cute.Tensor, rows_valid
         for i in cutlass.range_constexpr(cute.size(values)):
             if coords[i][0] < rows_valid:
                 dst[i] = values[i]
+
+
+@cute.jit
+def stmatrix_store(dtype, values: cute.Tensor, slab: cute.Tensor, thread_in_wg):
+    """One warpgroup's 16-bit accumulator values (64 x n, accumulator order) into
+    its (64, n) shared-memory slab with stmatrix. Inside a warpgroup the
+    accumulator layout is that of a one-warpgroup MMA, whatever the tiled MMA
+    that produced it."""
+    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    thr_copy = cute.make_tiled_copy_C(
+        atom, tiled_mma_ss(dtype, 1, cute.size(slab, mode=[1]))).get_slice(thread_in_wg)
+    cute.copy(atom, thr_copy.retile(values), thr_copy.partition_D(slab))

@@ -13,7 +13,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
 from .reference import attention_reference
-from .validate import check_argument_types, check_attention_inputs
+from .validate import check_argument_types, check_attention_tensors
 
 __all__ = ["flash_attn_func", "attention_reference"]
 
@@ -35,7 +35,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_argument_types(q, k, v, softmax_scale)
     if q.is_cuda and not torch.compiler.is_compiling():
         # Eager on the GPU: same kernels, without the custom-op dispatch cost.
-        check_attention_inputs(q, k, v, softmax_scale)
+        check_attention_tensors(q, k, v, softmax_scale)
         out, lse = ops.EagerCudaAttention.apply(q, k, v, softmax_scale, bool(causal),
                                                 bool(deterministic))
     else:

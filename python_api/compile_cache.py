@@ -89,9 +89,7 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
     v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
     o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (batch, heads_q, seqlen_q),
-        stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
     start = time.perf_counter()
     fn = _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1),
                   dump_dir=dump_dir)

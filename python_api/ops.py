@@ -43,6 +43,20 @@ def _checked_device(device_index: int) -> None:
     check_cuda_device(torch.device("cuda", device_index))
 
 
+def _device_index(t: torch.Tensor) -> int:
+    """The tensor's CUDA device, checked once per device to be an sm_90 GPU."""
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    _checked_device(index)
+    return index
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_semaphore(device_index: int) -> torch.Tensor:
+    # The kernel reads the semaphore only in deterministic mode; one tiny
+    # tensor per device stands in for it otherwise.
+    return torch.empty((1, 1, 1), dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs a 16-byte aligned base and strides that are multiples of 16 bytes."""
     elems = 16 // t.element_size()
@@ -59,8 +73,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     (this is how profiling.sweep A/Bs kernel variants)."""
     from .compile_cache import get_fwd  # imports cutlass: only where kernels run
 
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    _checked_device(device_index)
+    device_index = _device_index(q)
     head_dim = q.shape[3]
     config = config or default_fwd_config(head_dim, causal)
     kernel = get_fwd(q.dtype, head_dim, causal, config)
@@ -75,15 +88,16 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
 
 def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-                  grad_lse: torch.Tensor | None = None, config: BwdConfig | None = None):
-    """Run preprocess, the DSL backward kernel and the dQ postprocess; `config`
-    overrides the per-problem default (profiling.sweep)."""
+                  grad_lse: torch.Tensor | None = None, deterministic: bool = False, *,
+                  config: BwdConfig | None = None):
+    """Run preprocess, the DSL backward kernel and the dQ postprocess (the
+    arguments of cute_fa::bwd); `config` overrides the per-problem default
+    (profiling.sweep), deterministic included."""
     from .compile_cache import get_bwd  # imports cutlass: only where kernels run
 
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    _checked_device(device_index)
+    device_index = _device_index(q)
     head_dim = q.shape[3]
-    config = config or default_bwd_config(head_dim, causal)
+    config = config or default_bwd_config(head_dim, causal, deterministic)
     kernels = get_bwd(q.dtype, head_dim, causal, config, grad_lse is not None)
     q, k, v, out, grad_out = (_tma_ready(t) for t in (q, k, v, out, grad_out))
     lse = lse.contiguous()
@@ -98,7 +112,7 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         semaphore = torch.zeros((batch, heads, m_blocks * config.consumer_warpgroups),
                                 dtype=torch.int32, device=q.device)
     else:
-        semaphore = torch.empty((1, 1, 1), dtype=torch.int32, device=q.device)
+        semaphore = _unused_semaphore(device_index)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -155,8 +169,8 @@ def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
               deterministic=False):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
-    config = default_bwd_config(q.shape[3], causal, deterministic)
-    return backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse, config)
+    return backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse,
+                         deterministic)
 
 
 @bwd.register_fake
@@ -166,23 +180,30 @@ def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
-    out, lse = output
+def _save_for_backward(ctx, q, k, v, out, lse, softmax_scale: float, causal: bool,
+                       deterministic: bool) -> None:
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = _resolve_scale(q, softmax_scale)
-    ctx.causal = causal
-    ctx.deterministic = deterministic
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
 
 
-def _fwd_backward(ctx, grad_out, grad_lse):
+def _saved_grads(ctx, grad_out, grad_lse, backward):
+    """(dq, dk, dv) from what _save_for_backward kept; `backward` takes the
+    arguments of cute_fa::bwd (the op itself, or backward_cuda)."""
     q, k, v, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grad_q, grad_k, grad_v = torch.ops.cute_fa.bwd(
-        grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal, grad_lse,
-        ctx.deterministic)
-    return grad_q, grad_k, grad_v, None, None, None
+    return backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                    grad_lse, ctx.deterministic)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, deterministic = inputs
+    _save_for_backward(ctx, q, k, v, *output, _resolve_scale(q, softmax_scale), causal,
+                       deterministic)
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    return *_saved_grads(ctx, grad_out, grad_lse, torch.ops.cute_fa.bwd), None, None, None
 
 
 torch.library.register_autograd("cute_fa::fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -199,17 +220,10 @@ class EagerCudaAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
         scale = _resolve_scale(q, softmax_scale)
         out, lse = forward_cuda(q, k, v, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
+        _save_for_backward(ctx, q, k, v, out, lse, scale, causal, deterministic)
         ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        config = default_bwd_config(q.shape[3], ctx.causal, ctx.deterministic)
-        grads = backward_cuda(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale,
-                              ctx.causal, grad_lse, config)
-        return *grads, None, None, None
+        return *_saved_grads(ctx, grad_out, grad_lse, backward_cuda), None, None, None

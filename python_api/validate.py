@@ -34,6 +34,11 @@ def check_argument_types(q, k, v, softmax_scale=None) -> None:
 def check_attention_inputs(q, k, v, softmax_scale=None) -> None:
     """Validate (batch, seqlen, nheads, headdim) q, k, v for the forward."""
     check_argument_types(q, k, v, softmax_scale)
+    check_attention_tensors(q, k, v, softmax_scale)
+
+
+def check_attention_tensors(q, k, v, softmax_scale=None) -> None:
+    """check_attention_inputs for arguments whose types are already checked."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, nheads, headdim), "

@@ -9,6 +9,16 @@ from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
 from profiling.kernel_info import dumped_kernel_info
 
 
+def _assert_warp_specialised(info, config):
+    """mbarrier-fed consumers, the config's setmaxnreg split, one producer
+    warpgroup plus the config's consumer warpgroups, a legal register count."""
+    assert info.counts["mbarrier_wait"] > 0
+    assert ("dec", config.producer_regs) in info.setmaxnreg
+    assert ("inc", config.consumer_regs) in info.setmaxnreg
+    assert info.warpgroups == 1 + config.consumer_warpgroups
+    assert info.registers is not None and info.registers <= 255
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
@@ -18,13 +28,9 @@ def test_forward_kernel_ptx(tmp_path, dtype, head_dim, causal):
     info = dumped_kernel_info(str(tmp_path))
     assert info.counts["wgmma"] > 0
     assert info.counts["tma_load"] > 0 and info.counts["tma_store"] > 0
-    assert info.counts["mbarrier_wait"] > 0
-    assert ("dec", config.producer_regs) in info.setmaxnreg
-    assert ("inc", config.consumer_regs) in info.setmaxnreg
-    # one producer warpgroup + one consumer warpgroup per 64 query rows
-    assert info.warpgroups == 1 + config.consumer_warpgroups >= 3
+    _assert_warp_specialised(info, config)
+    assert info.warpgroups >= 3  # one consumer warpgroup per 64 query rows
     assert info.counts["local_memory"] == 0
-    assert info.registers is not None and info.registers <= 255
 
 
 def test_head_dim_128_launches_three_warpgroups(tmp_path):
@@ -59,13 +65,10 @@ def test_backward_kernel_ptx(tmp_path, dtype, head_dim, causal):
     # Sᵀ, dPᵀ, dV, dK, dQ: five GEMMs, each issued as WGMMA
     assert info.counts["wgmma"] >= 5
     assert info.counts["tma_load"] >= 6  # K, V, Q, dO, LSE₂, D
-    assert info.counts["mbarrier_wait"] > 0
-    assert ("dec", config.producer_regs) in info.setmaxnreg
-    assert ("inc", config.consumer_regs) in info.setmaxnreg
-    assert info.warpgroups == 1 + config.consumer_warpgroups == 3
+    _assert_warp_specialised(info, config)
+    assert info.warpgroups == 3  # one consumer warpgroup per 64 keys
     # the bulk fp32 reduce-add of dQ partials, one per consumer warpgroup slab
     assert info.counts["dq_reduce"] == config.consumer_warpgroups
-    assert info.registers is not None and info.registers <= 255
     for helper in ("preprocess", "postprocess"):
         assert dumped_kernel_info(str(tmp_path / helper)).counts["local_memory"] == 0
 
