@@ -19,12 +19,16 @@ keys on WGMMA's M axis, so Pᵀ and dSᵀ come out in the register layout the
 next WGMMA takes as its A operand):
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          SS-WGMMA, both in flight
     Pᵀ = exp2(Sᵀ·scale_log2 − LSE₂)    LSE₂ = LSE·log2(e), from the preprocess
-    dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers
-    dSᵀ = Pᵀ ∘ (dPᵀ − D)               D = rowsum(dO ∘ O), from the preprocess
-    dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers
+    dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers (issued after
+                                       dSᵀ instead unless cfg.dv_under_ds)
+    dSᵀ = Pᵀ ∘ (dPᵀ − D)               D = rowsum(dO ∘ O), from the preprocess;
+                                       Pᵀ fp32, or 16-bit (cfg.ds_from_16bit_p)
+    dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers (issued after
+                                       dQ instead with cfg.dq_store_under_dk)
     dSᵀ → smem; [DS_READY]  dQ_part = dS·K   (SS-WGMMA over all keys of the CTA)
-    dQ_part → smem [DQ_FULL]; the writer warp reduce-adds it into the fp32
-    dQ accumulator (dq_accum.py) and frees the slab [DQ_EMPTY]
+    dQ_part → smem [DQ_FULL] (under the dK GEMM with cfg.dq_store_under_dk);
+    the writer warp reduce-adds it into the fp32 dQ accumulator (dq_accum.py)
+    and frees the slab [DQ_EMPTY]
 At the end dK·scale and dV go to global memory; the postprocess kernel turns
 the dQ accumulator into dQ (bwd_pre_post.py).
 """
@@ -282,13 +286,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 needs_mask = seqlen_edge
                 if cutlass.const_expr(self.causal):
                     needs_mask = needs_mask or m_block < m_unmasked
-                acc_dq = self.step(frags, acc_dk, acc_dv, st_coords, wg, tid,
-                                   mma_sdp, mma_dkv, mma_dq, sLSE2, sD, sdSt, pipe_q, q_state,
-                                   pipe_do, do_state, step % 2, needs_mask, n_block, m_block,
-                                   seqlen_q, seqlen_k, softmax_scale_log2)
+                self.step(frags, acc_dk, acc_dv, st_coords, wg, tid, mma_sdp, mma_dkv, mma_dq,
+                          sLSE2, sD, sdSt, sdQ, pipe_q, q_state, pipe_do, do_state, step % 2,
+                          needs_mask, n_block, m_block, seqlen_q, seqlen_k, softmax_scale_log2)
                 q_state.advance()
                 do_state.advance()
-                self.stage_dq(acc_dq, sdQ, wg, tid)
                 step += 1
         self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, softmax_scale, n_block,
                        head_kv, batch, seqlen_k)
@@ -309,11 +311,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def step(self, frags, acc_dk, acc_dv, st_coords, wg: Int32, tid: Int32, mma_sdp, mma_dkv,
-             mma_dq, sLSE2, sD, sdSt, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
+             mma_dq, sLSE2, sD, sdSt, sdQ, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
              needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-             softmax_scale_log2: Float32) -> cute.Tensor:
-        """One query block: all five GEMMs; returns this thread's dQ partial with
-        every GEMM retired. (Issuing the next block's Sᵀ across the loop edge
+             softmax_scale_log2: Float32):
+        """One query block: all five GEMMs retired and the dQ partial handed to
+        the writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
         tile_m, tile_n = self.tile_m, self.tile_n
         acc_s = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
@@ -336,19 +338,25 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             lse2 = sLSE2[coords[0, j][1], q_state.index]
             for r in cutlass.range_constexpr(rows):
                 p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2, fastmath=True)
-        # dV += Pᵀ·dO runs while dSᵀ is computed.
-        wgmma.convert_to_16bit(acc_s, frags["Pt"])
-        wgmma.gemm(mma_dkv, acc_dv, frags["Pt"], frags["dOt"][None, None, None, do_state.index],
-                   zero_init=False, wait_groups=-1)
-        warpgroup.wait_group(1)  # dPᵀ has landed (dV may still run)
+        if cutlass.const_expr(self.cfg.dv_under_ds):
+            self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
+            warpgroup.wait_group(1)  # dPᵀ has landed (dV may still run)
+        else:
+            warpgroup.wait_group(0)  # dPᵀ has landed
         ds = wgmma.acc_rows_cols(acc_dp)
+        if cutlass.const_expr(self.cfg.ds_from_16bit_p):
+            p = wgmma.acc_rows_cols(cute.make_tensor(frags["Pt"].iterator,
+                                                     cute.make_layout(acc_s.shape)))
         for j in cutlass.range_constexpr(cols):
             dsum = sD[coords[0, j][1], do_state.index]
             for r in cutlass.range_constexpr(rows):
-                ds[r, j] = p[r, j] * (ds[r, j] - dsum)
+                ds[r, j] = p[r, j].to(Float32) * (ds[r, j] - dsum)
+        if cutlass.const_expr(not self.cfg.dv_under_ds):
+            self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
         wgmma.convert_to_16bit(acc_dp, frags["dSt"])
-        wgmma.gemm(mma_dkv, acc_dk, frags["dSt"], frags["Qt"][None, None, None, q_state.index],
-                   zero_init=False, wait_groups=-1)
+        under_dk = self.cfg.dq_store_under_dk
+        if cutlass.const_expr(not under_dk):
+            self.issue_dk(frags, acc_dk, mma_dkv, q_state)
 
         # dSᵀ to shared memory for dQ, which needs every warpgroup's keys. The
         # register A fragment holds the values in accumulator order.
@@ -361,11 +369,33 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                           number_of_threads=self.consumer_threads)
         acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((tile_m, self.head_dim)),
                                        Float32)
+        # Without under_dk this wait also retires dV and dK.
         wgmma.gemm(mma_dq, acc_dq, frags["dS"][None, None, None, ds_buffer], frags["Kt"],
-                   zero_init=True, wait_groups=0)  # also retires dV and dK
-        pipe_q.consumer_release(q_state)
-        pipe_do.consumer_release(do_state)
-        return acc_dq
+                   zero_init=True, wait_groups=-1 if under_dk else 0)
+        if cutlass.const_expr(under_dk):
+            self.issue_dk(frags, acc_dk, mma_dkv, q_state)
+            warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
+            pipe_do.consumer_release(do_state)
+            self.stage_dq(acc_dq, sdQ, wg, tid)
+            warpgroup.wait_group(0)
+            pipe_q.consumer_release(q_state)
+        else:
+            pipe_q.consumer_release(q_state)
+            pipe_do.consumer_release(do_state)
+            self.stage_dq(acc_dq, sdQ, wg, tid)
+
+    @cute.jit
+    def issue_dk(self, frags, acc_dk, mma_dkv, q_state):
+        """dK += dSᵀ·Q, dSᵀ from the registers it was computed in, left in flight."""
+        wgmma.gemm(mma_dkv, acc_dk, frags["dSt"], frags["Qt"][None, None, None, q_state.index],
+                   zero_init=False, wait_groups=-1)
+
+    @cute.jit
+    def issue_dv(self, frags, acc_p, acc_dv, mma_dkv, do_state):
+        """dV += Pᵀ·dO, Pᵀ converted to 16 bits into the A fragment, left in flight."""
+        wgmma.convert_to_16bit(acc_p, frags["Pt"])
+        wgmma.gemm(mma_dkv, acc_dv, frags["Pt"], frags["dOt"][None, None, None, do_state.index],
+                   zero_init=False, wait_groups=-1)
 
     @cute.jit
     def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):

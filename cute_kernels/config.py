@@ -165,6 +165,17 @@ class BwdConfig(_KernelConfig):
     deterministic: dQ partial sums are added to the fp32 accumulator in
         key-block order (a per-tile semaphore), so gradients are bitwise
         reproducible; otherwise in whatever order CTAs finish.
+    dv_under_ds: issue dV += Pᵀ·dO before dSᵀ is computed, so that GEMM runs
+        under the elementwise work; Pᵀ is then live in fp32 and 16 bits at
+        once (tile_m / 4 more registers). Off: the FlashAttention-3 order, dSᵀ
+        first, then dV and dK back to back.
+    ds_from_16bit_p: with dv_under_ds, compute dSᵀ from the 16-bit Pᵀ that
+        dV reads instead of the fp32 one, which is then dead before dPᵀ lands
+        (tile_m / 2 registers fewer per thread: what lets tile_m=128 run
+        without ptxas serialising the WGMMAs), for one conversion per element.
+    dq_store_under_dk: issue dK += dSᵀ·Q after dQ = dS·K instead of before
+        it, so the dQ partial's stores to shared memory run under dK (dSᵀ
+        stays in registers through the dSᵀ barrier).
     producer_regs / consumer_regs: setmaxnreg targets.
     """
 
@@ -172,6 +183,9 @@ class BwdConfig(_KernelConfig):
     tile_n: int = 128
     qdo_stages: int = 2
     deterministic: bool = False
+    dv_under_ds: bool = True
+    ds_from_16bit_p: bool = False
+    dq_store_under_dk: bool = True
     producer_regs: int = 24
     consumer_regs: int = 240
 
@@ -208,6 +222,9 @@ class BwdConfig(_KernelConfig):
                                     f"({WGMMA_M * self.consumer_warpgroups}), or 64 with "
                                     f"head_dim split evenly in multiples of 8 across "
                                     f"{self.consumer_warpgroups} warpgroups")
+        if self.ds_from_16bit_p and not self.dv_under_ds:
+            raise bad("ds_from_16bit_p", "False unless dv_under_ds (the 16-bit Pᵀ exists "
+                                         "before dSᵀ only when dV is issued first)")
         if not 1 <= self.qdo_stages <= 4:
             raise bad("qdo_stages", "an integer in [1, 4]")
         _check_register_split(self, bad)
@@ -220,9 +237,25 @@ class BwdConfig(_KernelConfig):
 @functools.lru_cache(maxsize=None)
 def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False) -> BwdConfig:
     """128 keys per CTA in two consumer warpgroups (their dK and dV stay in
-    registers for the whole walk over queries), 64 queries per step: with 128
-    (head dim 64) Sᵀ and dPᵀ take 64 registers each and ptxas serialises every
-    WGMMA of the kernel for want of registers."""
+    registers for the whole walk over queries). Picked with `profiling.sweep
+    --kernel bwd` on an H100 (bf16, seqlen 8k, batch 2; TFLOP/s of the
+    backward kernels, the choice vs the runner-up):
+
+    - head dim 64: 128 queries per step with dSᵀ from the 16-bit Pᵀ (488.6 vs
+      415.5 with 64 queries, non-causal; causal 464.8 vs 394.7). With 128
+      queries and the fp32 Pᵀ ptxas runs out of registers and serialises the
+      WGMMAs (463.6 even in the FlashAttention-3 order);
+    - head dim 96/128: 64 queries per step (128 would need 256 accumulator
+      registers per thread), dSᵀ from the fp32 Pᵀ (608.1 vs 598.7);
+    - dQ partial stored under the dK GEMM (d128 618.3 vs 600.7, causal 555.8
+      vs 542.8; d64 541.4 vs 504.9, causal 500.4 vs 464.5);
+    - dV issued before dSᵀ is computed (d128 608.1 vs 608.5, even), which is
+      what lets d64 drop the fp32 Pᵀ; qdo_stages 3 gains nothing (616.0 vs 618.3).
+    Each pair comes from one sweep run; runs differ by a few % (see RESULTS.md).
+    """
+    if head_dim <= 64:
+        return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
+                         ds_from_16bit_p=True)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic)
 
 

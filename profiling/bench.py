@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--math-max-seqlen", type=int, default=4096,
                    help="skip sdpa_math above this seqlen (quadratic memory and time)")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--include-host-latency", action="store_true",
+                   help="time each call from an idle GPU, host work included "
+                        "(default: the host queues the call ahead, see timing.py)")
     p.add_argument("--out", default="bench_out/bench")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
@@ -106,7 +109,9 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
         gc.collect()
         torch.cuda.empty_cache()
     if runnable:
-        for name, (median, count) in time_interleaved(runnable, repeats=args.repeats).items():
+        for name, (median, count) in time_interleaved(runnable, repeats=args.repeats,
+                                                    include_host_latency=args.include_host_latency
+                                                    ).items():
             rows[name].update(median_ms=median, tflops=tflops(flops, median), repeats=count)
     return [rows[name] for name in backends]
 

@@ -2,15 +2,23 @@
 
 Used by the main job (`python -m profiling.main`) and the compile tests: the
 instruction counts prove TMA, WGMMA, setmaxnreg and mbarrier waits are in
-the kernel; the cubin's .nv.info attributes give registers and stack frame.
+the kernel; the cubin's .nv.info attributes give registers and stack frame;
+its SASS (nvdisasm, from the nvidia-cuda-nvdisasm wheel) shows whether ptxas
+kept the WGMMAs asynchronous. When it runs short of registers ptxas
+serialises them (warning C7512, which the DSL does not show): it then puts a
+warpgroup wait after every HGMMA, so the kernel has as many waits as HGMMAs
+instead of the few its PTX asks for.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
+import shutil
 import struct
+import subprocess
 from dataclasses import dataclass, field
 
 PTX_PATTERNS = {
@@ -27,6 +35,11 @@ PTX_PATTERNS = {
     "acquire_load": r"ld\.acquire\.gpu",
     "release_add": r"red\.release\.gpu",
 }
+SASS_PATTERNS = {
+    "hgmma": r"\bHGMMA\.",
+    "warpgroup_wait": r"\bWARPGROUP\.DEPBAR",
+    "local_memory": r"\b(STL|LDL)\b",
+}
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x12
 _EIFMT_SVAL = 4
@@ -39,10 +52,18 @@ class KernelInfo:
     setmaxnreg: list = field(default_factory=list)  # [(inc|dec, regs)]
     registers: int | None = None
     stack_bytes: int | None = None
+    sass: dict | None = None  # SASS_PATTERNS counts, None without nvdisasm
 
     @property
     def warpgroups(self) -> int:
         return self.threads // 128
+
+    @property
+    def wgmma_serialized(self) -> bool | None:
+        """ptxas made every WGMMA synchronous (None: SASS not read)."""
+        if self.sass is None:
+            return None
+        return self.sass["hgmma"] > 0 and self.sass["warpgroup_wait"] >= self.sass["hgmma"]
 
 
 def ptx_info(ptx: str) -> KernelInfo:
@@ -80,6 +101,26 @@ def cubin_resources(data: bytes) -> tuple[int | None, int | None]:
     return regs, stack
 
 
+def nvdisasm_path() -> str | None:
+    """nvdisasm of the nvidia-cuda-nvdisasm wheel, else the one on PATH."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm")))
+        if found:
+            return found[-1]
+    return shutil.which("nvdisasm")
+
+
+def sass_counts(cubin_path: str) -> dict | None:
+    """SASS_PATTERNS counts of a cubin's code, None when nvdisasm is missing."""
+    tool = nvdisasm_path()
+    if tool is None:
+        return None
+    sass = subprocess.run([tool, "-c", cubin_path], check=True, capture_output=True,
+                          text=True).stdout
+    return {name: len(re.findall(pat, sass)) for name, pat in SASS_PATTERNS.items()}
+
+
 def dumped_kernel_info(dump_dir: str) -> KernelInfo:
     ptx_files = glob.glob(os.path.join(dump_dir, "*.ptx"))
     if len(ptx_files) != 1:
@@ -90,4 +131,5 @@ def dumped_kernel_info(dump_dir: str) -> KernelInfo:
     if cubins:
         with open(cubins[0], "rb") as f:
             info.registers, info.stack_bytes = cubin_resources(f.read())
+        info.sass = sass_counts(cubins[0])
     return info

@@ -63,6 +63,7 @@ _TAIL = [
     ("smem KB", 7, lambda r: f"{r['config'].smem_bytes(r['head_dim']) / 1024:.1f}"),
     ("TMA ld", 6, lambda r: r["info"].counts["tma_load"]),
     ("WGMMA", 5, lambda r: r["info"].counts["wgmma"]),
+    ("async", 5, lambda r: {None: "?", False: "yes", True: "NO"}[r["info"].wgmma_serialized]),
 ]
 COLUMNS = {
     "fwd": _COMMON + [("roles", -22, lambda r: f"1 TMA + {r['config'].consumer_warpgroups} "
@@ -79,9 +80,11 @@ TITLES = {
 }
 FOOTNOTES = {
     "fwd": "regs: at kernel entry; setmaxnreg d<n>/i<n>: producer decreases, consumers "
-           "increase.\nspills: ld/st.local in PTX + stack frame bytes in the cubin.",
-    "bwd": "tile: 128 keys per CTA (64 per MMA warpgroup), 64 queries per step; dQ red: bulk "
-           "fp32 reduce-add instructions.",
+           "increase.\nspills: ld/st.local in PTX + stack frame bytes in the cubin.\n"
+           "async: ptxas kept the WGMMAs asynchronous (NO: it serialised them for want of "
+           "registers; ?: no nvdisasm).",
+    "bwd": "tile: 128 keys per CTA (64 per MMA warpgroup), tile_m queries per step; dQ red: "
+           "bulk fp32 reduce-add instructions.",
 }
 
 

@@ -101,7 +101,11 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
 
 
 @pytest.mark.parametrize("overrides", [dict(tile_m=64), dict(qdo_stages=1),
-                                       dict(tile_n=64, tile_m=64), dict(deterministic=True)])
+                                       dict(tile_n=64, tile_m=64), dict(deterministic=True),
+                                       dict(dv_under_ds=False, ds_from_16bit_p=False),
+                                       dict(dq_store_under_dk=True),
+                                       dict(tile_m=64, ds_from_16bit_p=False),
+                                       dict(tile_m=64, dq_store_under_dk=True)])
 def test_backward_config_variants(overrides):
     head_dim = 64
     config = BwdConfig(tile_m=128).replace(**overrides)

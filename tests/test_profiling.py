@@ -142,3 +142,23 @@ def test_our_fwd_bwd_row_runs_on_cpu():
     q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
     make_callable("cute", q, q, q, False, 0.125, "fwd_bwd")()
     make_callable("cute", q, q, q, True, 0.125, "bwd")()
+
+
+def test_breakdown_arguments():
+    from profiling import breakdown
+    args = breakdown.parse_args(["--backends", "cute,fa4", "--direction", "fwd_bwd"])
+    assert args.backends == ["cute", "fa4"] and args.direction == "fwd_bwd"
+    with pytest.raises(SystemExit):
+        breakdown.parse_args(["--backends", "cute,nope"])
+    with pytest.raises(SystemExit):
+        breakdown.parse_args(["--repeats", "0"])
+
+
+def test_wgmma_serialisation_from_sass_counts():
+    from profiling.kernel_info import KernelInfo
+    info = KernelInfo(threads=384)
+    assert info.wgmma_serialized is None  # no SASS read
+    info.sass = {"hgmma": 32, "warpgroup_wait": 4, "local_memory": 0}
+    assert info.wgmma_serialized is False
+    info.sass = {"hgmma": 32, "warpgroup_wait": 32, "local_memory": 12}
+    assert info.wgmma_serialized is True
