@@ -42,6 +42,7 @@ def test_backward_defaults_validate_and_fit():
     (dict(tile_m=128, tile_n=192), "tile_m"), (dict(qdo_stages=0), "qdo_stages"),
     (dict(qdo_stages=4), "qdo_stages"), (dict(consumer_regs=252), "consumer_regs"),
     (dict(tile_n=192, consumer_regs=240, tile_m=192), "consumer_regs"),
+    (dict(dv_under_ds=False, ds_from_16bit_p=True), "ds_from_16bit_p"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
     from cute_kernels.config import BwdConfig
