@@ -262,6 +262,13 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False)
 KERNEL_CONFIGS = {"fwd": FwdConfig, "bwd": BwdConfig}
 
 
+def default_config(kind: str, head_dim: int, causal: bool):
+    """The op's default FwdConfig ('fwd') or BwdConfig ('bwd') for a problem."""
+    if kind not in KERNEL_CONFIGS:
+        raise ValueError(f"kind: expected one of {sorted(KERNEL_CONFIGS)}, got {kind!r}")
+    return (default_fwd_config if kind == "fwd" else default_bwd_config)(head_dim, causal)
+
+
 def config_fields(kind: str = "fwd") -> list[str]:
     return [f.name for f in dataclasses.fields(KERNEL_CONFIGS[kind])]
 

@@ -20,8 +20,8 @@ from collections import defaultdict
 import torch
 
 from .backends import BACKENDS, BackendUnavailable, make_callable
-from .flops import attention_flops, batch_for, tflops
-from .problem import DTYPES, default_heads, make_qkv
+from .flops import attention_flops, tflops
+from .problem import DTYPES, make_qkv, problem_shape
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,8 +69,7 @@ def main(argv=None):
         raise SystemExit("profiling.breakdown: needs a CUDA GPU")
     from .timing import first_call, time_interleaved
 
-    heads = args.heads or default_heads(args.head_dim)
-    batch = batch_for(args.total_tokens, args.seqlen)
+    batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     q, k, v = make_qkv(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim,
                        DTYPES[args.dtype], seed=0)
     flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, args.causal,

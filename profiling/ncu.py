@@ -86,18 +86,16 @@ def parse_overrides(text: str, kind: str = "fwd") -> dict:
 def run_workload(args) -> None:
     """The profiled process: warm up (compile), then the selected call once."""
     from .backends import make_callable
-    from .flops import batch_for
-    from .problem import DTYPES, default_heads, make_qkv
+    from .problem import DTYPES, make_qkv, problem_shape
 
-    heads = args.heads or default_heads(args.head_dim)
-    q, k, v = make_qkv(batch_for(args.total_tokens, args.seqlen), args.seqlen, args.seqlen,
-                       heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype])
+    batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
+    q, k, v = make_qkv(batch, args.seqlen, args.seqlen, heads, heads // args.gqa,
+                       args.head_dim, DTYPES[args.dtype])
     scale = args.head_dim ** -0.5
     if args.backend == "cute" and args.config:
-        from cute_kernels.config import default_bwd_config, default_fwd_config
+        from cute_kernels.config import default_config
         from python_api.ops import backward_cuda, forward_cuda
-        default = default_fwd_config if args.direction == "fwd" else default_bwd_config
-        config = default(args.head_dim, args.causal).replace(
+        config = default_config(args.direction, args.head_dim, args.causal).replace(
             **parse_overrides(args.config, args.direction))
         if args.direction == "fwd":
             fn = lambda: forward_cuda(q, k, v, scale, args.causal, config)  # noqa: E731

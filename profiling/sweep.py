@@ -23,10 +23,10 @@ import os
 
 import torch
 
-from cute_kernels.config import default_bwd_config, default_fwd_config, parse_field
+from cute_kernels.config import default_config, parse_field
 
-from .flops import attention_flops, batch_for, tflops
-from .problem import DTYPES, default_heads, make_qkv
+from .flops import attention_flops, tflops
+from .problem import DTYPES, make_qkv, problem_shape
 
 
 def parse_vary(items: list[str], kind: str = "fwd") -> dict[str, list]:
@@ -70,8 +70,7 @@ def main(argv=None):
         raise SystemExit("profiling.sweep: needs a CUDA GPU")
     from .timing import time_cuda
 
-    heads = args.heads or default_heads(args.head_dim)
-    batch = batch_for(args.total_tokens, args.seqlen)
+    batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     scale = args.head_dim ** -0.5
 
     def make(b, sq, sk):
@@ -84,8 +83,7 @@ def main(argv=None):
     flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, args.causal,
                             "fwd" if args.kernel == "fwd" else "bwd")
 
-    default = default_fwd_config if args.kernel == "fwd" else default_bwd_config
-    base = default(args.head_dim, args.causal)
+    base = default_config(args.kernel, args.head_dim, args.causal)
     results = []
     for config in variants(base, vary):
         row = {"config": config.__dict__.copy(), "status": "ok"}

@@ -26,6 +26,23 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
+def _expanded_kv(q, k, v):
+    """K and V repeated to the query heads (GQA: query head h reads K/V head h // group)."""
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    return k, v
+
+
+def _scores(q, k, scale, causal):
+    """scale · Q·Kᵀ as (batch, heads, seqlen_q, seqlen_k), -inf where causal hides the key."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        visible = causal_mask(q.shape[1], k.shape[1], device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores
+
+
 def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch.float32):
     """Returns (out in q.dtype, lse fp32). compute_dtype=None computes in the input dtype,
     which is PyTorch's own low-precision math path."""
@@ -33,14 +50,8 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
     if compute_dtype is not None:
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    group = q.shape[2] // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        visible = causal_mask(q.shape[1], k.shape[1], device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    k, v = _expanded_kv(q, k, v)
+    scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     probs = torch.exp(scores - lse[..., None].to(scores.dtype))
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
@@ -62,15 +73,10 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
     dtypes = (q.dtype, k.dtype, v.dtype)
     f = (lambda t: t.to(compute_dtype)) if compute_dtype is not None else (lambda t: t)
     q, k, v, out, grad_out = f(q), f(k), f(v), f(out), f(grad_out)
-    batch, seqlen_q, heads, _ = q.shape
     heads_kv = k.shape[2]
-    group = heads // heads_kv
-    k_rep = k.repeat_interleave(group, dim=2) if group > 1 else k
-    v_rep = v.repeat_interleave(group, dim=2) if group > 1 else v
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k_rep) * softmax_scale
-    if causal:
-        visible = causal_mask(seqlen_q, k.shape[1], device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    group = q.shape[2] // heads_kv
+    k_rep, v_rep = _expanded_kv(q, k, v)
+    scores = _scores(q, k_rep, softmax_scale, causal)
     probs = torch.nan_to_num(torch.exp(scores - lse[..., None].to(scores.dtype)), nan=0.0)
     grad_v = torch.einsum("bhqk,bqhd->bkhd", probs, grad_out)
     grad_p = torch.einsum("bqhd,bkhd->bhqk", grad_out, v_rep)

@@ -90,9 +90,8 @@ def check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse=N
             raise ValueError(f"{name}: expected the last dimension to be contiguous, "
                              f"got strides {tuple(t.stride())}")
     batch, seqlen_q, heads, _ = q.shape
-    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
-        if t is None and name == "grad_lse":
-            continue
+    stats = [("lse", lse)] + ([("grad_lse", grad_lse)] if grad_lse is not None else [])
+    for name, t in stats:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != (batch, heads, seqlen_q) or t.dtype != torch.float32 \

@@ -65,3 +65,14 @@ def test_parse_field_per_kernel():
     assert parse_field("qdo_stages", "3", "bwd") == 3
     with pytest.raises(ValueError, match="unknown BwdConfig field 'kv_stages'"):
         parse_field("kv_stages", "2", "bwd")
+
+
+def test_default_config_by_kind():
+    from cute_kernels.config import (BwdConfig, FwdConfig, default_bwd_config, default_config,
+                                     default_fwd_config)
+    assert default_config("fwd", 128, True) == default_fwd_config(128, True)
+    assert default_config("bwd", 64, False) == default_bwd_config(64, False)
+    assert isinstance(default_config("fwd", 64, False), FwdConfig)
+    assert isinstance(default_config("bwd", 64, False), BwdConfig)
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        default_config("sideways", 64, False)

@@ -162,3 +162,10 @@ def test_wgmma_serialisation_from_sass_counts():
     assert info.wgmma_serialized is False
     info.sass = {"hgmma": 32, "warpgroup_wait": 32, "local_memory": 12}
     assert info.wgmma_serialized is True
+
+
+def test_problem_shape():
+    from profiling.problem import problem_shape
+    assert problem_shape(128, 8192, 16384) == (2, 16)
+    assert problem_shape(64, 1024, 16384) == (16, 32)
+    assert problem_shape(128, 4096, 4096, heads=8) == (1, 8)
