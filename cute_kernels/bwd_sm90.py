@@ -1,9 +1,12 @@
 """FlashAttention-3 backward for Hopper (sm_90a), in the CuTe DSL.
 
-One CTA per (key block, kv head, batch); threads = 128 · (1 + consumer_warpgroups).
+One CTA per (key block, KV head, batch), or per (key block, query head, batch)
+with cfg.split_gqa, causal key blocks longest-first (scheduler.py);
+threads = 128 · (1 + consumer_warpgroups).
   warpgroup 0   producer (setmaxnreg.dec). Warp 0 issues every TMA load:
                 K and V of the CTA's key block once, then, for each query head
-                of the KV group and each query block that sees these keys,
+                it walks (all of the KV group's, or its own with split_gqa)
+                and each query block that sees these keys,
                 Q + LSE₂ into the Q ring and dO + D into the dO ring.
                 Warp 1 is the dQ writer: it adds each consumer warpgroup's dQ
                 partial from shared memory into the fp32 accumulator (one bulk
@@ -29,8 +32,9 @@ next WGMMA takes as its A operand):
     dQ_part → smem [DQ_FULL] (under the dK GEMM with cfg.dq_store_under_dk);
     the writer warp reduce-adds it into the fp32 dQ accumulator (dq_accum.py)
     and frees the slab [DQ_EMPTY]
-At the end dK·scale and dV go to global memory; the postprocess kernel turns
-the dQ accumulator into dQ (bwd_pre_post.py).
+At the end dK·scale and dV go to global memory (16-bit, or with split_gqa fp32
+partials per query head that the host sums over the group); the postprocess
+kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
 from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
 from .mask import QueryBlockRange, apply_mask_transposed
 from .pipeline import DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline, producer_state
+from .scheduler import TileScheduler
 
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared memory.
@@ -67,7 +72,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor,
                  softmax_scale_log2: Float32, softmax_scale: Float32, stream: cuda.CUstream):
-        """Torch order: Q, dO (b, s_q, h, d); K, V, dK, dV (b, s_k, h_kv, d);
+        """Torch order: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d); dK, dV
+        (b, s_k, h_kv, d), or with split_gqa fp32 (b, s_k, h, d);
         LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
         · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
         (read only in deterministic mode)."""
@@ -116,7 +122,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                     SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * d], 128]
 
-        grid = (cute.ceil_div(mK.shape[0], tile_n), mK.shape[2], mK.shape[3])
+        grid = (self._scheduler(mQ, mK).num_tiles(), 1, 1)
         self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, mdK, mdV, mSemaphore,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, softmax_scale_log2,
                     softmax_scale, sQ_layout, sK_layout, sdSt_layout, sStat_layout,
@@ -164,22 +170,45 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
         )
-        n_block, head_kv, batch = cute.arch.block_idx()
+        n_block, cta_head, batch = self._scheduler(mQ, mK).decode(
+            Int32(cute.arch.block_idx()[0]))
+        heads = self._query_heads(cta_head, mQ.shape[2] // mK.shape[2])
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
-                             tma_lse, tma_d, smem, pipes, n_block, head_kv, batch)
+                             tma_lse, tma_d, smem, pipes, n_block, heads, batch)
             if warp_idx == 1:
                 self.write_dq(mdQaccum, mSemaphore, smem[7], mQ.shape[0], mK.shape[0],
-                              mQ.shape[2] // mK.shape[2], n_block, head_kv, batch)
+                              n_block, heads, batch)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mdK, mdV, mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2],
-                         softmax_scale_log2, softmax_scale, smem, pipes, mma_sdp, mma_dkv,
-                         mma_dq, n_block, head_kv, batch)
+            self.consume(mdK, mdV, mQ.shape[0], mK.shape[0], softmax_scale_log2,
+                         softmax_scale, smem, pipes, mma_sdp, mma_dkv, mma_dq, n_block,
+                         cta_head, heads, batch)
+
+    def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
+        """One CTA per (key block, KV head or with split_gqa query head, batch),
+        causal key blocks longest-first. Every key block of a query head reads
+        its Q and dO and adds into its dQ accumulator: that is what the CTAs of
+        an L2 section share."""
+        q_per_kv = mQ.shape[2] // mK.shape[2]
+        split = self.cfg.split_gqa
+        query_rows = mQ.shape[0] if split else mQ.shape[0] * q_per_kv
+        row_bytes = self.head_dim * (2 * self.dtype.width // 8 + 4)
+        return TileScheduler.create(
+            cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2] if split else mK.shape[2],
+            mK.shape[3], query_rows, 1, row_bytes, self.cfg.l2_section_mb * 1024 * 1024,
+            longest_first=self.causal, first_block_longest=True)
+
+    def _query_heads(self, cta_head: Int32, q_per_kv: Int32):
+        """(KV head, first query head, query heads walked) of the CTA whose
+        grid y index is cta_head: a KV head, or with split_gqa a query head."""
+        if cutlass.const_expr(self.cfg.split_gqa):
+            return cta_head // q_per_kv, cta_head, Int32(1)
+        return cta_head, cta_head * q_per_kv, q_per_kv
 
     def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """(first query block, count) that see this key block: the walk that the
@@ -191,12 +220,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse,
-                tma_d, smem, pipes, n_block: Int32, head_kv: Int32, batch: Int32):
+                tma_d, smem, pipes, n_block: Int32, heads, batch: Int32):
         sK, sV, sQ, sdO, sLSE2, sD, _, _ = smem
         pipe_kv, pipe_q, pipe_do = pipes
         d = self.head_dim
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        q_per_kv = mQ.shape[2] // mK.shape[2]
+        head_kv, first_head, head_count = heads
 
         kv_state = producer_state(1)
         pipe_kv.producer_acquire(kv_state)
@@ -211,8 +240,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         q_state = producer_state(self.cfg.qdo_stages)
         do_state = producer_state(self.cfg.qdo_stages)
-        for group_head in cutlass.range(q_per_kv, unroll=1):
-            head = head_kv * q_per_kv + group_head
+        for h in cutlass.range(head_count, unroll=1):
+            head = first_head + h
             tQs, tQg = tma_views(tma_q, sQ, cute.local_tile(
                 mQ[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
             tdOs, tdOg = tma_views(tma_do, sdO, cute.local_tile(
@@ -239,10 +268,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mdK, mdV, seqlen_q: Int32, seqlen_k: Int32,
-                q_per_kv: Int32, softmax_scale_log2: Float32, softmax_scale: Float32, smem,
-                pipes, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-                n_block: Int32, head_kv: Int32, batch: Int32):
+    def consume(self, mdK, mdV, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
+                softmax_scale: Float32, smem, pipes, mma_sdp: cute.TiledMma,
+                mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma, n_block: Int32,
+                cta_head: Int32, heads, batch: Int32):
         sK, sV, sQ, sdO, sLSE2, sD, sdSt, sdQ = smem
         pipe_kv, pipe_q, pipe_do = pipes
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
@@ -280,7 +309,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         kv_state = consumer_state(1)
         pipe_kv.consumer_wait(kv_state)
         step = Int32(0)
-        for group_head in cutlass.range(q_per_kv, unroll=1):
+        for h in cutlass.range(heads[2], unroll=1):
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 needs_mask = seqlen_edge
@@ -293,7 +322,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 do_state.advance()
                 step += 1
         self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, softmax_scale, n_block,
-                       head_kv, batch, seqlen_k)
+                       cta_head, batch, seqlen_k)
 
     @cute.jit
     def issue_s(self, frags, acc_s, mma_sdp, pipe_q, q_state):
@@ -412,8 +441,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                 seqlen_q: Int32, seqlen_k: Int32, q_per_kv: Int32, n_block: Int32,
-                 head_kv: Int32, batch: Int32):
+                 seqlen_q: Int32, seqlen_k: Int32, n_block: Int32, heads, batch: Int32):
         """The dQ writer warp: per query block and consumer warpgroup, one bulk
         reduce-add of the slab into the accumulator (lane 0 issues it). In
         deterministic mode it first waits until the key blocks before this one
@@ -425,8 +453,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                      number_of_threads=DQ_HANDOFF_THREADS)
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
-        for group_head in cutlass.range(q_per_kv, unroll=1):
-            head = head_kv * q_per_kv + group_head
+        _, first_head, head_count = heads
+        for h in cutlass.range(head_count, unroll=1):
+            head = first_head + h
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 for w in cutlass.range_constexpr(wgs):
@@ -456,15 +485,18 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, mdK: cute.Tensor,
                   mdV: cute.Tensor, mma_dkv: cute.TiledMma, tid: Int32, softmax_scale: Float32,
-                  n_block: Int32, head_kv: Int32, batch: Int32, seqlen_k: Int32):
-        """dK = scale · Σ dSᵀ·Q and dV, straight from registers (once per CTA)."""
+                  n_block: Int32, out_head: Int32, batch: Int32, seqlen_k: Int32):
+        """dK = scale · Σ dSᵀ·Q and dV, straight from registers (once per CTA):
+        16-bit, or with split_gqa the fp32 partials of query head out_head."""
         for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
             acc_dk[i] = acc_dk[i] * softmax_scale
         thr = mma_dkv.get_slice(tid)
         rows_valid = seqlen_k - n_block * self.tile_n
         for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
-            values = cute.make_rmem_tensor_like(acc, self.dtype)
-            wgmma.convert_to_16bit(acc, values)
-            g_tile = cute.local_tile(m_out[None, None, head_kv, batch],
+            values = acc
+            if cutlass.const_expr(not self.cfg.split_gqa):
+                values = cute.make_rmem_tensor_like(acc, self.dtype)
+                wgmma.convert_to_16bit(acc, values)
+            g_tile = cute.local_tile(m_out[None, None, out_head, batch],
                                      (self.tile_n, self.head_dim), (n_block, 0))
             wgmma.store_acc_tile(values, thr, g_tile, rows_valid)

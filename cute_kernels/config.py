@@ -27,8 +27,11 @@ def _align_1k(n: int) -> int:
     return -(-n // 1024) * 1024
 
 
-def _check_register_split(config, bad) -> None:
-    """setmaxnreg targets, and the register file they divide (both kernels)."""
+def _check_shared_fields(config, bad) -> None:
+    """The fields both kernels have: setmaxnreg targets, the register file they
+    divide, the scheduler's L2 section size."""
+    if not 1 <= config.l2_section_mb <= 1024:
+        raise bad("l2_section_mb", "an integer in [1, 1024]")
     for field in ("producer_regs", "consumer_regs"):
         value = getattr(config, field)
         if value % 8 or not 24 <= value <= 256:
@@ -119,9 +122,7 @@ class FwdConfig(_KernelConfig):
         if self.intra_wg_overlap and self.kv_stages < 2:
             raise bad("kv_stages", ">= 2 when intra_wg_overlap is on (K_{j+1} and V_j are "
                                    "in flight together)")
-        _check_register_split(self, bad)
-        if not 1 <= self.l2_section_mb <= 1024:
-            raise bad("l2_section_mb", "an integer in [1, 1024]")
+        _check_shared_fields(self, bad)
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
             raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                    f"this needs {self.smem_bytes(head_dim)} B")
@@ -176,6 +177,15 @@ class BwdConfig(_KernelConfig):
     dq_store_under_dk: issue dK += dSᵀ·Q after dQ = dS·K instead of before
         it, so the dQ partial's stores to shared memory run under dK (dSᵀ
         stays in registers through the dSᵀ barrier).
+    split_gqa: one CTA per (key block, query head) instead of per (key block,
+        KV head): with GQA the q_per_kv query heads of a group are walked by
+        q_per_kv CTAs instead of one, so a small grid fills the GPU and the
+        longest CTA (under causal masking, the first key block's) is
+        q_per_kv times shorter. dK and dV then leave the kernel as fp32
+        partials per query head, summed over the group afterwards.
+    l2_section_mb: causal key blocks run longest-first (the first key blocks
+        are seen by the most query blocks) inside sections of heads whose Q,
+        dO and dQ accumulator fit in this many MB of L2 (scheduler.py).
     producer_regs / consumer_regs: setmaxnreg targets.
     """
 
@@ -186,6 +196,8 @@ class BwdConfig(_KernelConfig):
     dv_under_ds: bool = True
     ds_from_16bit_p: bool = False
     dq_store_under_dk: bool = True
+    split_gqa: bool = False
+    l2_section_mb: int = 16
     producer_regs: int = 24
     consumer_regs: int = 240
 
@@ -227,15 +239,25 @@ class BwdConfig(_KernelConfig):
                                          "before dSᵀ only when dV is issued first)")
         if not 1 <= self.qdo_stages <= 4:
             raise bad("qdo_stages", "an integer in [1, 4]")
-        _check_register_split(self, bad)
+        _check_shared_fields(self, bad)
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
             raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                     f"this needs {self.smem_bytes(head_dim)} B")
 
 
 
+def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
+    """Whether the backward's default gives each query head of a GQA group its
+    own CTAs (BwdConfig.split_gqa): when one CTA per (key block, KV head,
+    batch) makes fewer than two waves, SMs idle while the longest CTAs finish.
+    With more waves the hardware's CTA dispatch balances them, and the fp32
+    dK/dV partials would only add memory traffic."""
+    return q_per_kv > 1 and kv_ctas < 2 * num_sms
+
+
 @functools.lru_cache(maxsize=None)
-def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False) -> BwdConfig:
+def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
+                       split_gqa: bool = False) -> BwdConfig:
     """128 keys per CTA in two consumer warpgroups (their dK and dV stay in
     registers for the whole walk over queries). Picked with `profiling.sweep
     --kernel bwd` on an H100 (bf16, seqlen 8k, batch 2; TFLOP/s of the
@@ -251,12 +273,22 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False)
       vs 542.8; d64 541.4 vs 504.9, causal 500.4 vs 464.5);
     - dV issued before dSᵀ is computed (d128 608.1 vs 608.5, even), which is
       what lets d64 drop the fp32 Pᵀ; qdo_stages 3 gains nothing (616.0 vs 618.3).
+    - causal key blocks longest-first in 16 MB L2 sections (d128 causal 4k
+      batch 4: 499.3 vs 485.4 with 4 MB and 319.6 with one global order;
+      d64 causal 8k: 501.0 vs 489.4 and 357.3);
+    - split_gqa (chosen per problem by the op, split_gqa_pays): at the
+      model shape of issue 5 (d128 causal 4k, batch 1, 8 query / 4 KV heads:
+      128 CTAs) 0.225 vs 0.305 ms; d64 causal 4k, 16 / 4 heads 0.240 vs
+      0.346 ms; with many waves it loses (d128 causal 8k batch 2, 16 / 8
+      heads, 1024 CTAs: 534.9 vs 549.3 TFLOP/s), as without GQA it would
+      (non-causal model shape: 0.356 vs 0.314 ms).
     Each pair comes from one sweep run; runs differ by a few % (see RESULTS.md).
     """
     if head_dim <= 64:
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
-                         ds_from_16bit_p=True)
-    return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic)
+                         ds_from_16bit_p=True, split_gqa=split_gqa)
+    return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
+                     split_gqa=split_gqa)
 
 
 KERNEL_CONFIGS = {"fwd": FwdConfig, "bwd": BwdConfig}

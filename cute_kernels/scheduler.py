@@ -1,4 +1,8 @@
-"""Tile scheduling: which (m_block, head, batch) each CTA computes, in order.
+"""Tile scheduling: which (block, head, batch) each CTA computes, in order.
+
+A tile is a block of rows of one head of one batch entry: a query block in the
+forward, a key block in the backward (whose heads are KV heads, or query heads
+with BwdConfig.split_gqa).
 
 Persistent mode launches one CTA per SM and deals the linear order out in
 rounds of `grid` tiles, alternating direction (a snake): in round r, CTA c
@@ -7,15 +11,16 @@ with longest-first orders each CTA's sum of tile lengths stays even (a plain
 round-robin hands CTA 0 the longest tile of every round). Non-persistent mode
 launches one CTA per tile (round 0 only) and the hardware's CTA dispatch does
 the balancing. The order:
-- non-causal: m_block fastest, so CTAs running at once share the K/V of a
-  head and read it from L2;
-- causal: longest first (LPT) inside L2-sized sections of heads. Tiles near
-  the bottom of the causal triangle visit the most K/V blocks, so they start
-  first and short ones fill the tail. A section holds as many (batch, head)
-  pairs as have K/V fitting in the config's `l2_section_mb`: all m-blocks of those heads
-  run close together in time and share K/V through L2 (with a global LPT
-  order, CTAs running at once would all read different heads and every
-  m-block would re-read K/V from HBM).
+- non-causal: block fastest, so CTAs running at once share the K/V (forward)
+  or Q, dO and the dQ accumulator (backward) of a head through L2;
+- causal: longest first (LPT) inside L2-sized sections of heads. In the
+  forward the last query blocks visit the most K/V blocks; in the backward the
+  first key blocks are seen by the most query blocks. Those start first and
+  short ones fill the tail. A section holds as many (batch, head) pairs as
+  have their shared operands fitting in the config's `l2_section_mb`: all
+  blocks of those heads run close together in time and share them through L2
+  (with a global LPT order, CTAs running at once would all read different
+  heads and every block would re-read them from HBM).
 """
 
 from __future__ import annotations
@@ -31,24 +36,26 @@ from .dsl_struct import DslStruct
 
 @dataclass
 class TileScheduler(DslStruct):
-    num_m_blocks: Int32
+    num_blocks: Int32
     num_heads: Int32
     num_batch: Int32
     section_heads: Int32  # (batch, head) pairs per L2 section (longest_first only)
     longest_first: bool
+    first_block_longest: bool  # causal backward; the forward's longest block is its last
 
     @staticmethod
-    def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, seqlen_k: Int32,
-               q_per_kv: Int32, kv_row_bytes: int, l2_section_bytes: int,
-               longest_first: bool) -> "TileScheduler":
-        """kv_row_bytes: bytes of one K row plus one V row."""
-        kv_head_bytes = seqlen_k * kv_row_bytes
-        kv_heads = cutlass.max(Int32(l2_section_bytes) // cutlass.max(kv_head_bytes, 1), 1)
-        return TileScheduler(num_m_blocks, num_heads, num_batch, kv_heads * q_per_kv,
-                             longest_first)
+    def create(num_blocks: Int32, num_heads: Int32, num_batch: Int32, shared_rows: Int32,
+               heads_per_share: Int32, row_bytes: int, l2_section_bytes: int,
+               longest_first: bool, first_block_longest: bool = False) -> "TileScheduler":
+        """shared_rows · row_bytes: what the tiles of heads_per_share heads read in
+        common (forward: seqlen_k rows of K and V, shared by a KV group's query heads)."""
+        share_bytes = shared_rows * row_bytes
+        shares = cutlass.max(Int32(l2_section_bytes) // cutlass.max(share_bytes, 1), 1)
+        return TileScheduler(num_blocks, num_heads, num_batch, shares * heads_per_share,
+                             longest_first, first_block_longest)
 
     def num_tiles(self) -> Int32:
-        return self.num_m_blocks * self.num_heads * self.num_batch
+        return self.num_blocks * self.num_heads * self.num_batch
 
     @staticmethod
     def grid(num_tiles: Int32, num_sms: Int32, persistent: bool) -> Int32:
@@ -67,17 +74,19 @@ class TileScheduler(DslStruct):
         return round_idx * grid + offset
 
     def decode(self, tile: Int32):
-        """Linear tile index -> (m_block, head, batch)."""
+        """Linear tile index -> (block, head, batch)."""
         if cutlass.const_expr(self.longest_first):
-            section_tiles = self.section_heads * self.num_m_blocks
+            section_tiles = self.section_heads * self.num_blocks
             section = tile // section_tiles
             idx = tile - section * section_tiles
             first = section * self.section_heads
             in_section = cutlass.min(self.section_heads,
                                      self.num_heads * self.num_batch - first)
-            m_block = self.num_m_blocks - 1 - idx // in_section
+            block = idx // in_section
+            if cutlass.const_expr(not self.first_block_longest):
+                block = self.num_blocks - 1 - block
             rest = first + idx % in_section
         else:
-            m_block = tile % self.num_m_blocks
-            rest = tile // self.num_m_blocks
-        return m_block, rest % self.num_heads, rest // self.num_heads
+            block = tile % self.num_blocks
+            rest = tile // self.num_blocks
+        return block, rest % self.num_heads, rest // self.num_heads

@@ -2,8 +2,13 @@
 
     python -m profiling.train --backend cute --steps 1000 --seq 4096 --batch 1
     python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash,fa4 --steps 1000 --compile
+    python -m profiling.train --backends cute,sdpa_cudnn --cuda-graph [--compile]
 
 AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast.
+--cuda-graph captures the whole training step (forward, backward, clipping,
+optimizer) in one CUDA graph after GRAPH_WARMUP_STEPS eager steps and replays
+it: the model's ~1 500 launches per step otherwise cost more host time than
+the GPU needs to run them, and the host, not the attention kernel, sets the pace.
 Every backend starts from the same seed, the same initial weights and the same
 batches. Logged every --log-every steps: loss, tokens/s, TFLOP/s and MFU, with
     model FLOPs per token = 6·N + 6·n_layers·seq·dim
@@ -23,6 +28,7 @@ import json
 import math
 import os
 import time
+import traceback
 
 import torch
 
@@ -33,6 +39,7 @@ from python_api.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, ModelConfig, 
 from .data import TokenStream, ensure_dataset, load_split
 
 CONFIGS = {"default": DEFAULT, "tiny": TINY}
+GRAPH_WARMUP_STEPS = 3  # eager steps before capture: JIT compiles, allocator and library warm-up
 
 
 def model_config(name: str, seq_len: int) -> ModelConfig:
@@ -74,16 +81,28 @@ def train_one(backend: str, init_state: dict, args, device) -> dict:
     n_params = count_parameters(model, exclude_embeddings=True)
     flops_per_token = training_flops_per_token(config, args.seq, n_params)
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1, fused=fused)
+    # A captured optimizer reads the learning rate from device memory, so the
+    # schedule can change it between replays.
+    lr = torch.tensor(args.lr, device=device) if args.cuda_graph else args.lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=fused, capturable=args.cuda_graph)
     stream = TokenStream(load_split(args.data, "train"), args.seq, args.batch, seed=args.seed)
-    step_fn = model
-    if args.compile:
-        step_fn = torch.compile(model, fullgraph=True)
+    forward = torch.compile(model, fullgraph=True) if args.compile else model
 
-    def loss_of(x, y):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return step_fn(x, y)[1]
+    def train_step(x, y):
+        # The autocast weight cache would hold tensors from outside the graph pool.
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not args.cuda_graph):
+            loss = forward(x, y)[1]
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        # Detached: a loss that kept the autograd graph alive would keep its
+        # gradient-accumulation nodes on the stream of this step, and the next
+        # step (a CUDA graph capture) would have to sync with that stream.
+        return loss.detach(), grad_norm
+
+    step_runner = (GraphedStep(train_step, optimizer) if args.cuda_graph
+                   else EagerStep(train_step, optimizer))
 
     log, window_tokens = [], 0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -96,14 +115,9 @@ def train_one(backend: str, init_state: dict, args, device) -> dict:
     except ImportError:
         pass
     for step in steps:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.lr, args.warmup, args.steps)
+        set_lr(optimizer, lr_at(step, args.lr, args.warmup, args.steps))
         x, y = stream.next_batch(device)
-        loss = loss_of(x, y)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm = step_runner(x, y)
         window_tokens += x.numel()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             loss_value = loss.item()  # synchronizes
@@ -111,7 +125,7 @@ def train_one(backend: str, init_state: dict, args, device) -> dict:
             now = time.perf_counter()
             tokens_per_s = window_tokens / (now - window_start)
             tflops = flops_per_token * tokens_per_s / 1e12
-            row = dict(step=step + 1, loss=loss_value, lr=optimizer.param_groups[0]["lr"],
+            row = dict(step=step + 1, loss=loss_value, lr=float(optimizer.param_groups[0]["lr"]),
                        grad_norm=float(grad_norm), tokens_per_s=tokens_per_s, tflops=tflops,
                        mfu=tflops * 1e12 / H100_BF16_DENSE_PEAK, elapsed_s=now - run_start)
             if not math.isfinite(loss_value):
@@ -132,6 +146,65 @@ def train_one(backend: str, init_state: dict, args, device) -> dict:
                 tflops=sorted(r["tflops"] for r in steady)[len(steady) // 2],
                 mfu=sorted(r["mfu"] for r in steady)[len(steady) // 2],
                 wall_s=log[-1]["elapsed_s"])
+
+
+def set_lr(optimizer, value: float) -> None:
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(value)  # in place: a captured optimizer step reads it
+        else:
+            group["lr"] = value
+
+
+class EagerStep:
+    """Run the training step as it is, and free the gradients after it."""
+
+    def __init__(self, train_step, optimizer):
+        self.train_step, self.optimizer = train_step, optimizer
+
+    def __call__(self, x, y):
+        out = self.train_step(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+
+class GraphedStep:
+    """The training step captured in one CUDA graph and replayed.
+
+    Every batch is copied into the same static buffers, which the graph reads
+    (and which keep torch.compile's guards, strides included, the same at
+    capture as in warm-up: a recompile cannot run inside a capture). The first
+    GRAPH_WARMUP_STEPS calls train eagerly on a side stream (what capture
+    needs: kernels JIT-compiled, cuBLAS and the allocator warmed up); the next
+    call captures the step and replays it, and every later call replays.
+    Gradients are written, not accumulated, by each replay: they were unset
+    when the backward was captured."""
+
+    def __init__(self, train_step, optimizer):
+        self.train_step, self.optimizer = train_step, optimizer
+        self.calls, self.graph, self.static_batch = 0, None, None
+
+    def __call__(self, x, y):
+        self.calls += 1
+        if self.static_batch is None:
+            self.static_batch = (torch.empty_like(x, memory_format=torch.contiguous_format),
+                                 torch.empty_like(y, memory_format=torch.contiguous_format))
+        for static, new in zip(self.static_batch, (x, y)):
+            static.copy_(new)
+        if self.graph is None and self.calls <= GRAPH_WARMUP_STEPS:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.train_step(*self.static_batch)
+                self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static_out = self.train_step(*self.static_batch)
+        self.graph.replay()
+        return self.static_out
 
 
 @torch.no_grad()
@@ -205,6 +278,8 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the whole training step in a CUDA graph and replay it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="data/stdlib.parquet")
     p.add_argument("--out", default="train_out")
@@ -216,6 +291,9 @@ def parse_args(argv=None):
         if name not in BACKEND_NAMES:
             p.error(f"--backends: expected items of {BACKEND_NAMES}, got {name!r}")
     args.backend_list = names
+    if args.cuda_graph and args.steps <= GRAPH_WARMUP_STEPS:
+        p.error(f"--steps: expected more than {GRAPH_WARMUP_STEPS} with --cuda-graph "
+                f"(eager warm-up steps before capture), got {args.steps}")
     if args.steps < 1 or args.seq < 2 or args.batch < 1:
         p.error(f"--steps, --seq, --batch: expected positive values (seq >= 2), got "
                 f"{args.steps}, {args.seq}, {args.batch}")
@@ -225,6 +303,8 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graph and device.type != "cuda":
+        raise SystemExit(f"--cuda-graph: needs a CUDA device, got --device {device}")
     ensure_dataset(args.data)
     config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
@@ -234,8 +314,9 @@ def main(argv=None) -> list[dict]:
         try:
             results.append(train_one(backend, init_state, args, device))
         except Exception as exc:  # a failing backend is a row, not the end of the run
+            traceback.print_exc()
             results.append(dict(backend=backend, status=f"failed: {type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:150]}"))
+                                f"{(str(exc).splitlines() or [''])[0][:150]}"))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write_outputs(results, args.out)

@@ -122,8 +122,11 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     padded_q = cute.sym_int(divisibility=config.tile_m)
     accum_len = cute.sym_int(divisibility=config.tile_m * head_dim)
     q, do = (_fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim) for _ in range(2))
-    k, v, dk, dv = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-                    for _ in range(4))
+    k, v = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
+    if config.split_gqa:  # fp32 partials per query head
+        dk, dv = (_fake_bshd(f32, batch, seqlen_k, heads_q, head_dim) for _ in range(2))
+    else:
+        dk, dv = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
     lse2, dsum = (_fake_rows(f32, batch, heads_q, padded_q, config.tile_m, 16) for _ in range(2))
     dq_accum = _fake_rows(f32, batch, heads_q, accum_len, config.tile_m * head_dim, 16)
     semaphore = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # tiny unless deterministic

@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from cute_kernels.config import BwdConfig, FwdConfig, default_bwd_config, default_fwd_config
+from cute_kernels.config import (BwdConfig, FwdConfig, default_bwd_config, default_fwd_config,
+                                 split_gqa_pays)
 
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
@@ -96,13 +97,16 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     from .compile_cache import get_bwd  # imports cutlass: only where kernels run
 
     device_index = _device_index(q)
-    head_dim = q.shape[3]
-    config = config or default_bwd_config(head_dim, causal, deterministic)
+    batch, seqlen_q, heads, head_dim = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    if config is None:
+        kv_ctas = -(-seqlen_k // BwdConfig.tile_n) * heads_kv * batch
+        split = split_gqa_pays(heads // heads_kv, kv_ctas, _num_sms(device_index))
+        config = default_bwd_config(head_dim, causal, deterministic, split)
     kernels = get_bwd(q.dtype, head_dim, causal, config, grad_lse is not None)
     q, k, v, out, grad_out = (_tma_ready(t) for t in (q, k, v, out, grad_out))
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
-    batch, seqlen_q, heads, _ = q.shape
     m_blocks = -(-seqlen_q // config.tile_m)
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2 = torch.empty((batch, heads, m_blocks * config.tile_m), **f32)
@@ -114,14 +118,30 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     else:
         semaphore = _unused_semaphore(device_index)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
-    grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if config.split_gqa:  # fp32 partials per query head, summed over the group below
+        partials = torch.empty((2, batch, seqlen_k, heads, head_dim), **f32)
+        dk_out, dv_out = partials
+    else:
+        dk_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv_out = torch.empty_like(v, memory_format=torch.contiguous_format)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
         kernels.preprocess(out, grad_out, lse, grad_lse, lse2, dsum, dq_accum)
-        kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, grad_k, grad_v, semaphore,
+        kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, dk_out, dv_out, semaphore,
                      softmax_scale * LOG2_E, softmax_scale)
         kernels.postprocess(dq_accum, grad_q, softmax_scale)
-    return grad_q, grad_k, grad_v
+        if config.split_gqa:
+            return grad_q, *_sum_over_groups(partials, heads_kv, q.dtype)
+    return grad_q, dk_out, dv_out
+
+
+def _sum_over_groups(partials: torch.Tensor, heads_kv: int, dtype: torch.dtype):
+    """(dK, dV) from the (2, batch, seqlen_k, heads_q, d) fp32 partials of a
+    split_gqa backward: one fixed-order sum over each group's query heads
+    (deterministic), then separate 16-bit outputs (an op's outputs may not
+    share storage)."""
+    two, batch, seqlen_k, heads, head_dim = partials.shape
+    summed = partials.view(two, batch, seqlen_k, heads_kv, heads // heads_kv, head_dim).sum(4)
+    return summed[0].to(dtype), summed[1].to(dtype)
 
 
 def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:

@@ -22,3 +22,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """A toy source tree prepared into a parquet dataset: (path, token counts)."""
+    from profiling import data
+
+    root = tmp_path_factory.mktemp("lib")
+    for i in range(60):
+        (root / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
+    (root / "site-packages").mkdir()
+    (root / "site-packages" / "skip.py").write_text("ignored = True\n")
+    path = str(tmp_path_factory.mktemp("data") / "toy.parquet")
+    counts = data.prepare(path, str(root))
+    return path, counts

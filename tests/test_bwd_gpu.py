@@ -105,7 +105,9 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(dv_under_ds=False, ds_from_16bit_p=False),
                                        dict(dq_store_under_dk=True),
                                        dict(tile_m=64, ds_from_16bit_p=False),
-                                       dict(tile_m=64, dq_store_under_dk=True)])
+                                       dict(tile_m=64, dq_store_under_dk=True),
+                                       dict(split_gqa=True),
+                                       dict(tile_m=64, split_gqa=True, deterministic=True)])
 def test_backward_config_variants(overrides):
     head_dim = 64
     config = BwdConfig(tile_m=128).replace(**overrides)

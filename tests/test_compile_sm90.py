@@ -1,6 +1,8 @@
 """Every forward and backward kernel the op serves compiles for sm_90a (no GPU needed) and
 holds the instructions the FA3 design requires."""
 
+import re
+
 import pytest
 import torch
 
@@ -85,3 +87,25 @@ def test_deterministic_backward_waits_on_semaphores(tmp_path):
     compile_bwd(torch.bfloat16, 128, True, config, dump_dir=str(tmp_path))
     info = dumped_kernel_info(str(tmp_path / "main"))
     assert info.counts["acquire_load"] > 0 and info.counts["release_add"] > 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_gqa_backward_stores_fp32_partials(tmp_path, head_dim):
+    config = default_bwd_config(head_dim, True, split_gqa=True)
+    compile_bwd(torch.bfloat16, head_dim, True, config, dump_dir=str(tmp_path))
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    _assert_warp_specialised(info, config)
+    assert info.stack_bytes == 0 and info.sass["local_memory"] == 0
+    ptx = "".join(p.read_text() for p in (tmp_path / "main").glob("*.ptx"))
+    # dK and dV leave as fp32 column pairs (8 bytes) where the 16-bit path
+    # stores bf16 pairs (4 bytes), one store each
+    plain = tmp_path / "plain"
+    compile_bwd(torch.bfloat16, head_dim, True, config.replace(split_gqa=False),
+                dump_dir=str(plain))
+    plain_ptx = "".join(p.read_text() for p in (plain / "main").glob("*.ptx"))
+
+    def stores(text, kind):
+        return len(re.findall(rf"st\.global\.{kind}\s", text))
+
+    assert stores(ptx, r"v2\.b32") == stores(plain_ptx, "b32") > 0
+    assert stores(plain_ptx, r"v2\.b32") == 0

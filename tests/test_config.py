@@ -1,6 +1,6 @@
 import pytest
 
-from cute_kernels.config import FwdConfig, default_fwd_config
+from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config, split_gqa_pays
 
 
 def test_defaults_validate_for_every_head_dim():
@@ -76,3 +76,11 @@ def test_default_config_by_kind():
     assert isinstance(default_config("bwd", 64, False), BwdConfig)
     with pytest.raises(ValueError, match="kind: expected one of"):
         default_config("sideways", 64, False)
+
+
+def test_split_gqa_pays_only_for_gqa_grids_under_two_waves():
+    assert split_gqa_pays(q_per_kv=2, kv_ctas=128, num_sms=132)
+    assert not split_gqa_pays(q_per_kv=1, kv_ctas=128, num_sms=132)   # nothing to split
+    assert not split_gqa_pays(q_per_kv=2, kv_ctas=264, num_sms=132)   # two waves already
+    config = default_bwd_config(128, True, split_gqa=True)
+    assert config.split_gqa and config == default_bwd_config(128, True).replace(split_gqa=True)

@@ -67,18 +67,6 @@ def test_flop_and_lr_arithmetic():
     assert train.lr_at(55, 1.0, 10, 100) == pytest.approx(0.55)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lib")
-    for i in range(60):
-        (root / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
-    (root / "site-packages").mkdir()
-    (root / "site-packages" / "skip.py").write_text("ignored = True\n")
-    path = str(tmp_path_factory.mktemp("data") / "toy.parquet")
-    counts = data.prepare(path, str(root))
-    return path, counts
-
-
 def test_data_pipeline(dataset):
     path, counts = dataset
     train_tokens, val_tokens = data.load_split(path, "train"), data.load_split(path, "val")
@@ -130,3 +118,13 @@ def test_infer_rows(tmp_path):
                        "--backends", "cute,sdpa_math", "--device", "cpu",
                        "--out", str(tmp_path / "i.json")])
     assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["mean_ms"] > 0
+
+
+def test_cuda_graph_arguments(dataset):
+    path, _ = dataset
+    with pytest.raises(SystemExit, match="--cuda-graph: needs a CUDA device"):
+        train.main(["--config", "tiny", "--steps", "8", "--cuda-graph", "--device", "cpu",
+                    "--data", path])
+    with pytest.raises(SystemExit):  # argparse: too few steps to warm up and capture
+        train.parse_args(["--steps", "3", "--cuda-graph"])
+    assert train.parse_args(["--steps", "4", "--cuda-graph"]).cuda_graph
