@@ -205,7 +205,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     def _query_heads(self, cta_head: Int32, q_per_kv: Int32):
         """(KV head, first query head, query heads walked) of the CTA whose
-        grid y index is cta_head: a KV head, or with split_gqa a query head."""
+        scheduler head is cta_head: a KV head, or with split_gqa a query head."""
         if cutlass.const_expr(self.cfg.split_gqa):
             return cta_head // q_per_kv, cta_head, Int32(1)
         return cta_head, cta_head * q_per_kv, q_per_kv
@@ -309,7 +309,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         kv_state = consumer_state(1)
         pipe_kv.consumer_wait(kv_state)
         step = Int32(0)
-        for h in cutlass.range(heads[2], unroll=1):
+        _, _, head_count = heads
+        for h in cutlass.range(head_count, unroll=1):
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 needs_mask = seqlen_edge

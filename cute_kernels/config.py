@@ -255,6 +255,18 @@ def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
     return q_per_kv > 1 and kv_ctas < 2 * num_sms
 
 
+def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, batch: int,
+                           seqlen_k: int, heads_q: int, heads_kv: int,
+                           num_sms: int) -> BwdConfig:
+    """The op's backward config for one problem: default_bwd_config, with
+    split_gqa where split_gqa_pays for the grid that config would launch."""
+    config = default_bwd_config(head_dim, causal, deterministic)
+    kv_ctas = -(-seqlen_k // config.tile_n) * heads_kv * batch
+    if split_gqa_pays(heads_q // heads_kv, kv_ctas, num_sms):
+        return default_bwd_config(head_dim, causal, deterministic, split_gqa=True)
+    return config
+
+
 @functools.lru_cache(maxsize=None)
 def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
                        split_gqa: bool = False) -> BwdConfig:

@@ -24,8 +24,7 @@ import math
 
 import torch
 
-from cute_kernels.config import (BwdConfig, FwdConfig, default_bwd_config, default_fwd_config,
-                                 split_gqa_pays)
+from cute_kernels.config import BwdConfig, FwdConfig, bwd_config_for_problem, default_fwd_config
 
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
@@ -99,10 +98,8 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     device_index = _device_index(q)
     batch, seqlen_q, heads, head_dim = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
-    if config is None:
-        kv_ctas = -(-seqlen_k // BwdConfig.tile_n) * heads_kv * batch
-        split = split_gqa_pays(heads // heads_kv, kv_ctas, _num_sms(device_index))
-        config = default_bwd_config(head_dim, causal, deterministic, split)
+    config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch, seqlen_k,
+                                              heads, heads_kv, _num_sms(device_index))
     kernels = get_bwd(q.dtype, head_dim, causal, config, grad_lse is not None)
     q, k, v, out, grad_out = (_tma_ready(t) for t in (q, k, v, out, grad_out))
     lse = lse.contiguous()

@@ -1,6 +1,7 @@
 import pytest
 
-from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config, split_gqa_pays
+from cute_kernels.config import (FwdConfig, bwd_config_for_problem, default_bwd_config,
+                                 default_fwd_config, split_gqa_pays)
 
 
 def test_defaults_validate_for_every_head_dim():
@@ -84,3 +85,11 @@ def test_split_gqa_pays_only_for_gqa_grids_under_two_waves():
     assert not split_gqa_pays(q_per_kv=2, kv_ctas=264, num_sms=132)   # two waves already
     config = default_bwd_config(128, True, split_gqa=True)
     assert config.split_gqa and config == default_bwd_config(128, True).replace(split_gqa=True)
+
+
+def test_bwd_config_for_problem_splits_small_gqa_grids():
+    # issue 5's model: 32 key blocks x 4 KV heads = 128 CTAs on 132 SMs
+    assert bwd_config_for_problem(128, True, False, 1, 4096, 8, 4, 132).split_gqa
+    assert not bwd_config_for_problem(128, True, False, 2, 8192, 16, 8, 132).split_gqa
+    assert bwd_config_for_problem(64, False, True, 1, 4096, 8, 8, 132) == \
+        default_bwd_config(64, False, True)
