@@ -1,4 +1,4 @@
-"""The two small kernels around the backward main kernel (bwd_sm90.py).
+"""The small kernels around the backward main kernel (bwd_sm90.py).
 
 Preprocess, one row (query, head, batch) per 8 threads:
     D    = rowsum(dO ∘ O) − dLSE     (dLSE: gradient flowing into the LSE output, if any)
@@ -12,6 +12,12 @@ Postprocess, one CTA per (query tile, head, batch), same threads as the
 main kernel's consumers: dQ = scale · accumulator, converted to 16 bits.
 It reads the accumulator in its register-order layout (dq_accum.py) and
 maps each value to (row, col) through the main kernel's own dQ tiled MMA.
+
+Group sum, after a split_gqa main kernel (BwdConfig.split_gqa), one row
+(key, KV head, batch) per 8 threads: dK and dV = the fp32 partials of the
+group's query heads added in head order (so the result is deterministic),
+converted to 16 bits. One launch reads each partial once; summing in torch
+took three launches and wrote and re-read an fp32 intermediate.
 """
 
 from __future__ import annotations
@@ -122,3 +128,37 @@ class BackwardPostprocess:
                                       cute.make_layout(mma.partition_shape_C((tile_m, d))))
         wgmma.store_acc_tile(acc_shaped, mma.get_slice(tid), g_tile,
                              mdQ.shape[1] - m_block * tile_m)
+
+
+class GroupSum:
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+
+    @cute.jit
+    def __call__(self, mdKpart: cute.Tensor, mdVpart: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, stream: cuda.CUstream):
+        """dK, dV partials (b, s_k, h_q, d) fp32 -> dK, dV (b, s_k, h_kv, d)."""
+        grid = (cute.ceil_div(mdK.shape[1], ROWS_PER_CTA), mdK.shape[2], mdK.shape[0])
+        self.kernel(mdKpart, mdVpart, mdK, mdV).launch(
+            grid=list(grid), block=[PRE_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdKpart: cute.Tensor, mdVpart: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor):
+        tid = cute.arch.thread_idx()[0]
+        row_block, head_kv, batch = cute.arch.block_idx()
+        row = row_block * ROWS_PER_CTA + tid // LANES_PER_ROW
+        lane = tid % LANES_PER_ROW
+        chunk = self.head_dim // LANES_PER_ROW
+        group = mdKpart.shape[2] // mdK.shape[2]
+        if row < mdK.shape[1]:
+            for partials, out in ((mdKpart, mdK), (mdVpart, mdV)):
+                total = cute.make_rmem_tensor((chunk,), Float32)
+                total.fill(0.0)
+                for g in cutlass.range(group):
+                    part = cute.local_tile(partials[batch, row, head_kv * group + g, None],
+                                           (chunk,), (lane,))
+                    total.store(total.load() + part.load())
+                dst = cute.local_tile(out[batch, row, head_kv, None], (chunk,), (lane,))
+                dst.store(total.load().to(self.dtype))

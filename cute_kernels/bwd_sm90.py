@@ -54,6 +54,17 @@ from .mask import QueryBlockRange, apply_mask_transposed
 from .pipeline import DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline, producer_state
 from .scheduler import TileScheduler
 
+class _ColumnStats:
+    """BwdConfig.stats_early off: column j's statistic, read from shared
+    memory where it is indexed (at trace time, j is a Python int)."""
+
+    def __init__(self, sStat: cute.Tensor, coords, stage):
+        self.sStat, self.coords, self.stage = sStat, coords, stage
+
+    def __getitem__(self, j: int):
+        return self.sStat[self.coords[0, j][1], self.stage]
+
+
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared memory.
     The postprocess partitions the dQ accumulator with this same MMA."""
@@ -340,6 +351,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                    zero_init=True, wait_groups=-1)
 
     @cute.jit
+    def column_stats(self, sStat: cute.Tensor, coords, stage: Int32, lazy: bool = False):
+        """The statistic (LSE₂ or D) of each of this thread's accumulator
+        columns. lazy: a view that reads shared memory where it is indexed
+        (holding all columns in registers for the whole step spills);
+        otherwise a register copy, loaded here."""
+        if cutlass.const_expr(lazy):
+            return _ColumnStats(sStat, coords, stage)
+        values = cute.make_rmem_tensor((cute.size(coords, mode=[1]),), Float32)
+        for j in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+            values[j] = sStat[coords[0, j][1], stage]
+        return values
+
+    @cute.jit
     def step(self, frags, acc_dk, acc_dv, st_coords, wg: Int32, tid: Int32, mma_sdp, mma_dkv,
              mma_dq, sLSE2, sD, sdSt, sdQ, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
              needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
@@ -353,34 +377,40 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         self.issue_s(frags, acc_s, mma_sdp, pipe_q, q_state)
         self.issue_dp(frags, acc_dp, mma_sdp, pipe_do, do_state)
 
-        # Per-query statistics are read from shared memory column by column,
-        # next to their use: holding them for all columns costs 2 · tile_m / 4
-        # registers, which spills.
+        # Per-query statistics, one per accumulator column of this thread:
+        # read ahead of the WGMMA waits (stats_early) or next to their use.
         coords = wgmma.acc_rows_cols(st_coords)
-        cols = cute.size(coords, mode=[1])
-        rows = cute.size(coords, mode=[0])
+        early = self.cfg.stats_early
+        if cutlass.const_expr(early):
+            lse2 = self.column_stats(sLSE2, coords, q_state.index)
         warpgroup.wait_group(1)  # Sᵀ has landed
         if needs_mask:
             apply_mask_transposed(acc_s, st_coords, n_block, m_block, seqlen_q, seqlen_k,
                                   tile_n, tile_m, self.causal)
+        if cutlass.const_expr(not early):
+            lse2 = self.column_stats(sLSE2, coords, q_state.index, lazy=True)
         p = wgmma.acc_rows_cols(acc_s)
-        for j in cutlass.range_constexpr(cols):
-            lse2 = sLSE2[coords[0, j][1], q_state.index]
-            for r in cutlass.range_constexpr(rows):
-                p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2, fastmath=True)
+        for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+            lse2_j = lse2[j]
+            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+                p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2_j, fastmath=True)
+        if cutlass.const_expr(early):
+            dsum = self.column_stats(sD, coords, do_state.index)
         if cutlass.const_expr(self.cfg.dv_under_ds):
             self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
             warpgroup.wait_group(1)  # dPᵀ has landed (dV may still run)
         else:
             warpgroup.wait_group(0)  # dPᵀ has landed
+        if cutlass.const_expr(not early):
+            dsum = self.column_stats(sD, coords, do_state.index, lazy=True)
         ds = wgmma.acc_rows_cols(acc_dp)
         if cutlass.const_expr(self.cfg.ds_from_16bit_p):
             p = wgmma.acc_rows_cols(cute.make_tensor(frags["Pt"].iterator,
                                                      cute.make_layout(acc_s.shape)))
-        for j in cutlass.range_constexpr(cols):
-            dsum = sD[coords[0, j][1], do_state.index]
-            for r in cutlass.range_constexpr(rows):
-                ds[r, j] = p[r, j].to(Float32) * (ds[r, j] - dsum)
+        for j in cutlass.range_constexpr(cute.size(ds, mode=[1])):
+            dsum_j = dsum[j]
+            for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
+                ds[r, j] = p[r, j].to(Float32) * (ds[r, j] - dsum_j)
         if cutlass.const_expr(not self.cfg.dv_under_ds):
             self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
         wgmma.convert_to_16bit(acc_dp, frags["dSt"])

@@ -137,7 +137,8 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     - causal tiles differ in length. For head dim 128 one CTA per tile lets
       the hardware's dynamic CTA dispatch balance them (16k: 695 vs 558
       persistent); for head dim 64 the 192-row tiles are short enough that the
-      persistent prologue/epilogue overlap wins (1k: 259 vs 228, 4k: 447 vs 415);
+      persistent prologue/epilogue overlap wins (1k: 259 vs 228, 4k: 447 vs 415;
+      above 4k keys fwd_config_for_problem turns it off);
     - head dim 128 non-causal: tile_n 160 (16k: 697 vs 681 with 128); causal
       keeps 128 (2k: 507 vs 441), fewer masked columns on the diagonal;
     - causal L2 sections of 16 MB (hdim 128, 1k: 373 vs 362 with 32 MB; 4k, 16k even);
@@ -152,6 +153,26 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     if causal:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=False)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True)
+
+
+# Head dim 64, causal: above this many keys the tiles are long enough that
+# the hardware's CTA dispatch balances them better than the persistent loop
+# (bf16, 16k tokens, tile_n 128: 8k 483.2 vs 468.5 TFLOP/s non-persistent vs
+# persistent; 2k 340.2 vs 362.6, so the persistent default stays below).
+PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K = 4096
+
+
+def fwd_config_for_problem(head_dim: int, causal: bool, seqlen_k: int) -> FwdConfig:
+    """The op's forward config for one problem: default_fwd_config, one CTA
+    per tile for long causal head-dim-64 problems."""
+    return _fwd_config(head_dim, causal,
+                       causal and head_dim <= 64 and seqlen_k > PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K)
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_config(head_dim: int, causal: bool, one_cta_per_tile: bool) -> FwdConfig:
+    config = default_fwd_config(head_dim, causal)
+    return config.replace(persistent=False) if one_cta_per_tile else config
 
 
 @dataclass(frozen=True)
@@ -177,6 +198,16 @@ class BwdConfig(_KernelConfig):
     dq_store_under_dk: issue dK += dSᵀ·Q after dQ = dS·K instead of before
         it, so the dQ partial's stores to shared memory run under dK (dSᵀ
         stays in registers through the dSᵀ barrier).
+    stats_early: read each query block's LSE₂ (and D) from shared memory into
+        registers before waiting for Sᵀ (and dPᵀ), so the loads' latency
+        hides under the WGMMA wait instead of stalling the first FFMA that
+        uses them (ncu: short-scoreboard stalls on those FFMAs); costs
+        tile_m / 4 registers per statistic while they wait. Off: each value
+        is read from shared memory next to its use. Off by default: on the
+        H100 it measured even (bf16 8k, TFLOP/s on vs off: d128 613.1 vs
+        614.9, causal 574.2 vs 574.1; d64 535.8 vs 536.4, causal 501.6 vs
+        493.4): the stalls it removes were time the other warpgroup's GEMMs
+        already covered.
     split_gqa: one CTA per (key block, query head) instead of per (key block,
         KV head): with GQA the q_per_kv query heads of a group are walked by
         q_per_kv CTAs instead of one, so a small grid fills the GPU and the
@@ -196,6 +227,7 @@ class BwdConfig(_KernelConfig):
     dv_under_ds: bool = True
     ds_from_16bit_p: bool = False
     dq_store_under_dk: bool = True
+    stats_early: bool = False
     split_gqa: bool = False
     l2_section_mb: int = 16
     producer_regs: int = 24

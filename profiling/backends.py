@@ -16,6 +16,14 @@ BACKENDS = tuple(b for b in BACKEND_NAMES if b != "sdpa")  # each pinned, plus o
 OURS = "cute"
 
 
+def check_items(parser, flag: str, items, allowed) -> None:
+    """parser.error naming `flag` for the first item of a list argument that
+    is not in `allowed`."""
+    for item in items:
+        if item not in allowed:
+            parser.error(f"{flag}: expected items of {sorted(allowed)}, got {item!r}")
+
+
 def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str):
     """A zero-argument callable running `direction`: 'fwd', 'bwd' (the backward of one
     recorded forward, graph retained) or 'fwd_bwd'."""

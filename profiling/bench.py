@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .backends import BACKENDS, OURS, BackendUnavailable, make_callable
+from .backends import BACKENDS, OURS, BackendUnavailable, check_items, make_callable
 from .flops import attention_flops, batch_for, tflops
 from .problem import DTYPES, MODEL_DIM, default_heads, make_qkv
 from .report import add_ratios, environment, format_table, write_json, write_plots
@@ -51,15 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench_out/bench")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    for dt in args.dtypes:
-        if dt not in DTYPES:
-            p.error(f"--dtypes: expected items of {sorted(DTYPES)}, got {dt!r}")
-    for b in args.backends:
-        if b not in BACKENDS:
-            p.error(f"--backends: expected items of {sorted(BACKENDS)}, got {b!r}")
-    for d in args.directions:
-        if d not in ("fwd", "bwd", "fwd_bwd"):
-            p.error(f"--directions: expected items of fwd, bwd, fwd_bwd, got {d!r}")
+    check_items(p, "--dtypes", args.dtypes, DTYPES)
+    check_items(p, "--backends", args.backends, BACKENDS)
+    check_items(p, "--directions", args.directions, ("fwd", "bwd", "fwd_bwd"))
     return args
 
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from .backends import BACKENDS, BackendUnavailable, make_callable
+from .backends import BACKENDS, BackendUnavailable, check_items, make_callable
 from .flops import attention_flops, tflops
 from .problem import DTYPES, make_qkv, problem_shape
 
@@ -38,9 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
-    for b in args.backends:
-        if b not in BACKENDS:
-            p.error(f"--backends: expected items of {sorted(BACKENDS)}, got {b!r}")
+    check_items(p, "--backends", args.backends, BACKENDS)
     if args.repeats < 1:
         p.error(f"--repeats: expected a positive integer, got {args.repeats}")
     return args

@@ -111,13 +111,20 @@ def nvdisasm_path() -> str | None:
     return shutil.which("nvdisasm")
 
 
-def sass_counts(cubin_path: str) -> dict | None:
-    """SASS_PATTERNS counts of a cubin's code, None when nvdisasm is missing."""
+def sass_text(cubin_path: str) -> str | None:
+    """The disassembled code of a cubin, None when nvdisasm is missing."""
     tool = nvdisasm_path()
     if tool is None:
         return None
-    sass = subprocess.run([tool, "-c", cubin_path], check=True, capture_output=True,
+    return subprocess.run([tool, "-c", cubin_path], check=True, capture_output=True,
                           text=True).stdout
+
+
+def sass_counts(cubin_path: str) -> dict | None:
+    """SASS_PATTERNS counts of a cubin's code, None when nvdisasm is missing."""
+    sass = sass_text(cubin_path)
+    if sass is None:
+        return None
     return {name: len(re.findall(pat, sass)) for name, pat in SASS_PATTERNS.items()}
 
 

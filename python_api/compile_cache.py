@@ -31,7 +31,8 @@ _ensure_arch_env()
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from cute_kernels.bwd_pre_post import BackwardPostprocess, BackwardPreprocess  # noqa: E402
+from cute_kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
+                                       GroupSum)
 from cute_kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
 from cute_kernels.config import BwdConfig, FwdConfig  # noqa: E402
 from cute_kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
@@ -98,13 +99,15 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
 
 @dataclass
 class CompiledBackward:
-    """The three launches of one backward, in order:
+    """The launches of one backward, in order:
     preprocess(o, do, lse, dlse, lse2, dsum, dq_accum)
     main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale)
-    postprocess(dq_accum, dq, scale)"""
+    postprocess(dq_accum, dq, scale)
+    group_sum(dk_partials, dv_partials, dk, dv)   (split_gqa configs only, else None)"""
     preprocess: object
     main: object
     postprocess: object
+    group_sum: object | None
     compile_seconds: float
 
 
@@ -140,7 +143,13 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
                  dump_dir=dump_dir and os.path.join(dump_dir, "main")),
         _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
                  dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
+        None,
     )
+    if config.split_gqa:
+        dk16, dv16 = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
+                      for _ in range(2))
+        fns = fns[:3] + (_compile(GroupSum(cute_dtype, head_dim), dk, dv, dk16, dv16,
+                                  dump_dir=dump_dir and os.path.join(dump_dir, "group_sum")),)
     return CompiledBackward(*fns, compile_seconds=time.perf_counter() - start)
 
 

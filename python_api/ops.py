@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from cute_kernels.config import BwdConfig, FwdConfig, bwd_config_for_problem, default_fwd_config
+from cute_kernels.config import (BwdConfig, FwdConfig, bwd_config_for_problem,
+                                 fwd_config_for_problem)
 
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
@@ -75,7 +76,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
 
     device_index = _device_index(q)
     head_dim = q.shape[3]
-    config = config or default_fwd_config(head_dim, causal)
+    config = config or fwd_config_for_problem(head_dim, causal, k.shape[1])
     kernel = get_fwd(q.dtype, head_dim, causal, config)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     batch, seqlen_q, heads, _ = q.shape
@@ -115,52 +116,52 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     else:
         semaphore = _unused_semaphore(device_index)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if config.split_gqa:  # fp32 partials per query head, summed over the group below
-        partials = torch.empty((2, batch, seqlen_k, heads, head_dim), **f32)
-        dk_out, dv_out = partials
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if config.split_gqa:  # fp32 partials per query head, summed over each group after
+        dk_main, dv_main = torch.empty((2, batch, seqlen_k, heads, head_dim), **f32)
     else:
-        dk_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv_out = torch.empty_like(v, memory_format=torch.contiguous_format)
+        dk_main, dv_main = dk, dv
     with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
         kernels.preprocess(out, grad_out, lse, grad_lse, lse2, dsum, dq_accum)
-        kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, dk_out, dv_out, semaphore,
+        kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore,
                      softmax_scale * LOG2_E, softmax_scale)
         kernels.postprocess(dq_accum, grad_q, softmax_scale)
         if config.split_gqa:
-            return grad_q, *_sum_over_groups(partials, heads_kv, q.dtype)
-    return grad_q, dk_out, dv_out
-
-
-def _sum_over_groups(partials: torch.Tensor, heads_kv: int, dtype: torch.dtype):
-    """(dK, dV) from the (2, batch, seqlen_k, heads_q, d) fp32 partials of a
-    split_gqa backward: one fixed-order sum over each group's query heads
-    (deterministic), then separate 16-bit outputs (an op's outputs may not
-    share storage)."""
-    two, batch, seqlen_k, heads, head_dim = partials.shape
-    summed = partials.view(two, batch, seqlen_k, heads_kv, heads // heads_kv, head_dim).sum(4)
-    return summed[0].to(dtype), summed[1].to(dtype)
+            kernels.group_sum(dk_main, dv_main, dk, dv)
+    return grad_q, dk, dv
 
 
 def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
     return default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
 
 
-@torch.library.custom_op("cute_fa::fwd", mutates_args=(), device_types="cpu")
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-        causal: bool = False, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+# The ops are defined on a torch.library.Library and their kernels registered
+# straight with the dispatcher, not through torch.library.custom_op: its
+# per-call wrappers cost ~28 us of host time per call (measured on this
+# project's CPU machine: 34.6 vs 6.6 us for an empty op). Host time is what
+# sets the pace of a compiled training step without CUDA graphs
+# (profiling/RESULTS.md), and the compiled graph calls both ops once per layer.
+_lib = torch.library.Library("cute_fa", "DEF")
+_lib.define("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
+            "bool deterministic=False) -> (Tensor, Tensor)")
+_lib.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "float softmax_scale, bool causal, Tensor? grad_lse=None, "
+            "bool deterministic=False) -> (Tensor, Tensor, Tensor)")
+
+
+def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     check_attention_inputs(q, k, v, softmax_scale)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
         out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal)
     return out.contiguous(), lse.contiguous()
 
 
-@fwd.register_kernel("cuda")
 def _fwd_cuda(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     check_attention_inputs(q, k, v, softmax_scale)
     return forward_cuda(q, k, v, _resolve_scale(q, softmax_scale), causal)
 
 
-@fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     # Validating here makes a bad call fail while torch.compile traces, not at run time.
     check_attention_inputs(q, k, v, softmax_scale)
@@ -170,11 +171,8 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     return out, lse
 
 
-@torch.library.custom_op("cute_fa::bwd", mutates_args=(), device_types="cpu")
-def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-        grad_lse: torch.Tensor | None = None,
-        deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
+             deterministic=False):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
@@ -182,7 +180,6 @@ def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return tuple(g.contiguous() for g in grads)
 
 
-@bwd.register_kernel("cuda")
 def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
               deterministic=False):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
@@ -190,11 +187,17 @@ def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
                          deterministic)
 
 
-@bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
               deterministic=False):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+for _name, _cpu, _cuda, _fake in (("fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
+                                  ("bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)):
+    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name, _cuda, "CUDA")
+    torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
 
 
 def _save_for_backward(ctx, q, k, v, out, lse, softmax_scale: float, causal: bool,
@@ -215,6 +218,9 @@ def _saved_grads(ctx, grad_out, grad_lse, backward):
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, deterministic = inputs
+    # An unused LSE output then reaches the backward as None, not as a tensor
+    # of zeros that a compiled graph would fill and the preprocess would read.
+    ctx.set_materialize_grads(False)
     _save_for_backward(ctx, q, k, v, *output, _resolve_scale(q, softmax_scale), causal,
                        deterministic)
 
@@ -223,7 +229,8 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     return *_saved_grads(ctx, grad_out, grad_lse, torch.ops.cute_fa.bwd), None, None, None
 
 
-torch.library.register_autograd("cute_fa::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("cute_fa::fwd", _fwd_backward, setup_context=_fwd_setup_context,
+                                lib=_lib)
 
 
 class EagerCudaAttention(torch.autograd.Function):

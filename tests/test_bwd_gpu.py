@@ -106,7 +106,8 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(dq_store_under_dk=True),
                                        dict(tile_m=64, ds_from_16bit_p=False),
                                        dict(tile_m=64, dq_store_under_dk=True),
-                                       dict(split_gqa=True),
+                                       dict(split_gqa=True), dict(stats_early=True),
+                                       dict(tile_m=64, stats_early=True),
                                        dict(tile_m=64, split_gqa=True, deterministic=True)])
 def test_backward_config_variants(overrides):
     head_dim = 64

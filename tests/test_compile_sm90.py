@@ -8,7 +8,7 @@ import torch
 
 from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config
 from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
-from profiling.kernel_info import dumped_kernel_info
+from profiling.kernel_info import dumped_kernel_info, sass_text
 
 
 def _assert_warp_specialised(info, config):
@@ -82,6 +82,21 @@ def test_backward_kernel_ptx(tmp_path, dtype, head_dim, causal):
         assert dumped_kernel_info(str(tmp_path / helper)).counts["local_memory"] == 0
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_stats_early_loads_statistics_before_the_wgmma_wait(tmp_path, head_dim):
+    """BwdConfig.stats_early: LSE₂ is read from shared memory between the
+    Sᵀ/dPᵀ issue and the first wait; off, only after it."""
+    def lds_before_first_wait(config, where):
+        compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(where))
+        sass = sass_text(str(next((where / "main").glob("*.cubin"))))
+        consumer = sass[sass.index("HGMMA"):]  # from the first GEMM issue
+        return consumer[:consumer.index("WARPGROUP.DEPBAR")].count("LDS")
+
+    config = default_bwd_config(head_dim, False)
+    assert lds_before_first_wait(config.replace(stats_early=True), tmp_path / "early") > 0
+    assert lds_before_first_wait(config.replace(stats_early=False), tmp_path / "lazy") == 0
+
+
 def test_deterministic_backward_waits_on_semaphores(tmp_path):
     config = default_bwd_config(128, True, deterministic=True)
     compile_bwd(torch.bfloat16, 128, True, config, dump_dir=str(tmp_path))
@@ -109,3 +124,9 @@ def test_split_gqa_backward_stores_fp32_partials(tmp_path, head_dim):
 
     assert stores(ptx, r"v2\.b32") == stores(plain_ptx, "b32") > 0
     assert stores(plain_ptx, r"v2\.b32") == 0
+    # the group sum reads the partials in 16-byte vectors and keeps no stack
+    group_sum = tmp_path / "group_sum"
+    sum_ptx = "".join(p.read_text() for p in group_sum.glob("*.ptx"))
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.[bf]32", sum_ptx)
+    assert dumped_kernel_info(str(group_sum)).counts["local_memory"] == 0
+    assert not (plain / "group_sum").exists()  # compiled only for split configs

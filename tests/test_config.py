@@ -1,7 +1,8 @@
 import pytest
 
-from cute_kernels.config import (FwdConfig, bwd_config_for_problem, default_bwd_config,
-                                 default_fwd_config, split_gqa_pays)
+from cute_kernels.config import (PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K, FwdConfig,
+                                 bwd_config_for_problem, default_bwd_config, default_fwd_config,
+                                 fwd_config_for_problem, split_gqa_pays)
 
 
 def test_defaults_validate_for_every_head_dim():
@@ -93,3 +94,14 @@ def test_bwd_config_for_problem_splits_small_gqa_grids():
     assert not bwd_config_for_problem(128, True, False, 2, 8192, 16, 8, 132).split_gqa
     assert bwd_config_for_problem(64, False, True, 1, 4096, 8, 8, 132) == \
         default_bwd_config(64, False, True)
+
+
+def test_fwd_config_for_problem_drops_persistence_only_for_long_causal_d64():
+    long_keys = PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K + 1
+    assert default_fwd_config(64, True).persistent
+    assert not fwd_config_for_problem(64, True, long_keys).persistent
+    assert fwd_config_for_problem(64, True, long_keys) == \
+        default_fwd_config(64, True).replace(persistent=False)
+    assert fwd_config_for_problem(64, True, PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K).persistent
+    assert fwd_config_for_problem(64, False, long_keys) == default_fwd_config(64, False)
+    assert fwd_config_for_problem(128, False, long_keys) == default_fwd_config(128, False)

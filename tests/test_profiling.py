@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from profiling import bench, flops, report
 from profiling.backends import BACKENDS, make_callable
@@ -169,3 +170,27 @@ def test_problem_shape():
     assert problem_shape(128, 8192, 16384) == (2, 16)
     assert problem_shape(64, 1024, 16384) == (16, 32)
     assert problem_shape(128, 4096, 4096, heads=8) == (1, 8)
+
+
+def test_host_arguments_and_table():
+    from profiling import host
+
+    args = host.parse_args([])
+    assert args.backends[0] == "cute" and args.modes == list(host.MODES)
+    for bad, match in ((["--modes", "sideways"], "--modes"), (["--backends", "nope"], "--backends"),
+                       (["--heads", "8", "--heads-kv", "3"], "--heads-kv")):
+        with pytest.raises(SystemExit):
+            host.parse_args(bad)
+    rows = [dict(mode="fwd", backend="cute", host_us=40.0, status="ok"),
+            dict(mode="fwd", backend="sdpa_cudnn", host_us=60.0, status="ok"),
+            dict(mode="fwd", backend="fa4", host_us=None, status="failed: X")]
+    table = host.format_table(rows)
+    assert "1.50" in table and "failed: X" in table
+
+
+def test_host_calls_run_on_cpu_through_sdpa_math():
+    from profiling import host
+
+    q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    for mode in ("fwd", "fwd_bwd"):
+        host.make_call("sdpa_math", mode, q, k, v, causal=True)()

@@ -1,0 +1,157 @@
+"""Host time per attention call, every backend side by side.
+
+    python -m profiling.host                        # issue 5's model shape
+    python -m profiling.host --seqlen 8192 --heads 16 --heads-kv 16 --head-dim 64
+
+A training step that is not captured in a CUDA graph is paced by its host
+(profiling/RESULTS.md: ~51 ms of host work for ~30 ms of kernels per compiled
+step), so the Python and dispatcher cost of each attention call matters there
+as much as its kernels. This command measures that cost alone: a long GPU spin
+is queued first, so every launch of the timed calls waits on the device while
+the host runs ahead, and the wall time of the calls is host time only. It is
+checked that the spin outlasted the calls (the GPU was still busy at the end),
+else the run says so.
+
+Modes, each over the same inputs:
+- fwd:              forward, no autograd graph;
+- fwd_bwd:          eager forward + backward through autograd;
+- compiled_fwd_bwd: the same through torch.compile(fullgraph=True) (compiled
+                    forward and backward graphs calling each backend's ops).
+Rounds are interleaved over backends; the table gives the median per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .backends import BACKENDS, OURS, BackendUnavailable, attention, check_items
+from .problem import DTYPES, make_qkv
+
+MODES = ("fwd", "fwd_bwd", "compiled_fwd_bwd")
+# ~0.5 s at H100 clocks: longer than any batch of timed calls below.
+SPIN_CYCLES = 1_000_000_000
+
+
+def _csv(text):
+    return [x for x in text.split(",") if x]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m profiling.host", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", type=_csv, default=[OURS, "fa4", "sdpa_cudnn", "sdpa_flash"])
+    p.add_argument("--modes", type=_csv, default=list(MODES))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--heads-kv", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", choices=["no", "yes"], default="yes")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--calls", type=int, default=20, help="timed calls per round")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args(argv)
+    check_items(p, "--backends", args.backends, BACKENDS)
+    check_items(p, "--modes", args.modes, MODES)
+    if args.heads % args.heads_kv:
+        p.error(f"--heads-kv: expected a divisor of --heads={args.heads}, got {args.heads_kv}")
+    return args
+
+
+def make_call(backend: str, mode: str, q, k, v, causal: bool):
+    """A zero-argument callable running one call of `mode` with `backend`."""
+    scale = q.shape[-1] ** -0.5
+    if mode == "fwd":
+        def run_fwd():
+            with torch.no_grad():
+                attention(q, k, v, causal, scale, backend)
+        return run_fwd
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    grad_out = torch.randn_like(q)
+
+    def forward(q_, k_, v_):
+        return attention(q_, k_, v_, causal, scale, backend)
+
+    if mode == "compiled_fwd_bwd":
+        forward = torch.compile(forward, fullgraph=True, dynamic=False)
+    return lambda: forward(qg, kg, vg).backward(grad_out)
+
+
+def host_us_per_call(fn, calls: int) -> float:
+    """Wall time of `calls` calls queued behind a GPU spin, in us per call."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN_CYCLES)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    if torch.cuda.current_stream().query():
+        raise RuntimeError("profiling.host: the GPU spin ended before the timed calls; "
+                           "lower --calls")
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def measure(args) -> list[dict]:
+    q, k, v = make_qkv(args.batch, args.seqlen, args.seqlen, args.heads, args.heads_kv,
+                       args.head_dim, DTYPES[args.dtype], seed=0)
+    causal = args.causal == "yes"
+    rows = []
+    for mode in args.modes:
+        calls, status = {}, {}
+        for backend in args.backends:
+            try:
+                fn = make_call(backend, mode, q, k, v, causal)
+                for _ in range(3):  # JIT compile, torch.compile, allocator warm-up
+                    fn()
+                torch.cuda.synchronize()
+                calls[backend] = fn
+                status[backend] = "ok"
+            except BackendUnavailable as exc:
+                status[backend] = f"unavailable: {exc}"
+            except Exception as exc:  # a failing backend is a row, not the end of the run
+                status[backend] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        samples = {b: [] for b in calls}
+        for _ in range(args.rounds):
+            for backend, fn in calls.items():
+                if status[backend] == "ok":
+                    try:
+                        samples[backend].append(host_us_per_call(fn, args.calls))
+                    except RuntimeError as exc:  # the host waited on the GPU
+                        status[backend] = f"failed: {exc}"
+        for backend in args.backends:
+            ok = status[backend] == "ok" and samples.get(backend)
+            us = statistics.median(samples[backend]) if ok else None
+            rows.append(dict(mode=mode, backend=backend, host_us=us, status=status[backend]))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'mode':<17} {'backend':<12} {'host us/call':>12} {'vs ours':>8}  status"]
+    ours = {r["mode"]: r["host_us"] for r in rows if r["backend"] == OURS}
+    for r in rows:
+        us = f"{r['host_us']:.1f}" if r["host_us"] is not None else "-"
+        ratio = (f"{r['host_us'] / ours[r['mode']]:.2f}"
+                 if r["host_us"] is not None and ours.get(r["mode"]) else "-")
+        lines.append(f"{r['mode']:<17} {r['backend']:<12} {us:>12} {ratio:>8}  {r['status']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profiling.host: needs a CUDA GPU (the H100 of the device tool)")
+    rows = measure(args)
+    print(f"host time per call (median of {args.rounds} rounds of {args.calls}), "
+          f"b={args.batch} s={args.seqlen} h={args.heads}/{args.heads_kv} d={args.head_dim} "
+          f"causal={args.causal} {args.dtype}, {torch.cuda.get_device_name()}")
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
