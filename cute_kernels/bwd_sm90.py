@@ -33,8 +33,8 @@ next WGMMA takes as its A operand):
     the writer warp reduce-adds it into the fp32 dQ accumulator (dq_accum.py)
     and frees the slab [DQ_EMPTY]
 At the end dK·scale and dV go to global memory (16-bit, or with split_gqa fp32
-partials per query head that the host sums over the group); the postprocess
-kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
+partials per query head, which the group-sum kernel adds over each group); the
+postprocess kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from .scheduler import TileScheduler
 
 class _ColumnStats:
     """BwdConfig.stats_early off: column j's statistic, read from shared
-    memory where it is indexed (at trace time, j is a Python int)."""
+    memory where it is indexed (at trace time, j is a Python int), so the
+    loads sit after the WGMMA wait, next to their use."""
 
     def __init__(self, sStat: cute.Tensor, coords, stage):
         self.sStat, self.coords, self.stage = sStat, coords, stage
@@ -351,12 +352,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                    zero_init=True, wait_groups=-1)
 
     @cute.jit
-    def column_stats(self, sStat: cute.Tensor, coords, stage: Int32, lazy: bool = False):
+    def column_stats(self, sStat: cute.Tensor, coords, stage: Int32):
         """The statistic (LSE₂ or D) of each of this thread's accumulator
-        columns. lazy: a view that reads shared memory where it is indexed
-        (holding all columns in registers for the whole step spills);
-        otherwise a register copy, loaded here."""
-        if cutlass.const_expr(lazy):
+        columns: with stats_early a register copy, loaded here; otherwise a
+        view that reads shared memory where it is indexed (holding all columns
+        in registers for the whole step spills)."""
+        if cutlass.const_expr(not self.cfg.stats_early):
             return _ColumnStats(sStat, coords, stage)
         values = cute.make_rmem_tensor((cute.size(coords, mode=[1]),), Float32)
         for j in cutlass.range_constexpr(cute.size(coords, mode=[1])):
@@ -378,31 +379,24 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         self.issue_dp(frags, acc_dp, mma_sdp, pipe_do, do_state)
 
         # Per-query statistics, one per accumulator column of this thread:
-        # read ahead of the WGMMA waits (stats_early) or next to their use.
+        # read here, ahead of the WGMMA waits (stats_early), or at their use.
         coords = wgmma.acc_rows_cols(st_coords)
-        early = self.cfg.stats_early
-        if cutlass.const_expr(early):
-            lse2 = self.column_stats(sLSE2, coords, q_state.index)
+        lse2 = self.column_stats(sLSE2, coords, q_state.index)
         warpgroup.wait_group(1)  # Sᵀ has landed
         if needs_mask:
             apply_mask_transposed(acc_s, st_coords, n_block, m_block, seqlen_q, seqlen_k,
                                   tile_n, tile_m, self.causal)
-        if cutlass.const_expr(not early):
-            lse2 = self.column_stats(sLSE2, coords, q_state.index, lazy=True)
         p = wgmma.acc_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
             lse2_j = lse2[j]
             for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
                 p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2_j, fastmath=True)
-        if cutlass.const_expr(early):
-            dsum = self.column_stats(sD, coords, do_state.index)
+        dsum = self.column_stats(sD, coords, do_state.index)
         if cutlass.const_expr(self.cfg.dv_under_ds):
             self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
             warpgroup.wait_group(1)  # dPᵀ has landed (dV may still run)
         else:
             warpgroup.wait_group(0)  # dPᵀ has landed
-        if cutlass.const_expr(not early):
-            dsum = self.column_stats(sD, coords, do_state.index, lazy=True)
         ds = wgmma.acc_rows_cols(acc_dp)
         if cutlass.const_expr(self.cfg.ds_from_16bit_p):
             p = wgmma.acc_rows_cols(cute.make_tensor(frags["Pt"].iterator,

@@ -24,25 +24,29 @@ def check_items(parser, flag: str, items, allowed) -> None:
             parser.error(f"{flag}: expected items of {sorted(allowed)}, got {item!r}")
 
 
-def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str):
+def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str,
+                  compiled: bool = False):
     """A zero-argument callable running `direction`: 'fwd', 'bwd' (the backward of one
-    recorded forward, graph retained) or 'fwd_bwd'."""
+    recorded forward, graph retained) or 'fwd_bwd'. compiled: the attention call
+    goes through torch.compile(fullgraph=True)."""
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {name!r}")
+    if direction not in ("fwd", "bwd", "fwd_bwd"):
+        raise ValueError(f"direction: expected 'fwd', 'bwd' or 'fwd_bwd', got {direction!r}")
+
+    def attend(q_, k_, v_):
+        return attention(q_, k_, v_, causal, softmax_scale, name)
+
+    if compiled:
+        attend = torch.compile(attend, fullgraph=True, dynamic=False)
     if direction == "fwd":
         def run_fwd():
             with torch.no_grad():
-                return attention(q, k, v, causal, softmax_scale, name)
+                return attend(q, k, v)
         return run_fwd
-    if direction not in ("bwd", "fwd_bwd"):
-        raise ValueError(f"direction: expected 'fwd', 'bwd' or 'fwd_bwd', got {direction!r}")
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
     grad_out = torch.randn_like(q)
-
-    def forward():
-        return attention(qg, kg, vg, causal, softmax_scale, name)
-
     if direction == "fwd_bwd":
-        return lambda: forward().backward(grad_out)
-    out = forward()
+        return lambda: attend(qg, kg, vg).backward(grad_out)
+    out = attend(qg, kg, vg)
     return lambda: out.backward(grad_out, retain_graph=True)

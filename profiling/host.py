@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .backends import BACKENDS, OURS, BackendUnavailable, attention, check_items
+from .backends import BACKENDS, OURS, BackendUnavailable, check_items, make_callable
 from .problem import DTYPES, make_qkv
 
 MODES = ("fwd", "fwd_bwd", "compiled_fwd_bwd")
@@ -64,21 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_call(backend: str, mode: str, q, k, v, causal: bool):
     """A zero-argument callable running one call of `mode` with `backend`."""
-    scale = q.shape[-1] ** -0.5
-    if mode == "fwd":
-        def run_fwd():
-            with torch.no_grad():
-                attention(q, k, v, causal, scale, backend)
-        return run_fwd
-    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-    grad_out = torch.randn_like(q)
-
-    def forward(q_, k_, v_):
-        return attention(q_, k_, v_, causal, scale, backend)
-
-    if mode == "compiled_fwd_bwd":
-        forward = torch.compile(forward, fullgraph=True, dynamic=False)
-    return lambda: forward(qg, kg, vg).backward(grad_out)
+    direction = "fwd" if mode == "fwd" else "fwd_bwd"
+    return make_callable(backend, q, k, v, causal, q.shape[-1] ** -0.5, direction,
+                         compiled=mode == "compiled_fwd_bwd")
 
 
 def host_us_per_call(fn, calls: int) -> float:

@@ -36,6 +36,7 @@ from python_api.attention_backends import BACKEND_NAMES
 from python_api.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, ModelConfig, Transformer,
                               count_parameters, training_flops_per_token)
 
+from .backends import check_items
 from .data import TokenStream, ensure_dataset, load_split
 
 CONFIGS = {"default": DEFAULT, "tiny": TINY}
@@ -287,9 +288,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
     names = (args.backends.split(",") if args.backends else [args.backend or "cute"])
-    for name in names:
-        if name not in BACKEND_NAMES:
-            p.error(f"--backends: expected items of {BACKEND_NAMES}, got {name!r}")
+    check_items(p, "--backends", names, BACKEND_NAMES)
     args.backend_list = names
     if args.cuda_graph and args.steps <= GRAPH_WARMUP_STEPS:
         p.error(f"--steps: expected more than {GRAPH_WARMUP_STEPS} with --cuda-graph "

@@ -143,14 +143,14 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
                  dump_dir=dump_dir and os.path.join(dump_dir, "main")),
         _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
                  dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
-        None,
     )
+    group_sum = None
     if config.split_gqa:
         dk16, dv16 = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
                       for _ in range(2))
-        fns = fns[:3] + (_compile(GroupSum(cute_dtype, head_dim), dk, dv, dk16, dv16,
-                                  dump_dir=dump_dir and os.path.join(dump_dir, "group_sum")),)
-    return CompiledBackward(*fns, compile_seconds=time.perf_counter() - start)
+        group_sum = _compile(GroupSum(cute_dtype, head_dim), dk, dv, dk16, dv16,
+                             dump_dir=dump_dir and os.path.join(dump_dir, "group_sum"))
+    return CompiledBackward(*fns, group_sum, compile_seconds=time.perf_counter() - start)
 
 
 _cache: dict[tuple, object] = {}
