@@ -78,6 +78,15 @@ class FwdConfig(_KernelConfig):
         the softmax of block j is consumed by O += P_j·V_j.
     persistent: grid = number of SMs, each CTA loops over tiles; otherwise
         one CTA per tile.
+    rescale_threshold: lazy O rescaling (softmax.py): a warp moves its rows'
+        softmax reference maxima only when one grew by more than
+        2^rescale_threshold, so most steps skip the O rescale; 0 rescales
+        at every increase. In [0, 16] (P stays below 2^rescale_threshold).
+        Off by default: on the H100 it lost everywhere (bf16, 16k tokens,
+        TFLOP/s 0 vs 8: d64 causal 8k 523.6 vs 516.4, d64 8k 578.4 vs 563.5,
+        d128 8k 729.7 vs 704.7, d128 causal 8k 679.4 vs 670.9): the FMULs it
+        skips were hidden under the GEMMs, while the warp vote sits between
+        the row maxima and the first exp2.
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
@@ -90,6 +99,7 @@ class FwdConfig(_KernelConfig):
     pingpong: bool = True
     intra_wg_overlap: bool = True
     persistent: bool = True
+    rescale_threshold: int = 0
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -119,6 +129,8 @@ class FwdConfig(_KernelConfig):
             raise bad("tile_n", "a multiple of 16 in [16, 256] (WGMMA N, and the P·V K step)")
         if not 1 <= self.kv_stages <= 8:
             raise bad("kv_stages", "an integer in [1, 8]")
+        if not 0 <= self.rescale_threshold <= 16:
+            raise bad("rescale_threshold", "an integer in [0, 16] (log2 of the largest P)")
         if self.intra_wg_overlap and self.kv_stages < 2:
             raise bad("kv_stages", ">= 2 when intra_wg_overlap is on (K_{j+1} and V_j are "
                                    "in flight together)")

@@ -235,7 +235,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         o_coords = tiled_mma_pv.get_slice(tid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.head_dim)))
         softmax = OnlineSoftmax.create(softmax_scale_log2,
-                                cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]))
+                                       cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]),
+                                       self.cfg.rescale_threshold)
         pingpong = PingPong(self.consumer_wgs, self.cfg.pingpong)
         pingpong.start(wg)
 
@@ -283,7 +284,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         # Blocks [n_masked_end, n_max - 1) are diagonal blocks needing the causal mask.
         n_masked_end = n_max - 1
         if cutlass.const_expr(self.causal):
-            n_masked_end = cutlass.max(cutlass.min(n_min_unmasked, n_max - 1), 0)
+            # Warp-uniform, or ptxas recomputes the bound in vector registers
+            # at every step of the loop below.
+            n_masked_end = cute.arch.make_warp_uniform(
+                cutlass.max(cutlass.min(n_min_unmasked, n_max - 1), 0))
         if cutlass.const_expr(self.cfg.intra_wg_overlap):
             # First block: S, mask (seqlen edge and diagonal), softmax; its P·V
             # is issued together with the next block's S.
@@ -300,10 +304,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 kv_state = self._overlapped_step(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
                     pipe_k, pipe_v, kv_state, mask, n_max - 2 - i, apply_causal=True)
-            for i in cutlass.range(n_masked_end, unroll=1):
+            for n_block in cutlass.range(n_masked_end - 1, -1, -1, unroll=1):
                 kv_state = self._overlapped_step(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
-                    pipe_k, pipe_v, kv_state, mask, n_masked_end - 1 - i, apply_causal=False)
+                    pipe_k, pipe_v, kv_state, mask, n_block, apply_causal=False)
             pipe_q.consumer_release(q_state)
             # Last P·V.
             pipe_v.consumer_wait(kv_state)
@@ -359,10 +363,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         pipe_k.consumer_release(kv_state)
         if cutlass.const_expr(apply_causal):
             self._mask(acc_s, mask, n_block)
-        rescale = softmax.update(acc_s, is_first=False)
+        rescale, moved = softmax.update(acc_s, is_first=False)
         warpgroup.wait_group(0)  # P·V done: tOrP and the V stage are free
         pipe_v.consumer_release(v_state)
-        softmax.rescale_o(acc_o, rescale)
+        if moved:
+            softmax.rescale_o(acc_o, rescale)
         wgmma.convert_to_16bit(acc_s, tOrP)
         return kv_state
 
@@ -385,9 +390,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         pipe_k.consumer_release(kv_state)
         if cutlass.const_expr(apply_mask):
             self._mask(acc_s, mask, n_block)
-        rescale = softmax.update(acc_s, is_first=is_first)
+        rescale, moved = softmax.update(acc_s, is_first=is_first)
         wgmma.convert_to_16bit(acc_s, tOrP)
-        softmax.rescale_o(acc_o, rescale)
+        if moved:
+            softmax.rescale_o(acc_o, rescale)
         pipe_v.consumer_wait(kv_state)
         pingpong.wait_turn(wg)
         wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],

@@ -3,6 +3,7 @@
     python -m profiling.train --backend cute --steps 1000 --seq 4096 --batch 1
     python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash,fa4 --steps 1000 --compile
     python -m profiling.train --backends cute,sdpa_cudnn --cuda-graph [--compile]
+    python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash --compile --interleave 50
 
 AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast.
 --cuda-graph captures the whole training step (forward, backward, clipping,
@@ -17,6 +18,9 @@ QKᵀ and P·V, forward and backward) and MFU against the H100 SXM dense bf16 pe
 of 989.4 TFLOP/s. Writes <out>/<backend>.csv and .json, <out>/compare.json,
 <out>/train.png (loss and tokens/s per backend) and prints the comparison table.
 A backend that fails is a row with its error; the run goes on.
+--interleave N alternates the backends every N steps instead of running each
+to the end in turn, so that the host's drift in speed (the steps are
+host-bound without --cuda-graph) falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -74,79 +78,154 @@ def load_checkpoint(path: str, backend: str, device="cpu") -> tuple[Transformer,
     return model, state
 
 
+class Trainer:
+    """One backend's training run, advanced a chunk of steps at a time (so
+    that --interleave can alternate backends). Throughput windows of
+    --log-every steps are timed within a chunk only."""
+
+    def __init__(self, backend: str, init_state: dict, args, device, bar_position: int = 0):
+        self.backend, self.args, self.device = backend, args, device
+        config = model_config(args.config, args.seq)
+        torch.manual_seed(args.seed)
+        self.model = Transformer(config, backend=backend).to(device)
+        self.model.load_state_dict(init_state)
+        n_params = count_parameters(self.model, exclude_embeddings=True)
+        self.flops_per_token = training_flops_per_token(config, args.seq, n_params)
+        # A captured optimizer reads the learning rate from device memory, so
+        # the schedule can change it between replays.
+        lr = torch.tensor(args.lr, device=device) if args.cuda_graph else args.lr
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                           weight_decay=0.1, fused=device.type == "cuda",
+                                           capturable=args.cuda_graph)
+        self.stream = TokenStream(load_split(args.data, "train"), args.seq, args.batch,
+                                  seed=args.seed)
+        forward = torch.compile(self.model, fullgraph=True) if args.compile else self.model
+        optimizer, model = self.optimizer, self.model
+
+        def train_step(x, y):
+            # The autocast weight cache would hold tensors from outside the graph pool.
+            with torch.autocast(device.type, dtype=torch.bfloat16,
+                                cache_enabled=not args.cuda_graph):
+                loss = forward(x, y)[1]
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            # Detached: a loss that kept the autograd graph alive would keep
+            # its gradient-accumulation nodes on the stream of this step, and
+            # the next step (a CUDA graph capture) would have to sync with it.
+            return loss.detach(), grad_norm
+
+        self.step_runner = (GraphedStep(train_step, optimizer) if args.cuda_graph
+                            else EagerStep(train_step, optimizer))
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.log, self.step, self.busy_s = [], 0, 0.0
+        self.bar = _progress_bar(args.steps, f"train {backend}", bar_position)
+
+    def run(self, steps: int) -> None:
+        """The next `steps` training steps (a multiple of --log-every, or the rest)."""
+        args = self.args
+        self.sync()
+        window_start = chunk_start = time.perf_counter()
+        window_tokens = 0
+        for step in range(self.step, min(self.step + steps, args.steps)):
+            set_lr(self.optimizer, lr_at(step, args.lr, args.warmup, args.steps))
+            x, y = self.stream.next_batch(self.device)
+            loss, grad_norm = self.step_runner(x, y)
+            window_tokens += x.numel()
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                loss_value = loss.item()  # synchronizes
+                self.sync()
+                now = time.perf_counter()
+                tokens_per_s = window_tokens / (now - window_start)
+                tflops = self.flops_per_token * tokens_per_s / 1e12
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss became {loss_value} at step {step + 1}")
+                self.log.append(dict(
+                    step=step + 1, loss=loss_value,
+                    lr=float(self.optimizer.param_groups[0]["lr"]),
+                    grad_norm=float(grad_norm), tokens_per_s=tokens_per_s, tflops=tflops,
+                    mfu=tflops * 1e12 / H100_BF16_DENSE_PEAK,
+                    elapsed_s=self.busy_s + now - chunk_start))
+                if self.bar is not None:
+                    self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+                window_tokens, window_start = 0, time.perf_counter()
+            self.step = step + 1
+            if self.bar is not None:
+                self.bar.update(1)
+        self.sync()
+        self.busy_s += time.perf_counter() - chunk_start
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.args.steps
+
+    def finish(self) -> dict:
+        """Validation loss, the optional checkpoint and the summary row."""
+        if self.bar is not None:
+            self.bar.close()
+        val = evaluate(self.model, self.args, self.device)
+        if self.args.save_checkpoint:
+            save_checkpoint(os.path.join(self.args.out, f"{self.backend}.pt"), self.model,
+                            self.optimizer, self.args.steps, self.backend)
+        log = self.log
+        steady = log[1:] or log  # the first window holds compilation and warm-up
+
+        def median(key):
+            return sorted(r[key] for r in steady)[len(steady) // 2]
+
+        return dict(backend=self.backend, status="ok", log=log, val_loss=val,
+                    final_loss=log[-1]["loss"], params=count_parameters(self.model),
+                    tokens_per_s=median("tokens_per_s"), tflops=median("tflops"),
+                    mfu=median("mfu"), wall_s=self.busy_s)
+
+
 def train_one(backend: str, init_state: dict, args, device) -> dict:
-    config = model_config(args.config, args.seq)
-    torch.manual_seed(args.seed)
-    model = Transformer(config, backend=backend).to(device)
-    model.load_state_dict(init_state)
-    n_params = count_parameters(model, exclude_embeddings=True)
-    flops_per_token = training_flops_per_token(config, args.seq, n_params)
-    fused = device.type == "cuda"
-    # A captured optimizer reads the learning rate from device memory, so the
-    # schedule can change it between replays.
-    lr = torch.tensor(args.lr, device=device) if args.cuda_graph else args.lr
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1, fused=fused, capturable=args.cuda_graph)
-    stream = TokenStream(load_split(args.data, "train"), args.seq, args.batch, seed=args.seed)
-    forward = torch.compile(model, fullgraph=True) if args.compile else model
+    """Train one backend for all --steps."""
+    trainer = Trainer(backend, init_state, args, device)
+    trainer.run(args.steps)
+    return trainer.finish()
 
-    def train_step(x, y):
-        # The autocast weight cache would hold tensors from outside the graph pool.
-        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not args.cuda_graph):
-            loss = forward(x, y)[1]
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        # Detached: a loss that kept the autograd graph alive would keep its
-        # gradient-accumulation nodes on the stream of this step, and the next
-        # step (a CUDA graph capture) would have to sync with that stream.
-        return loss.detach(), grad_norm
 
-    step_runner = (GraphedStep(train_step, optimizer) if args.cuda_graph
-                   else EagerStep(train_step, optimizer))
+def train_interleaved(init_state: dict, args, device) -> list[dict]:
+    """All backends in rounds of --interleave steps each (A, B, C, A, B, C, ...):
+    the host's speed drifts during a run (±15 % on the H100 machine), and
+    rounds spread that drift over every backend alike instead of letting it
+    favour whichever ran in a fast stretch. Every model, optimizer and
+    compiled graph stays alive for the whole run."""
+    results, trainers = {}, {}
+    for position, backend in enumerate(args.backend_list):
+        try:
+            trainers[backend] = Trainer(backend, init_state, args, device, position)
+        except Exception as exc:
+            results[backend] = _failed(backend, exc)
+    while trainers:
+        for backend, trainer in list(trainers.items()):
+            try:
+                trainer.run(args.interleave)
+                if trainer.done:
+                    results[backend] = trainer.finish()
+                    del trainers[backend]
+            except Exception as exc:
+                results[backend] = _failed(backend, exc)
+                if trainer.bar is not None:
+                    trainer.bar.close()
+                del trainers[backend]
+    return [results[b] for b in args.backend_list]
 
-    log, window_tokens = [], 0
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    window_start = run_start = time.perf_counter()
-    steps = range(args.steps)
+
+def _progress_bar(total: int, desc: str, position: int):
     try:
         from tqdm import tqdm
-        steps = tqdm(steps, desc=f"train {backend}", unit="step")
     except ImportError:
-        pass
-    for step in steps:
-        set_lr(optimizer, lr_at(step, args.lr, args.warmup, args.steps))
-        x, y = stream.next_batch(device)
-        loss, grad_norm = step_runner(x, y)
-        window_tokens += x.numel()
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            loss_value = loss.item()  # synchronizes
-            sync()
-            now = time.perf_counter()
-            tokens_per_s = window_tokens / (now - window_start)
-            tflops = flops_per_token * tokens_per_s / 1e12
-            row = dict(step=step + 1, loss=loss_value, lr=float(optimizer.param_groups[0]["lr"]),
-                       grad_norm=float(grad_norm), tokens_per_s=tokens_per_s, tflops=tflops,
-                       mfu=tflops * 1e12 / H100_BF16_DENSE_PEAK, elapsed_s=now - run_start)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss became {loss_value} at step {step + 1}")
-            log.append(row)
-            if hasattr(steps, "set_postfix"):
-                steps.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-            window_tokens, window_start = 0, time.perf_counter()
+        return None
+    return tqdm(total=total, desc=desc, unit="step", position=position)
 
-    val = evaluate(model, args, device)
-    if args.save_checkpoint:
-        save_checkpoint(os.path.join(args.out, f"{backend}.pt"), model, optimizer, args.steps,
-                        backend)
-    steady = log[1:] or log  # the first window holds compilation and warm-up
-    return dict(backend=backend, status="ok", log=log, val_loss=val,
-                final_loss=log[-1]["loss"], params=count_parameters(model),
-                tokens_per_s=sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2],
-                tflops=sorted(r["tflops"] for r in steady)[len(steady) // 2],
-                mfu=sorted(r["mfu"] for r in steady)[len(steady) // 2],
-                wall_s=log[-1]["elapsed_s"])
+
+def _failed(backend: str, exc: Exception) -> dict:
+    """A failing backend is a row with its error, not the end of the run."""
+    traceback.print_exc()
+    return dict(backend=backend, status=f"failed: {type(exc).__name__}: "
+                f"{(str(exc).splitlines() or [''])[0][:150]}")
 
 
 def set_lr(optimizer, value: float) -> None:
@@ -281,6 +360,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture the whole training step in a CUDA graph and replay it")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="with several backends, alternate them every N steps (a multiple "
+                        "of --log-every) instead of running each to the end in turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="data/stdlib.parquet")
     p.add_argument("--out", default="train_out")
@@ -293,6 +375,9 @@ def parse_args(argv=None):
     if args.cuda_graph and args.steps <= GRAPH_WARMUP_STEPS:
         p.error(f"--steps: expected more than {GRAPH_WARMUP_STEPS} with --cuda-graph "
                 f"(eager warm-up steps before capture), got {args.steps}")
+    if args.interleave and (args.interleave < 0 or args.interleave % args.log_every):
+        p.error(f"--interleave: expected a positive multiple of --log-every "
+                f"({args.log_every}), got {args.interleave}")
     if args.steps < 1 or args.seq < 2 or args.batch < 1:
         p.error(f"--steps, --seq, --batch: expected positive values (seq >= 2), got "
                 f"{args.steps}, {args.seq}, {args.batch}")
@@ -308,16 +393,17 @@ def main(argv=None) -> list[dict]:
     config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
     init_state = copy.deepcopy(Transformer(config).state_dict())
-    results = []
-    for backend in args.backend_list:
-        try:
-            results.append(train_one(backend, init_state, args, device))
-        except Exception as exc:  # a failing backend is a row, not the end of the run
-            traceback.print_exc()
-            results.append(dict(backend=backend, status=f"failed: {type(exc).__name__}: "
-                                f"{(str(exc).splitlines() or [''])[0][:150]}"))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    if args.interleave:
+        results = train_interleaved(init_state, args, device)
+    else:
+        results = []
+        for backend in args.backend_list:
+            try:
+                results.append(train_one(backend, init_state, args, device))
+            except Exception as exc:
+                results.append(_failed(backend, exc))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     write_outputs(results, args.out)
     print(format_comparison(results))
     return results

@@ -128,3 +128,28 @@ def test_cuda_graph_arguments(dataset):
     with pytest.raises(SystemExit):  # argparse: too few steps to warm up and capture
         train.parse_args(["--steps", "3", "--cuda-graph"])
     assert train.parse_args(["--steps", "4", "--cuda-graph"]).cuda_graph
+
+
+def test_interleaved_training_matches_sequential(dataset, tmp_path):
+    # Each backend keeps its own model, optimizer and batch stream, so taking
+    # turns every 3 steps must not change what any of them computes.
+    path, _ = dataset
+    common = ["--config", "tiny", "--backends", "cute,sdpa_math,fa4", "--steps", "7",
+              "--seq", "32", "--batch", "2", "--lr", "1e-3", "--warmup", "2",
+              "--log-every", "3", "--data", path, "--device", "cpu"]
+    sequential = train.main(common + ["--out", str(tmp_path / "seq")])
+    interleaved = train.main(common + ["--interleave", "3", "--out", str(tmp_path / "int")])
+    assert [r["status"] for r in interleaved] == [r["status"] for r in sequential]
+    assert interleaved[2]["status"].startswith("failed: BackendUnavailable")
+    for seq_row, int_row in zip(sequential[:2], interleaved[:2]):
+        assert [r["step"] for r in int_row["log"]] == [3, 6, 7]
+        assert [r["loss"] for r in int_row["log"]] == [r["loss"] for r in seq_row["log"]]
+        assert int_row["val_loss"] == seq_row["val_loss"]
+        assert int_row["wall_s"] > 0
+
+
+def test_interleave_must_be_a_multiple_of_log_every():
+    with pytest.raises(SystemExit):
+        train.parse_args(["--backends", "cute,sdpa_math", "--interleave", "15",
+                          "--log-every", "10"])
+    assert train.parse_args(["--interleave", "20", "--log-every", "10"]).interleave == 20
