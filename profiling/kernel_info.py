@@ -34,11 +34,15 @@ PTX_PATTERNS = {
     "dq_reduce": r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32",
     "acquire_load": r"ld\.acquire\.gpu",
     "release_add": r"red\.release\.gpu",
+    "vote_any": r"vote\.sync\.any",
 }
 SASS_PATTERNS = {
     "hgmma": r"\bHGMMA\.",
     "warpgroup_wait": r"\bWARPGROUP\.DEPBAR",
     "local_memory": r"\b(STL|LDL)\b",
+    # the high half of a 64-bit vector add: descriptor arithmetic left in
+    # vector registers when ptxas cannot prove it warp-uniform
+    "vector_add64": r"\bIMAD\.X\b",
 }
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x12

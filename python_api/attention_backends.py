@@ -24,7 +24,7 @@ NO_NATIVE_GQA = ("EFFICIENT_ATTENTION",)
 
 
 class BackendUnavailable(Exception):
-    pass
+    """The backend cannot run here; the message says why."""
 
 
 def _sdpa(q, k, v, causal, softmax_scale, backend_name):
