@@ -13,19 +13,32 @@ import contextlib
 import nvtx as _nvtx
 
 _SHORT_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+# A model repeats a handful of problems: the names are built once each, since
+# formatting one costs more host time than the push and pop together.
+_names: dict[tuple, str] = {}
+_MAX_NAMES = 4096
+
+push = _nvtx.push_range  # the default domain keeps the name selectable as `name/` in ncu
+pop = _nvtx.pop_range
 
 
 def range_name(op: str, q, k, causal: bool) -> str:
-    b, sq, hq, d = q.shape
-    return (f"cute_fa.{op}[b={b},sq={sq},sk={k.shape[1]},hq={hq},hkv={k.shape[2]},d={d},"
-            f"causal={int(causal)},{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
+    key = (op, q.shape, k.shape, causal, q.dtype)
+    name = _names.get(key)
+    if name is None:
+        b, sq, hq, d = q.shape
+        name = (f"cute_fa.{op}[b={b},sq={sq},sk={k.shape[1]},hq={hq},hkv={k.shape[2]},d={d},"
+                f"causal={int(causal)},{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
+        if len(_names) < _MAX_NAMES:  # bounded: varying sequence lengths would grow it forever
+            _names[key] = name
+    return name
 
 
 @contextlib.contextmanager
 def op_range(name: str):
-    # The default domain keeps the range name selectable as `name/` in ncu.
-    _nvtx.push_range(name)
+    """The range as a context manager, for paths whose host time does not matter."""
+    push(name)
     try:
         yield
     finally:
-        _nvtx.pop_range()
+        pop()

@@ -59,31 +59,51 @@ def _unused_semaphore(device_index: int) -> torch.Tensor:
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """TMA needs a 16-byte aligned base and strides that are multiples of 16 bytes."""
-    elems = 16 // t.element_size()
-    if t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1]):
+    """`t` (4-D), or a compact copy where TMA could not read it: TMA needs a
+    16-byte aligned base and strides that are multiples of 16 bytes."""
+    s = t.stride()
+    mask = 16 // t.element_size() - 1
+    if not ((t.data_ptr() & 15) | (s[0] & mask) | (s[1] & mask) | (s[2] & mask)):
         return t
     # A fresh allocation is 256-byte aligned and compact; .contiguous() alone
     # would hand back a misaligned tensor that is already contiguous.
     return t.clone(memory_format=torch.contiguous_format)
 
 
+_compile_cache = None
+
+
+def _kernels():
+    """compile_cache, imported at the first kernel call (it imports cutlass,
+    which the CPU and fake paths never need) and then held: an import
+    statement costs ~2 us on every call."""
+    global _compile_cache
+    if _compile_cache is None:
+        from . import compile_cache
+        _compile_cache = compile_cache
+    return _compile_cache
+
+
+# The host path below runs once per attention call; a compiled training step
+# without a CUDA graph is paced by its host, so it avoids what costs there:
+# context managers, generators and repeated lookups (profiling/RESULTS.md).
+
 def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                  causal: bool, config: FwdConfig | None = None):
     """Run the DSL forward kernel; `config` overrides the per-problem default
     (this is how profiling.sweep A/Bs kernel variants)."""
-    from .compile_cache import get_fwd  # imports cutlass: only where kernels run
-
     device_index = _device_index(q)
-    head_dim = q.shape[3]
+    batch, seqlen_q, heads, head_dim = q.shape
     config = config or fwd_config_for_problem(head_dim, causal, k.shape[1])
-    kernel = get_fwd(q.dtype, head_dim, causal, config)
+    kernel = _kernels().get_fwd(q.dtype, head_dim, causal, config)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    batch, seqlen_q, heads, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
+    nvtx_ranges.push(nvtx_ranges.range_name("fwd", q, k, causal))
+    try:
         kernel.fn(q, k, v, out, lse, softmax_scale * LOG2_E, _num_sms(device_index))
+    finally:
+        nvtx_ranges.pop()
     return out, lse
 
 
@@ -94,41 +114,46 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     """Run preprocess, the DSL backward kernel and the dQ postprocess (the
     arguments of cute_fa::bwd); `config` overrides the per-problem default
     (profiling.sweep), deterministic included."""
-    from .compile_cache import get_bwd  # imports cutlass: only where kernels run
-
     device_index = _device_index(q)
     batch, seqlen_q, heads, head_dim = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
     config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch, seqlen_k,
                                               heads, heads_kv, _num_sms(device_index))
-    kernels = get_bwd(q.dtype, head_dim, causal, config, grad_lse is not None)
-    q, k, v, out, grad_out = (_tma_ready(t) for t in (q, k, v, out, grad_out))
+    kernels = _kernels().get_bwd(q.dtype, head_dim, causal, config, grad_lse is not None)
+    q, k, v, out, grad_out = (_tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(out),
+                              _tma_ready(grad_out))
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
-    m_blocks = -(-seqlen_q // config.tile_m)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((batch, heads, m_blocks * config.tile_m), **f32)
+    device = q.device
+    padded_q = -(-seqlen_q // config.tile_m) * config.tile_m
+    lse2 = torch.empty((batch, heads, padded_q), dtype=torch.float32, device=device)
     dsum = torch.empty_like(lse2)
-    dq_accum = torch.empty((batch, heads, m_blocks * config.tile_m * head_dim), **f32)
+    dq_accum = torch.empty((batch, heads, padded_q * head_dim), dtype=torch.float32,
+                           device=device)
     if config.deterministic:
-        semaphore = torch.zeros((batch, heads, m_blocks * config.consumer_warpgroups),
-                                dtype=torch.int32, device=q.device)
+        semaphore = torch.zeros((batch, heads, padded_q // config.tile_m
+                                 * config.consumer_warpgroups), dtype=torch.int32, device=device)
     else:
         semaphore = _unused_semaphore(device_index)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     if config.split_gqa:  # fp32 partials per query head, summed over each group after
-        dk_main, dv_main = torch.empty((2, batch, seqlen_k, heads, head_dim), **f32)
+        dk_main = torch.empty((batch, seqlen_k, heads, head_dim), dtype=torch.float32,
+                              device=device)
+        dv_main = torch.empty_like(dk_main)
     else:
         dk_main, dv_main = dk, dv
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
+    nvtx_ranges.push(nvtx_ranges.range_name("bwd", q, k, causal))
+    try:
         kernels.preprocess(out, grad_out, lse, grad_lse, lse2, dsum, dq_accum)
         kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore,
                      softmax_scale * LOG2_E, softmax_scale)
         kernels.postprocess(dq_accum, grad_q, softmax_scale)
         if config.split_gqa:
             kernels.group_sum(dk_main, dv_main, dk, dv)
+    finally:
+        nvtx_ranges.pop()
     return grad_q, dk, dv
 
 
@@ -216,29 +241,66 @@ def _saved_grads(ctx, grad_out, grad_lse, backward):
                     grad_lse, ctx.deterministic)
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
-    # An unused LSE output then reaches the backward as None, not as a tensor
-    # of zeros that a compiled graph would fill and the preprocess would read.
-    ctx.set_materialize_grads(False)
-    _save_for_backward(ctx, q, k, v, *output, _resolve_scale(q, softmax_scale), causal,
-                       deterministic)
+# cute_fa::fwd's Autograd kernel, registered directly rather than through
+# torch.library.register_autograd: that one always redispatches, and a
+# redispatch goes back through the dispatcher into Python (~10 us of host time
+# per call on the CPU machine, 25-40 on the H100's host), which the compiled
+# forward graph pays at every layer although it runs with grad off.
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+_FWD_BACKENDS = {torch._C.DispatchKey.CUDA: _fwd_cuda, torch._C.DispatchKey.CPU: _fwd_cpu}
 
 
-def _fwd_backward(ctx, grad_out, grad_lse):
-    return *_saved_grads(ctx, grad_out, grad_lse, torch.ops.cute_fa.bwd), None, None, None
+def _fwd_below_autograd(keyset, *args):
+    """What cute_fa::fwd runs below its Autograd kernel. Where the next key is
+    the CUDA or CPU kernel (plain tensors, no dispatch mode, no
+    functionalization) that kernel is exactly what a redispatch would reach,
+    so it is called directly; anything else (fake and functional tensors while
+    torch.compile traces, dispatch modes, subclasses) is redispatched."""
+    below = keyset & _BELOW_AUTOGRAD
+    kernel = _FWD_BACKENDS.get(below.highestPriorityTypeId())
+    if kernel is not None:
+        return kernel(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.cute_fa.fwd.default.redispatch(below, *args)
 
 
-torch.library.register_autograd("cute_fa::fwd", _fwd_backward, setup_context=_fwd_setup_context,
-                                lib=_lib)
+class _FwdAutograd(torch.autograd.Function):
+    """The autograd formula of cute_fa::fwd: saves q, k, v, out and the LSE;
+    the backward is cute_fa::bwd (so torch.compile traces it as that op)."""
+
+    @staticmethod
+    def forward(ctx, keyset, q, k, v, softmax_scale, causal, deterministic):
+        out, lse = _fwd_below_autograd(keyset, q, k, v, softmax_scale, causal, deterministic)
+        # An unused LSE output then reaches the backward as None, not as a tensor
+        # of zeros that a compiled graph would fill and the preprocess would read.
+        ctx.set_materialize_grads(False)
+        _save_for_backward(ctx, q, k, v, out, lse, _resolve_scale(q, softmax_scale), causal,
+                           deterministic)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        grads = _saved_grads(ctx, grad_out, grad_lse, torch.ops.cute_fa.bwd)
+        return None, *grads, None, None, None
+
+
+def _fwd_autograd(keyset, q, k, v, softmax_scale=None, causal=False, deterministic=False):
+    # The dispatcher leaves out trailing arguments that equal their defaults.
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FwdAutograd.apply(keyset, q, k, v, softmax_scale, causal, deterministic)
+    return _fwd_below_autograd(keyset, q, k, v, softmax_scale, causal, deterministic)
+
+
+_lib.impl("fwd", _fwd_autograd, "Autograd", with_keyset=True)
 
 
 class EagerCudaAttention(torch.autograd.Function):
     """The same kernels and NVTX ranges as the ops, for eager calls on CUDA
-    tensors: flash_attn_func uses it outside torch.compile. The custom-op
-    autograd path costs ~0.7 ms of host time per backward (measured on the H100
-    host: 0.86 ms vs 0.14 ms for the op alone), which a model with one
-    attention call per layer cannot hide. Inputs arrive validated."""
+    tensors: flash_attn_func uses it outside torch.compile. It skips what the
+    ops cost in host time and an eager caller does not need: the dispatch into
+    Python and a second validation forward (flash_attn_func has checked the
+    inputs), and cute_fa::bwd's dispatch and checks backward (autograd hands
+    back what the forward saved)."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic):

@@ -63,3 +63,44 @@ def test_nvtx_range_name_carries_the_problem():
 
 def test_public_api():
     assert "flash_attn_func" in python_api.__all__
+
+
+def test_autograd_kernel_routes_plain_tensors_straight_to_the_backend_kernel(monkeypatch):
+    # cute_fa::fwd's Autograd kernel calls the CPU/CUDA kernel itself where a
+    # redispatch would reach it anyway (host time), and redispatches otherwise:
+    # fake tensors under torch.compile must reach the fake kernel.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from python_api import ops
+
+    calls = []
+    cpu_kernel = ops._FWD_BACKENDS[torch._C.DispatchKey.CPU]
+    monkeypatch.setitem(ops._FWD_BACKENDS, torch._C.DispatchKey.CPU,
+                        lambda *args: calls.append(args[0].shape) or cpu_kernel(*args))
+    q = torch.randn(1, 12, 2, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 10, 1, 64, dtype=torch.bfloat16).unbind(0)
+    out, lse = torch.ops.cute_fa.fwd(q, k, v, None, True)
+    assert len(calls) == 1
+    q_grad = q.clone().requires_grad_(True)
+    out_grad, _ = torch.ops.cute_fa.fwd(q_grad, k, v, None, True)
+    assert len(calls) == 2 and out_grad.grad_fn is not None
+    assert torch.equal(out_grad.detach(), out)
+    out_grad.float().sum().backward()
+    assert q_grad.grad is not None and torch.isfinite(q_grad.grad).all()
+    with FakeTensorMode() as mode:
+        fake_out, fake_lse = torch.ops.cute_fa.fwd(mode.from_tensor(q), mode.from_tensor(k),
+                                                   mode.from_tensor(v), None, True)
+    assert len(calls) == 2
+    assert isinstance(fake_out, FakeTensor) and fake_lse.shape == lse.shape
+
+
+def test_nvtx_range_names_are_cached_per_problem():
+    from python_api.nvtx import range_name
+
+    q = torch.empty(2, 128, 8, 64, dtype=torch.float16)
+    names = {range_name(op, q, torch.empty(2, sk, hkv, 64), causal)
+             for op in ("fwd", "bwd") for sk in (128, 256) for hkv in (8, 2)
+             for causal in (False, True)}
+    assert len(names) == 16
+    assert range_name("bwd", q, torch.empty(2, 256, 2, 64), True) == \
+        "cute_fa.bwd[b=2,sq=128,sk=256,hq=8,hkv=2,d=64,causal=1,fp16]"

@@ -83,3 +83,30 @@ def test_backward_op_bad_inputs_raise_named_errors(change, error, pattern):
     args.update(change)
     with pytest.raises(error, match=pattern):
         torch.ops.cute_fa.bwd(**args)
+
+
+def _packed_qkv(heads=4, head_dim=64, dtype=torch.bfloat16):
+    """q, k, v as views of one projection (seq and head strides not compact)."""
+    qkv = torch.randn(2, 16, 3 * heads, head_dim, dtype=dtype)
+    return qkv[:, :, :heads], qkv[:, :, heads:2 * heads], qkv[:, :, 2 * heads:]
+
+
+@pytest.mark.parametrize("args", [
+    lambda: (*_qkv(), None),                                            # GQA 2:1
+    lambda: (*_qkv((1, 7, 8, 128), (1, 33, 1, 128), torch.float16), 0.1),  # MQA, fp16
+    lambda: (*_qkv((2, 16, 4, 96), (2, 16, 4, 96)), 1),                 # int scale
+    lambda: (*_packed_qkv(), 0.125),
+])
+def test_valid_calls_are_accepted_by_the_fast_checks(args):
+    # Every op call runs the checks; a valid call must not fall to the slow
+    # path that spells out the error (it would pass, but cost host time).
+    from python_api.validate import _attention_tensors_ok, _backward_inputs_ok
+
+    q, k, v, scale = args()
+    assert _attention_tensors_ok(q, k, v, scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+    assert _backward_inputs_ok(torch.randn_like(q), q, k, v, out, lse, float(scale or 0.125),
+                               None)
+    assert _backward_inputs_ok(torch.randn_like(q), q, k, v, out, lse, float(scale or 0.125),
+                               torch.zeros_like(lse))
