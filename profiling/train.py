@@ -83,7 +83,9 @@ class Trainer:
     that --interleave can alternate backends). Throughput windows of
     --log-every steps are timed within a chunk only."""
 
-    def __init__(self, backend: str, init_state: dict, args, device, bar_position: int = 0):
+    def __init__(self, backend: str, init_state: dict, args, device,
+                 bar_position: int | None = 0):
+        """bar_position: the row of its progress bar; None: no bar."""
         self.backend, self.args, self.device = backend, args, device
         config = model_config(args.config, args.seq)
         torch.manual_seed(args.seed)
@@ -119,7 +121,8 @@ class Trainer:
                             else EagerStep(train_step, optimizer))
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.log, self.step, self.busy_s = [], 0, 0.0
-        self.bar = _progress_bar(args.steps, f"train {backend}", bar_position)
+        self.bar = (None if bar_position is None
+                    else _progress_bar(args.steps, f"train {backend}", bar_position))
 
     def run(self, steps: int) -> None:
         """The next `steps` training steps (a multiple of --log-every, or the rest)."""

@@ -194,3 +194,44 @@ def test_host_calls_run_on_cpu_through_sdpa_math():
     q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
     for mode in ("fwd", "fwd_bwd"):
         host.make_call("sdpa_math", mode, q, k, v, causal=True)()
+
+
+def test_step_arguments():
+    from profiling import step
+
+    args = step.parse_args([])
+    assert args.backends[0] == "cute" and not args.compile
+    for bad in (["--backends", "cute,nope"], ["--rounds", "0"], ["--profile-steps", "-1"]):
+        with pytest.raises(SystemExit):
+            step.parse_args(bad)
+
+
+def test_step_measures_each_backend_on_cpu(dataset, capsys):
+    # The tiny model on the CPU: our op (reference math there) and SDPA's math
+    # backend, through profiling.train's Trainer; the attention ops are found
+    # in the profile and every profiled field is filled.
+    from profiling import step
+
+    path, _ = dataset
+    results = step.main(["--backends", "cute,sdpa_math", "--config", "tiny", "--seq", "64",
+                         "--rounds", "2", "--steps-per-round", "2", "--profile-steps", "2",
+                         "--warmup-steps", "1", "--data", path, "--device", "cpu", "--top", "3"])
+    assert [r.backend for r in results] == ["cute", "sdpa_math"]
+    for r in results:
+        assert r.status == "ok" and r.ms_per_step > 0 and r.host_ms > 0
+        assert r.allocations > 0 and "Self CPU" in r.top_table
+    ours = {op.name: op for op in results[0].attention_ops}
+    # Two layers, one forward and one backward call each per step.
+    assert ours["cute_fa::fwd"].calls_per_step == 2 and ours["cute_fa::bwd"].calls_per_step == 2
+    assert ours["cute_fa::fwd"].host_us > 0
+    out = capsys.readouterr().out
+    assert "cute_fa::bwd" in out and "sdpa_math" in out
+
+
+def test_step_table_without_measurements():
+    from profiling.step import OpCost, StepCost, format_table
+
+    table = format_table([StepCost("cute", 50.0, 40.0, 28.0, 700, 900,
+                                   [OpCost("cute_fa::fwd", 24, 60.0, 56.0)]),
+                          StepCost("fa4", status="failed: X")])
+    assert "1.000" in table and "failed: X" in table and "cute_fa::fwd" in table
