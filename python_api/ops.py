@@ -3,7 +3,9 @@ implementations.
 
 `cute_fa::fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False) -> (out, lse)`
 (softmax_scale None means 1/sqrt(headdim); inputs are validated here, once.)
-- CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py);
+- CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py), launched from
+  C++ (csrc/cute_fa_native.cpp, native.py) where that builds, else from
+  forward_cuda below;
 - CPU: the reference math (reference.py), so the op runs anywhere;
 - fake: shapes only, so torch.compile(fullgraph=True) traces callers.
 Every real call runs inside an NVTX range named after the problem (nvtx.py).
@@ -13,7 +15,7 @@ Every real call runs inside an NVTX range named after the problem (nvtx.py).
 which saves only q, k, v, out and lse. `deterministic` (a forward argument, so
 that autograd can hand it on) makes the gradients bitwise reproducible.
 - CUDA (sm_90): preprocess, the DSL backward kernel and the dQ postprocess
-  (cute_kernels/bwd_sm90.py, bwd_pre_post.py);
+  (cute_kernels/bwd_sm90.py, bwd_pre_post.py), launched as the forward's;
 - CPU: the closed-form backward of reference.py; fake: shapes only.
 """
 
@@ -27,6 +29,7 @@ import torch
 from cute_kernels.config import (BwdConfig, FwdConfig, bwd_config_for_problem,
                                  fwd_config_for_problem)
 
+from . import native
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
 from .validate import check_attention_inputs, check_backward_inputs, check_cuda_device
@@ -218,11 +221,21 @@ def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+# On a CUDA machine the C++ host side of the CUDA kernels (native.py) serves
+# the CUDA key where it can be built; these Python kernels otherwise.
+_native = native.load() if torch.cuda.is_available() else None
+if _native is not None:
+    _native.register_cuda_kernels()
 for _name, _cpu, _cuda, _fake in (("fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
                                   ("bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)):
     _lib.impl(_name, _cpu, "CPU")
-    _lib.impl(_name, _cuda, "CUDA")
+    if _native is None:
+        _lib.impl(_name, _cuda, "CUDA")
     torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
+# The eager path's kernels, with the arguments of cute_fa::fwd / cute_fa::bwd.
+_eager_fwd = _native.fwd if _native is not None else (
+    lambda q, k, v, scale, causal, deterministic: forward_cuda(q, k, v, scale, causal))
+_eager_bwd = _native.bwd if _native is not None else backward_cuda
 
 
 def _save_for_backward(ctx, q, k, v, out, lse, softmax_scale: float, causal: bool,
@@ -247,7 +260,8 @@ def _saved_grads(ctx, grad_out, grad_lse, backward):
 # per call on the CPU machine, 25-40 on the H100's host), which the compiled
 # forward graph pays at every layer although it runs with grad off.
 _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
-_FWD_BACKENDS = {torch._C.DispatchKey.CUDA: _fwd_cuda, torch._C.DispatchKey.CPU: _fwd_cpu}
+_FWD_BACKENDS = {torch._C.DispatchKey.CUDA: _native.fwd if _native is not None else _fwd_cuda,
+                 torch._C.DispatchKey.CPU: _fwd_cpu}
 
 
 def _fwd_below_autograd(keyset, *args):
@@ -305,11 +319,11 @@ class EagerCudaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
         scale = _resolve_scale(q, softmax_scale)
-        out, lse = forward_cuda(q, k, v, scale, causal)
+        out, lse = _eager_fwd(q, k, v, scale, causal, deterministic)
         _save_for_backward(ctx, q, k, v, out, lse, scale, causal, deterministic)
         ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return *_saved_grads(ctx, grad_out, grad_lse, backward_cuda), None, None, None
+        return *_saved_grads(ctx, grad_out, grad_lse, _eager_bwd), None, None, None

@@ -104,3 +104,27 @@ def test_nvtx_range_names_are_cached_per_problem():
     assert len(names) == 16
     assert range_name("bwd", q, torch.empty(2, 256, 2, 64), True) == \
         "cute_fa.bwd[b=2,sq=128,sk=256,hq=8,hkv=2,d=64,causal=1,fp16]"
+
+
+def test_native_extension_builds():
+    # The C++ host side of the CUDA kernels compiles here too (it needs no
+    # CUDA toolkit beyond the NVTX 3 headers), so a compile error fails CI
+    # rather than turning the GPU machine's ops back to the Python kernels.
+    from python_api import native
+
+    module = native.build()
+    for name in ("fwd", "bwd", "register_cuda_kernels", "set_callbacks", "cached_plans"):
+        assert callable(getattr(module, name))
+    assert module.cached_plans() == 0
+
+
+def test_native_is_not_built_without_cuda_or_when_switched_off(monkeypatch):
+    from python_api import native, ops
+
+    assert ops._native is None  # no CUDA device here: the Python kernels serve the CUDA key
+    native.load.cache_clear()
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    try:
+        assert native.load() is None
+    finally:
+        native.load.cache_clear()

@@ -1,0 +1,134 @@
+"""The C++ host side of the ops' CUDA kernels (csrc/cute_fa_native.cpp).
+
+A compiled training step without a CUDA graph is paced by its host, and the
+Python CUDA kernels of cute_fa::fwd / cute_fa::bwd cost more host time per
+call than ATen's attention ops (profiling/RESULTS.md). The extension does the
+same per-call work in C++; what runs once per new problem stays here:
+
+- the planners: device check, config choice (cute_kernels/config.py), DSL
+  compilation (compile_cache.py) and the NVTX range name, handed to C++ as
+  TVM-FFI function handles, cached there per problem;
+- the validators: a call that fails the C++ fast check is explained by the
+  Python checks (validate.py), which raise the error naming the argument.
+
+It is built with torch.utils.cpp_extension on first use on a CUDA machine
+(about a minute; then cached by torch in its extensions folder). Without a
+compiler, the TVM-FFI or NVTX headers, or with CUTE_FA_NATIVE=0, `load`
+returns None and ops.py keeps its Python kernels, with a warning saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import warnings
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
+                      "cute_fa_native.cpp")
+ENV_SWITCH = "CUTE_FA_NATIVE"
+
+
+class NativeUnavailable(RuntimeError):
+    """The extension cannot be built here; the message says what is missing."""
+
+
+def _nvtx_include() -> str:
+    """A folder holding nvtx3/nvToolsExt.h (header-only NVTX 3): the CUDA
+    toolkit's, or that of the nvidia-nvtx wheel."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidates = [os.path.join(p, "include") for p in (CUDA_HOME, "/usr/local/cuda") if p]
+    try:
+        import nvidia.nvtx  # the CUDA builds of torch depend on it
+        candidates += [os.path.join(p, "include") for p in nvidia.nvtx.__path__]
+    except ImportError:
+        pass
+    candidates += glob.glob("/usr/local/cuda-*/include")
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, "nvtx3", "nvToolsExt.h")):
+            return folder
+    raise NativeUnavailable(f"no nvtx3/nvToolsExt.h in {candidates} (CUDA toolkit or the "
+                            f"nvidia-nvtx wheel)")
+
+
+def build(verbose: bool = False):
+    """Compile (or load the cached build of) the extension module."""
+    import tvm_ffi
+    from torch.utils.cpp_extension import load
+
+    ffi_root = os.path.dirname(tvm_ffi.__file__)
+    ffi_lib = os.path.join(ffi_root, "lib")
+    return load(name="cute_fa_native", sources=[SOURCE],
+                extra_include_paths=[os.path.join(ffi_root, "include"), _nvtx_include()],
+                extra_cflags=["-O2"],
+                extra_ldflags=[f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"],
+                verbose=verbose)
+
+
+def _ffi_handle(compiled) -> int:
+    """The TVM-FFI function handle of a DSL-compiled kernel launcher. The DSL
+    wraps it for keyword arguments where the signature has any (ours: the
+    stream, which the launchers take from TVM-FFI's environment instead)."""
+    inner = getattr(compiled, "__tvm_ffi_object__", None)
+    return (inner() if inner is not None else compiled).__chandle__()
+
+
+def _fwd_plan(q, k, causal):
+    from . import compile_cache, ops
+    from . import nvtx as nvtx_ranges
+    from cute_kernels.config import fwd_config_for_problem
+
+    device_index = ops._device_index(q)  # sm_90 or a clear error
+    head_dim = q.shape[3]
+    config = fwd_config_for_problem(head_dim, causal, k.shape[1])
+    kernel = compile_cache.get_fwd(q.dtype, head_dim, causal, config)
+    return ((_ffi_handle(kernel.fn),), ops._num_sms(device_index), 0, 0, False, False,
+            nvtx_ranges.range_name("fwd", q, k, causal), kernel)
+
+
+def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
+    from . import compile_cache, ops
+    from . import nvtx as nvtx_ranges
+    from cute_kernels.config import bwd_config_for_problem
+
+    device_index = ops._device_index(q)
+    batch, _, heads, head_dim = q.shape
+    num_sms = ops._num_sms(device_index)
+    config = bwd_config_for_problem(head_dim, causal, deterministic, batch, k.shape[1], heads,
+                                    k.shape[2], num_sms)
+    kernels = compile_cache.get_bwd(q.dtype, head_dim, causal, config, has_grad_lse)
+    fns = (kernels.preprocess, kernels.main, kernels.postprocess)
+    if config.split_gqa:
+        fns += (kernels.group_sum,)
+    return (tuple(_ffi_handle(f) for f in fns), num_sms, config.tile_m,
+            config.consumer_warpgroups, config.split_gqa, config.deterministic,
+            nvtx_ranges.range_name("bwd", q, k, causal), kernels)
+
+
+def _explain_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse):
+    from .validate import check_backward_inputs
+
+    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The extension with its callbacks set, or None (and a warning) where it
+    cannot be built; CUTE_FA_NATIVE=0 turns it off without a warning."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    from .validate import check_attention_inputs
+
+    try:
+        module = build()
+    except Exception as exc:  # no compiler, headers or ninja: the Python kernels serve
+        warnings.warn(f"cute_fa: the C++ op kernels could not be built ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
+                      f"using the Python ones (more host time per call). "
+                      f"{ENV_SWITCH}=0 silences this.", stacklevel=2)
+        return None
+    module.set_callbacks(_fwd_plan, _bwd_plan, check_attention_inputs, _explain_bwd)
+    return module

@@ -1,0 +1,120 @@
+"""The C++ host side of the CUDA op kernels (csrc/cute_fa_native.cpp) against
+the Python one (ops.forward_cuda / backward_cuda): same launches, so the same
+bits; the same named errors; torch's current stream honoured."""
+
+import pytest
+import torch
+
+from python_api import ops
+from python_api.reference import default_scale
+
+pytestmark = pytest.mark.gpu
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, causal)
+SHAPES = [
+    (2, 1000, 1000, 4, 2, 128, torch.bfloat16, True),
+    (1, 17, 33, 8, 1, 64, torch.bfloat16, False),
+    (3, 300, 77, 6, 6, 96, torch.float16, True),
+    (1, 512, 512, 8, 4, 128, torch.bfloat16, True),   # a KV grid under two waves: split_gqa
+]
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _native():
+    assert ops._native is not None, "the C++ op kernels did not build on this GPU machine"
+    return ops._native
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_native_matches_python_bitwise(shape, deterministic):
+    native = _native()
+    *dims, dtype, causal = shape
+    q, k, v = _inputs(*dims, dtype)
+    scale = default_scale(q.shape[-1])
+    out, lse = native.fwd(q, k, v, None, causal)
+    out_py, lse_py = ops.forward_cuda(q, k, v, scale, causal)
+    assert torch.equal(out, out_py) and torch.equal(lse, lse_py)
+    grad_out = torch.randn_like(out)
+    grad_lse = torch.randn_like(lse)
+    for glse in (None, grad_lse):
+        grads = native.bwd(grad_out, q, k, v, out, lse, scale, causal, glse, deterministic)
+        grads_py = ops.backward_cuda(grad_out, q, k, v, out, lse, scale, causal, glse,
+                                     deterministic)
+        if deterministic:  # otherwise dQ sums its partials in whatever order CTAs finish
+            for g, g_py in zip(grads, grads_py):
+                assert torch.equal(g, g_py)
+        else:
+            for g, g_py in zip(grads[1:], grads_py[1:]):
+                assert torch.equal(g, g_py)
+            torch.testing.assert_close(grads[0], grads_py[0], rtol=1e-2, atol=1e-2)
+
+
+def test_native_serves_the_ops_and_the_public_function():
+    native = _native()
+    from python_api import flash_attn_func
+
+    q, k, v = _inputs(2, 256, 256, 4, 2, 64, torch.bfloat16, seed=1)
+    before = native.cached_plans()
+    out_op, _ = torch.ops.cute_fa.fwd(q, k, v, 0.1, True)
+    out_py, _ = ops.forward_cuda(q, k, v, 0.1, True)
+    assert torch.equal(out_op, out_py)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = flash_attn_func(qg, kg, vg, softmax_scale=0.1, causal=True)
+    assert torch.equal(out.detach(), out_py)
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
+    assert native.cached_plans() > before
+
+
+def test_native_copies_inputs_tma_cannot_read():
+    # A q whose base is 2 bytes past a 16-byte boundary, and a packed q/k/v
+    # whose head stride is fine: the first is copied, the second read in place.
+    native = _native()
+    q, k, v = _inputs(1, 128, 128, 2, 2, 64, torch.bfloat16, seed=2)
+    flat = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    q_odd = flat[1:].view(q.shape).copy_(q)
+    assert q_odd.data_ptr() % 16 != 0
+    assert torch.equal(native.fwd(q_odd, k, v, None, False)[0], native.fwd(q, k, v, None, False)[0])
+    qkv = torch.cat([q, k, v], dim=2)
+    out_packed = native.fwd(qkv[:, :, :2], qkv[:, :, 2:4], qkv[:, :, 4:], None, False)[0]
+    assert torch.equal(out_packed, native.fwd(q, k, v, None, False)[0])
+
+
+def test_native_runs_on_the_current_stream():
+    native = _native()
+    q, k, v = _inputs(2, 2048, 2048, 8, 8, 128, torch.bfloat16, seed=3)
+    expected = native.fwd(q, k, v, None, True)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the side stream is busy: a launch on the
+        out = native.fwd(q, k, v, None, True)[0]  # default stream would run first
+        done = torch.cuda.Event()
+        done.record(side)
+    assert not done.query()  # the kernel is queued behind the sleep, on `side`
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("change, error, pattern", [
+    (dict(k=lambda k: k.float()), TypeError, r"k: expected dtype"),
+    (dict(q=lambda q: q[..., :32].contiguous()), ValueError, r"q: expected headdim"),
+    (dict(q=lambda q: q[:, :, :3]), ValueError, r"k: expected nheads_kv to divide"),
+    (dict(v=lambda v: v.transpose(-1, -2).contiguous().transpose(-1, -2)), ValueError,
+     r"v: expected the last dimension"),
+])
+def test_native_raises_the_named_errors(change, error, pattern):
+    _native()
+    args = dict(zip("qkv", _inputs(1, 64, 64, 4, 2, 64, torch.bfloat16)))
+    for name, fn in change.items():
+        args[name] = fn(args[name])
+    with pytest.raises(error, match=pattern):
+        torch.ops.cute_fa.fwd(args["q"], args["k"], args["v"], None, True)
