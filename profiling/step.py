@@ -11,8 +11,9 @@ optional torch.compile) for each backend and reports:
 - ms/step: wall time per step, median of --rounds interleaved rounds of
   --steps-per-round steps (backends take turns, so the host's drift falls on
   all of them alike); the ratio is to the first backend;
-- under torch.profiler, --profile-steps more steps: the host's own time per
-  step (self CPU of every recorded op and launch, Python included where it
+- under torch.profiler, --profile-rounds interleaved rounds of
+  --profile-steps steps (each figure the median over rounds): the host's own
+  time per step (self CPU of every recorded op and launch, Python included where it
   runs inside an op), the GPU time per step, kernel launches and allocations
   per step, and each attention op's host time per call (CPU total, launches
   and allocations inside it included) and GPU time per call.
@@ -64,13 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps-per-round", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--profile-rounds", type=int, default=3)
     p.add_argument("--top", type=int, default=0, metavar="N",
                    help="also print the N ops with the most self CPU time per backend")
     p.add_argument("--data", default="data/stdlib.parquet")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
     check_items(p, "--backends", args.backends, BACKEND_NAMES)
-    for name in ("warmup_steps", "rounds", "steps_per_round", "profile_steps"):
+    for name in ("warmup_steps", "rounds", "steps_per_round", "profile_steps",
+                 "profile_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive integer, "
                     f"got {getattr(args, name)}")
@@ -80,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _trainer_args(args) -> argparse.Namespace:
     """profiling.train's arguments for the same step, with room for every step
     this command runs and one log window per round."""
-    total = args.warmup_steps + args.rounds * args.steps_per_round + args.profile_steps
+    total = (args.warmup_steps + args.rounds * args.steps_per_round
+             + args.profile_rounds * args.profile_steps)
     argv = ["--config", args.config, "--seq", str(args.seq), "--batch", str(args.batch),
             "--steps", str(total), "--log-every", str(args.steps_per_round),
             "--data", args.data, "--backends", ",".join(args.backends)]
@@ -167,15 +171,38 @@ def measure(args) -> list[StepCost]:
             samples[backend].append((time.perf_counter() - start) / args.steps_per_round * 1e3)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
-    for backend, trainer in trainers.items():
+    # The host drifts within minutes: profiles taken one backend after the
+    # other would compare different hosts, so they are interleaved too.
+    profiles = {b: [] for b in trainers}
+    for _ in range(args.profile_rounds):
+        for backend, trainer in trainers.items():
+            with profile(activities=activities) as prof:
+                trainer.run(args.profile_steps)
+            profiles[backend].append(summarize_profile(prof.key_averages(), args.profile_steps,
+                                                       args.top))
+    for backend in trainers:
         result = results[backend]
         result.ms_per_step = statistics.median(samples[backend])
-        with profile(activities=activities) as prof:
-            trainer.run(args.profile_steps)
-        for name, value in summarize_profile(prof.key_averages(), args.profile_steps,
-                                             args.top).items():
+        for name, value in median_profile(profiles[backend]).items():
             setattr(result, name, value)
     return [results[b] for b in args.backends]
+
+
+def median_profile(rounds: list[dict]) -> dict:
+    """Each figure of summarize_profile's rounds, the median over rounds
+    (attention ops by name; the top table of the last round)."""
+    out = {key: statistics.median(r[key] for r in rounds)
+           for key in ("host_ms", "gpu_ms", "launches", "allocations")}
+    by_name: dict[str, list[OpCost]] = {}
+    for r in rounds:
+        for op in r["attention_ops"]:
+            by_name.setdefault(op.name, []).append(op)
+    out["attention_ops"] = [
+        OpCost(name, statistics.median(o.calls_per_step for o in ops),
+               statistics.median(o.host_us for o in ops), statistics.median(o.gpu_us for o in ops))
+        for name, ops in sorted(by_name.items())]
+    out["top_table"] = rounds[-1].get("top_table", "")
+    return out
 
 
 def format_table(results: list[StepCost]) -> str:
@@ -206,12 +233,13 @@ def main(argv=None) -> list[StepCost]:
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"training step, config {args.config}, seq {args.seq}, batch {args.batch}, "
           f"compile={args.compile}, cuda_graph={args.cuda_graph}, {where}; ms/step: median of "
-          f"{args.rounds} interleaved rounds of {args.steps_per_round}; profiled over "
-          f"{args.profile_steps} steps (host ms: self CPU of all recorded ops, per step)")
+          f"{args.rounds} interleaved rounds of {args.steps_per_round}; profiled: median of "
+          f"{args.profile_rounds} interleaved rounds of {args.profile_steps} steps (host ms: "
+          f"self CPU of all recorded ops, per step)")
     print(format_table(results))
     for r in results:
         if r.top_table:
-            print(f"\n{r.backend}: top self-CPU ops over {args.profile_steps} steps\n"
+            print(f"\n{r.backend}: top self-CPU ops over {args.profile_steps} steps (last round)\n"
                   f"{r.top_table}")
     return results
 

@@ -201,7 +201,8 @@ def test_step_arguments():
 
     args = step.parse_args([])
     assert args.backends[0] == "cute" and not args.compile
-    for bad in (["--backends", "cute,nope"], ["--rounds", "0"], ["--profile-steps", "-1"]):
+    for bad in (["--backends", "cute,nope"], ["--rounds", "0"], ["--profile-steps", "-1"],
+                ["--profile-rounds", "0"]):
         with pytest.raises(SystemExit):
             step.parse_args(bad)
 
@@ -215,6 +216,7 @@ def test_step_measures_each_backend_on_cpu(dataset, capsys):
     path, _ = dataset
     results = step.main(["--backends", "cute,sdpa_math", "--config", "tiny", "--seq", "64",
                          "--rounds", "2", "--steps-per-round", "2", "--profile-steps", "2",
+                         "--profile-rounds", "2",
                          "--warmup-steps", "1", "--data", path, "--device", "cpu", "--top", "3"])
     assert [r.backend for r in results] == ["cute", "sdpa_math"]
     for r in results:
@@ -235,3 +237,13 @@ def test_step_table_without_measurements():
                                    [OpCost("cute_fa::fwd", 24, 60.0, 56.0)]),
                           StepCost("fa4", status="failed: X")])
     assert "1.000" in table and "failed: X" in table and "cute_fa::fwd" in table
+
+
+def test_step_profile_rounds_take_medians():
+    from profiling.step import OpCost, median_profile
+
+    rounds = [dict(host_ms=h, gpu_ms=1.0, launches=10, allocations=5, top_table=f"t{h}",
+                   attention_ops=[OpCost("cute_fa::fwd", 2, h * 10, 5.0)]) for h in (3.0, 1.0, 2.0)]
+    m = median_profile(rounds)
+    assert m["host_ms"] == 2.0 and m["launches"] == 10 and m["top_table"] == "t2.0"
+    assert m["attention_ops"] == [OpCost("cute_fa::fwd", 2, 20.0, 5.0)]
