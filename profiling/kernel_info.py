@@ -144,3 +144,61 @@ def dumped_kernel_info(dump_dir: str) -> KernelInfo:
             info.registers, info.stack_bytes = cubin_resources(f.read())
         info.sass = sass_counts(cubins[0])
     return info
+
+
+# ------------------------------------------------------ the main loop in SASS
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+
+
+def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
+    """The instructions of a disassembly in order, and each label's index."""
+    instructions, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        inst = _SASS_LINE.match(line)
+        if inst:
+            for name in pending:
+                labels[name] = len(instructions)
+            pending = []
+            instructions.append(inst.group(2))
+    return instructions, labels
+
+
+def opcode(instruction: str) -> str:
+    """`@!P0 SYNCS.ARRIVE.TRANS64 RZ, ...` -> `SYNCS`."""
+    return re.sub(r"^@!?U?P[T\d]+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def hgmma_loops(sass: str) -> list[tuple[int, int, int]]:
+    """(first, last, HGMMAs) of every loop (a backward branch and its target)
+    that issues HGMMAs, innermost first."""
+    instructions, labels = sass_instructions(sass)
+    loops = []
+    for end, inst in enumerate(instructions):
+        branch = _SASS_BRANCH.search(inst)
+        if branch and labels.get(branch.group(1), end + 1) <= end:
+            start = labels[branch.group(1)]
+            count = sum("HGMMA" in i for i in instructions[start:end + 1])
+            if count:
+                loops.append((start, end, count))
+    return sorted(loops, key=lambda loop: loop[1] - loop[0])
+
+
+def main_loop_mix(sass: str, hgmmas_per_step: int):
+    """The opcode counts of the innermost loop that issues `hgmmas_per_step`
+    HGMMAs (one K/V step of the forward: S = Q·Kᵀ and O += P·V), and its
+    instructions; None when no loop matches."""
+    from collections import Counter
+
+    instructions, _ = sass_instructions(sass)
+    for start, end, count in hgmma_loops(sass):
+        if count == hgmmas_per_step:
+            body = instructions[start:end + 1]
+            return Counter(opcode(i) for i in body), body
+    return None

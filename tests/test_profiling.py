@@ -247,3 +247,43 @@ def test_step_profile_rounds_take_medians():
     m = median_profile(rounds)
     assert m["host_ms"] == 2.0 and m["launches"] == 10 and m["top_table"] == "t2.0"
     assert m["attention_ops"] == [OpCost("cute_fa::fwd", 2, 20.0, 5.0)]
+
+
+def test_sass_loop_finds_one_kv_step_of_the_forward():
+    # Compiles the d=64 forward for sm_90a here: its innermost loop issuing
+    # d/16 + tile_n/16 HGMMAs is one K/V step, with the softmax's ex2 in it.
+    import importlib.util
+
+    from profiling import sass_loop
+
+    if importlib.util.find_spec("flash_attn") is None:
+        columns = sass_loop.main(["--head-dim", "64"])
+    else:
+        columns = sass_loop.main(["--head-dim", "64", "--fa4"])
+    mix = columns["ours 192x128"]
+    assert mix["HGMMA"] == 64 // 16 + 128 // 16
+    # 64 rows x 128 columns per warpgroup: 64 scores a thread, one ex2 each,
+    # plus one per row for the O rescale factor (2 rows a thread).
+    assert mix["MUFU"] == 64 + 2
+    assert "total" in sass_loop.format_mix(columns)
+
+
+def test_hgmma_loops_on_a_synthetic_listing():
+    from profiling.kernel_info import hgmma_loops, main_loop_mix, opcode
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ ;
+.L_x_2:
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0030*/              @!P0 SYNCS.ARRIVE.TRANS64 RZ, [UR8+0x20], R18 ;
+        /*0040*/               @P1 BRA `(.L_x_2) ;
+        /*0050*/               @P2 BRA `(.L_x_1) ;
+        /*0060*/                   EXIT ;
+"""
+    assert hgmma_loops(sass) == [(2, 4, 1), (1, 5, 2)]
+    mix, body = main_loop_mix(sass, 2)
+    assert mix["HGMMA"] == 2 and mix["BRA"] == 2 and len(body) == 5
+    assert main_loop_mix(sass, 3) is None
+    assert opcode("@!P0 SYNCS.ARRIVE.TRANS64 RZ, [UR8+0x20], R18") == "SYNCS"
