@@ -108,19 +108,13 @@ def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
             nvtx_ranges.range_name("bwd", q, k, causal), kernels)
 
 
-def _explain_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse):
-    from .validate import check_backward_inputs
-
-    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
-
-
 @functools.lru_cache(maxsize=None)
 def load():
     """The extension with its callbacks set, or None (and a warning) where it
     cannot be built; CUTE_FA_NATIVE=0 turns it off without a warning."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    from .validate import check_attention_inputs
+    from .validate import check_attention_inputs, check_backward_inputs
 
     try:
         module = build()
@@ -130,5 +124,5 @@ def load():
                       f"using the Python ones (more host time per call). "
                       f"{ENV_SWITCH}=0 silences this.", stacklevel=2)
         return None
-    module.set_callbacks(_fwd_plan, _bwd_plan, check_attention_inputs, _explain_bwd)
+    module.set_callbacks(_fwd_plan, _bwd_plan, check_attention_inputs, check_backward_inputs)
     return module
