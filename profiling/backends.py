@@ -16,6 +16,11 @@ BACKENDS = tuple(b for b in BACKEND_NAMES if b != "sdpa")  # each pinned, plus o
 OURS = "cute"
 
 
+def csv_list(kind=str):
+    """An argparse type: 'a,b,c' -> [kind(a), kind(b), kind(c)], empty items dropped."""
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
 def check_items(parser, flag: str, items, allowed) -> None:
     """parser.error naming `flag` for the first item of a list argument that
     is not in `allowed`."""

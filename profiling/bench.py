@@ -16,32 +16,29 @@ import os
 
 import torch
 
-from .backends import BACKENDS, OURS, BackendUnavailable, check_items, make_callable
+from .backends import (BACKENDS, OURS, BackendUnavailable, check_items, csv_list,
+                       make_callable)
 from .flops import attention_flops, batch_for, tflops
 from .problem import DTYPES, MODEL_DIM, default_heads, make_qkv
 from .report import add_ratios, environment, format_table, write_json, write_plots
 DEFAULT_SEQLENS = "512,1024,2048,4096,8192,16384"
 
 
-def _csv(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m profiling.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", type=_csv(str), default=["bf16"])
-    p.add_argument("--head-dims", type=_csv(int), default=[64, 128])
+    p.add_argument("--dtypes", type=csv_list(str), default=["bf16"])
+    p.add_argument("--head-dims", type=csv_list(int), default=[64, 128])
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    p.add_argument("--seqlens", type=_csv(int), default=_csv(int)(DEFAULT_SEQLENS))
+    p.add_argument("--seqlens", type=csv_list(int), default=csv_list(int)(DEFAULT_SEQLENS))
     p.add_argument("--total-tokens", type=int, default=16384,
                    help="batch = total_tokens // seqlen")
     p.add_argument("--model-dim", type=int, default=MODEL_DIM,
                    help="query heads = model_dim // head_dim (unless --heads)")
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--gqa", type=int, default=1, help="query heads per K/V head")
-    p.add_argument("--directions", type=_csv(str), default=["fwd"])
-    p.add_argument("--backends", type=_csv(str), default=list(BACKENDS))
+    p.add_argument("--directions", type=csv_list(str), default=["fwd"])
+    p.add_argument("--backends", type=csv_list(str), default=list(BACKENDS))
     p.add_argument("--math-max-seqlen", type=int, default=4096,
                    help="skip sdpa_math above this seqlen (quadratic memory and time)")
     p.add_argument("--repeats", type=int, default=30)

@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from .backends import BACKENDS, OURS, BackendUnavailable, check_items, make_callable
+from .backends import (BACKENDS, OURS, BackendUnavailable, check_items, csv_list,
+                       make_callable)
 from .problem import DTYPES, make_qkv
 
 MODES = ("fwd", "fwd_bwd", "compiled_fwd_bwd")
@@ -36,15 +37,12 @@ MODES = ("fwd", "fwd_bwd", "compiled_fwd_bwd")
 SPIN_CYCLES = 1_000_000_000
 
 
-def _csv(text):
-    return [x for x in text.split(",") if x]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m profiling.host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", type=_csv, default=[OURS, "fa4", "sdpa_cudnn", "sdpa_flash"])
-    p.add_argument("--modes", type=_csv, default=list(MODES))
+    p.add_argument("--backends", type=csv_list(),
+                   default=[OURS, "fa4", "sdpa_cudnn", "sdpa_flash"])
+    p.add_argument("--modes", type=csv_list(), default=list(MODES))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--heads", type=int, default=8)

@@ -34,7 +34,7 @@ from torch.autograd import DeviceType
 from python_api.attention_backends import BACKEND_NAMES
 from python_api.model import Transformer
 
-from .backends import check_items
+from .backends import check_items, csv_list
 from .data import ensure_dataset
 from .train import CONFIGS, Trainer, model_config
 from .train import parse_args as train_args
@@ -47,14 +47,10 @@ ATTENTION_OP_PREFIXES = ("cute_fa::", "aten::_scaled_dot_product_", "aten::_flas
                          "aten::_efficient_attention", "aten::_cudnn_attention")
 
 
-def _csv(text):
-    return [x for x in text.split(",") if x]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m profiling.step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", type=_csv, default=["cute", "sdpa_cudnn", "sdpa_flash"])
+    p.add_argument("--backends", type=csv_list(), default=["cute", "sdpa_cudnn", "sdpa_flash"])
     p.add_argument("--config", choices=sorted(CONFIGS), default="default")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
