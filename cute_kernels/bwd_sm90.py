@@ -51,7 +51,8 @@ from . import dq_accum, wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
 from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
 from .mask import QueryBlockRange, apply_mask_transposed
-from .pipeline import DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline, producer_state
+from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
+                       producer_state)
 from .scheduler import TileScheduler
 
 class _ColumnStats:
@@ -159,17 +160,17 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
-        consumer_warps = self.consumer_threads // 32
+        arrivals = self.sync.arrivals(self.consumer_threads)
         elem = self.dtype.width // 8
         stat_bytes = self.tile_m * 4
         qdo_bytes = self.tile_m * self.head_dim * elem
         pipes = (
-            make_tma_pipeline(storage.kv_barriers.data_ptr(), 1, consumer_warps,
+            make_tma_pipeline(storage.kv_barriers.data_ptr(), 1, arrivals,
                               2 * self.tile_n * self.head_dim * elem),
             make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.qdo_stages,
-                              consumer_warps, qdo_bytes + stat_bytes),
+                              arrivals, qdo_bytes + stat_bytes),
             make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.qdo_stages,
-                              consumer_warps, qdo_bytes + stat_bytes),
+                              arrivals, qdo_bytes + stat_bytes),
         )
         cpipeline.pipeline_init_arrive()
         smem = (
@@ -319,7 +320,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         q_state = consumer_state(self.cfg.qdo_stages)
         do_state = consumer_state(self.cfg.qdo_stages)
         kv_state = consumer_state(1)
-        pipe_kv.consumer_wait(kv_state)
+        self.sync.wait(pipe_kv, kv_state)
         step = Int32(0)
         _, _, head_count = heads
         for h in cutlass.range(head_count, unroll=1):
@@ -340,14 +341,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def issue_s(self, frags, acc_s, mma_sdp, pipe_q, q_state):
         """Sᵀ = K·Qᵀ of one query block, left in flight."""
-        pipe_q.consumer_wait(q_state)
+        self.sync.wait(pipe_q, q_state)
         wgmma.gemm(mma_sdp, acc_s, frags["K"], frags["Q"][None, None, None, q_state.index],
                    zero_init=True, wait_groups=-1)
 
     @cute.jit
     def issue_dp(self, frags, acc_dp, mma_sdp, pipe_do, do_state):
         """dPᵀ = V·dOᵀ of one query block, left in flight."""
-        pipe_do.consumer_wait(do_state)
+        self.sync.wait(pipe_do, do_state)
         wgmma.gemm(mma_sdp, acc_dp, frags["V"], frags["dO"][None, None, None, do_state.index],
                    zero_init=True, wait_groups=-1)
 
@@ -398,13 +399,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         else:
             warpgroup.wait_group(0)  # dPᵀ has landed
         ds = wgmma.acc_rows_cols(acc_dp)
-        if cutlass.const_expr(self.cfg.ds_from_16bit_p):
-            p = wgmma.acc_rows_cols(cute.make_tensor(frags["Pt"].iterator,
-                                                     cute.make_layout(acc_s.shape)))
         for j in cutlass.range_constexpr(cute.size(ds, mode=[1])):
             dsum_j = dsum[j]
             for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
-                ds[r, j] = p[r, j].to(Float32) * (ds[r, j] - dsum_j)
+                if cutlass.const_expr(self.cfg.ds_from_16bit_p):
+                    p_rj = wgmma.read_16bit_as_f32(frags["Pt"], acc_s.layout.shape, r, j)
+                else:
+                    p_rj = p[r, j]
+                ds[r, j] = p_rj * (ds[r, j] - dsum_j)
         if cutlass.const_expr(not self.cfg.dv_under_ds):
             self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
         wgmma.convert_to_16bit(acc_dp, frags["dSt"])
@@ -429,13 +431,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(under_dk):
             self.issue_dk(frags, acc_dk, mma_dkv, q_state)
             warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
-            pipe_do.consumer_release(do_state)
+            self.sync.release(pipe_do, do_state)
             self.stage_dq(acc_dq, sdQ, wg, tid)
             warpgroup.wait_group(0)
-            pipe_q.consumer_release(q_state)
+            self.sync.release(pipe_q, q_state)
         else:
-            pipe_q.consumer_release(q_state)
-            pipe_do.consumer_release(do_state)
+            self.sync.release(pipe_q, q_state)
+            self.sync.release(pipe_do, do_state)
             self.stage_dq(acc_dq, sdQ, wg, tid)
 
     @cute.jit

@@ -38,8 +38,7 @@ from . import wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M
 from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
 from .mask import BlockRange, apply_mask
-from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
-                       producer_state)
+from .pipeline import NamedBarrier, PingPong, consumer_state, make_tma_pipeline, producer_state
 from .scheduler import TileScheduler
 from .softmax import OnlineSoftmax
 
@@ -113,13 +112,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
-        consumer_warps = self.consumer_threads // 32
+        arrivals = self.sync.arrivals(self.consumer_threads)
         pipes = (
-            make_tma_pipeline(storage.q_barriers.data_ptr(), 1, consumer_warps,
+            make_tma_pipeline(storage.q_barriers.data_ptr(), 1, arrivals,
                               cute.size_in_bytes(self.dtype, sQ_layout)),
-            make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages, consumer_warps,
+            make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))),
-            make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, consumer_warps,
+            make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))),
         )
         cpipeline.pipeline_init_arrive()
@@ -252,7 +251,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)
-            pipe_q.consumer_wait(q_state)
+            self.sync.wait(pipe_q, q_state)
             if n_max > 0:
                 kv_state = self.mainloop(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords, softmax, pingpong, wg,
@@ -260,7 +259,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     blocks.n_block_min_unmasked(m_block, seqlen_q, seqlen_k),
                     seqlen_q, seqlen_k)
             else:
-                pipe_q.consumer_release(q_state)
+                self.sync.release(pipe_q, q_state)
             q_state.advance()
             lse = softmax.finalize(acc_o)
             self.epilogue(acc_o, lse, o_coords, mO, mLSE, sO, tma_o, wg, tid, m_block, head,
@@ -291,12 +290,12 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(self.cfg.intra_wg_overlap):
             # First block: S, mask (seqlen edge and diagonal), softmax; its P·V
             # is issued together with the next block's S.
-            pipe_k.consumer_wait(kv_state)
+            self.sync.wait(pipe_k, kv_state)
             acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
                 (self.tile_m, self.tile_n)), Float32)
             wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
                        zero_init=True, wait_groups=0)
-            pipe_k.consumer_release(kv_state)
+            self.sync.release(pipe_k, kv_state)
             self._mask(acc_s, mask, n_max - 1)
             softmax.update(acc_s, is_first=True)
             wgmma.convert_to_16bit(acc_s, tOrP)
@@ -308,12 +307,12 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 kv_state = self._overlapped_step(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
                     pipe_k, pipe_v, kv_state, mask, n_block, apply_causal=False)
-            pipe_q.consumer_release(q_state)
+            self.sync.release(pipe_q, q_state)
             # Last P·V.
-            pipe_v.consumer_wait(kv_state)
+            self.sync.wait(pipe_v, kv_state)
             wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
                        zero_init=False, wait_groups=0)
-            pipe_v.consumer_release(kv_state)
+            self.sync.release(pipe_v, kv_state)
             kv_state.advance()
         else:
             pingpong.wait_turn(wg)
@@ -331,7 +330,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                              n_masked_end - 1 - i, apply_mask=False,
                                              is_first=False)
             pingpong.pass_turn(wg)
-            pipe_q.consumer_release(q_state)
+            self.sync.release(pipe_q, q_state)
         return kv_state
 
     @cute.jit
@@ -349,23 +348,23 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         tSrQ, tSrK, tOrP, tOrVt = frags
         v_state = kv_state.clone()
         kv_state.advance()
-        pipe_k.consumer_wait(kv_state)
+        self.sync.wait(pipe_k, kv_state)
         acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
             (self.tile_m, self.tile_n)), Float32)
         pingpong.wait_turn(wg)
         wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
                    zero_init=True, wait_groups=-1)
-        pipe_v.consumer_wait(v_state)
+        self.sync.wait(pipe_v, v_state)
         wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index],
                    zero_init=False, wait_groups=-1)
         pingpong.pass_turn(wg)
         warpgroup.wait_group(1)  # S_j has landed; P·V may still run
-        pipe_k.consumer_release(kv_state)
+        self.sync.release(pipe_k, kv_state)
         if cutlass.const_expr(apply_causal):
             self._mask(acc_s, mask, n_block)
         rescale, moved = softmax.update(acc_s, is_first=False)
         warpgroup.wait_group(0)  # P·V done: tOrP and the V stage are free
-        pipe_v.consumer_release(v_state)
+        self.sync.release(pipe_v, v_state)
         if moved:
             softmax.rescale_o(acc_o, rescale)
         wgmma.convert_to_16bit(acc_s, tOrP)
@@ -380,25 +379,25 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         The warpgroup holds the ping-pong turn on entry; its turn spans P·V_{j+1}
         and S_j, the softmax runs outside it."""
         tSrQ, tSrK, tOrP, tOrVt = frags
-        pipe_k.consumer_wait(kv_state)
+        self.sync.wait(pipe_k, kv_state)
         acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
             (self.tile_m, self.tile_n)), Float32)
         wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
                    zero_init=True, wait_groups=-1)
         pingpong.pass_turn(wg)
         warpgroup.wait_group(0)
-        pipe_k.consumer_release(kv_state)
+        self.sync.release(pipe_k, kv_state)
         if cutlass.const_expr(apply_mask):
             self._mask(acc_s, mask, n_block)
         rescale, moved = softmax.update(acc_s, is_first=is_first)
         wgmma.convert_to_16bit(acc_s, tOrP)
         if moved:
             softmax.rescale_o(acc_o, rescale)
-        pipe_v.consumer_wait(kv_state)
+        self.sync.wait(pipe_v, kv_state)
         pingpong.wait_turn(wg)
         wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
                    zero_init=False, wait_groups=0)
-        pipe_v.consumer_release(kv_state)
+        self.sync.release(pipe_v, kv_state)
         kv_state.advance()
         return kv_state
 

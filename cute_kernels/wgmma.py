@@ -85,15 +85,21 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
         warpgroup.wait_group(wait_groups)
 
 
-def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
-    """View a ((2, 2, V), MMA_M, MMA_N) accumulator as (rows, cols) of this thread."""
-    shape = cute.make_layout(acc.layout.shape)
+def rows_cols_layout(acc_shape) -> cute.Layout:
+    """(row, column) of a thread's ((2, 2, V), MMA_M, MMA_N) accumulator ->
+    its flat register index (static for static coordinates)."""
+    shape = cute.make_layout(acc_shape)
     rows_shape = (shape.shape[0][1], shape.shape[1])
     rows_stride = (shape.stride[0][1], shape.stride[1])
     cols_shape = (shape.shape[0][0], shape.shape[0][2], shape.shape[2])
     cols_stride = (shape.stride[0][0], shape.stride[0][2], shape.stride[2])
-    view = cute.make_layout((rows_shape, cols_shape), stride=(rows_stride, cols_stride))
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, view))
+    return cute.make_layout((rows_shape, cols_shape), stride=(rows_stride, cols_stride))
+
+
+def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View a ((2, 2, V), MMA_M, MMA_N) accumulator as (rows, cols) of this thread."""
+    return cute.make_tensor(acc.iterator,
+                            cute.composition(acc.layout, rows_cols_layout(acc.layout.shape)))
 
 
 @dsl_user_op
@@ -104,6 +110,33 @@ def _cvt_pack2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> c
         T.i32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
         f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _unpack_half(word: cutlass.Int32, high: bool, bf16: bool, *, loc=None, ip=None) -> Float32:
+    # One operation on the whole word, so that no register is half-written:
+    # extracting a half with PRMT merges it into the destination's old value,
+    # which keeps that register live across the whole loop.
+    if bf16:  # a bf16 is the top half of the fp32 with the same value
+        op = "and.b32 t, $1, 0xffff0000;" if high else "shl.b32 t, $1, 16;"
+        body = f"{{ .reg .b32 t; {op} mov.b32 $0, t; }}"
+    else:
+        part = "hi" if high else "lo"
+        body = f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {part}; }}"
+    return Float32(llvm.inline_asm(
+        T.f32(), [cutlass.Int32(word).ir_value(loc=loc, ip=ip)], body, "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def read_16bit_as_f32(packed: cute.Tensor, acc_shape: cutlass.Constexpr, r: cutlass.Constexpr[int],
+                      c: cutlass.Constexpr[int]) -> Float32:
+    """Element (row r, column c) of an accumulator that convert_to_16bit packed
+    into `packed`, back as fp32."""
+    words = cute.recast_tensor(packed, cutlass.Int32)
+    k = cute.crd2idx((r, c), rows_cols_layout(acc_shape))
+    return _unpack_half(words[k // 2], k % 2 == 1,
+                        packed.element_type is cutlass.BFloat16)
 
 
 @cute.jit

@@ -69,6 +69,26 @@ def test_forward_loop_bookkeeping_is_warp_uniform(tmp_path, head_dim):
     assert sass["vector_add64"] == 0
 
 
+@pytest.mark.parametrize("head_dim,causal,lean", [(64, False, True), (128, False, True),
+                                                   (128, True, True), (128, False, False)])
+def test_forward_loop_consumer_sync(tmp_path, head_dim, causal, lean):
+    # FwdConfig.lean_consumer_sync: inside one K/V step of the main loop, no
+    # suspend-time retry path on the K/V waits (NANOSLEEP.SYNCS) and no
+    # thread-index read for a lane-0 release (S2R); the DSL pipeline's
+    # wait and release have both.
+    from profiling.kernel_info import main_loop_mix
+
+    config = default_fwd_config(head_dim, causal).replace(lean_consumer_sync=lean)
+    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path))
+    cubin = next(tmp_path.rglob("*.cubin"))
+    mix, _ = main_loop_mix(sass_text(str(cubin)), (head_dim + config.tile_n) // 16)
+    assert mix["SYNCS"] >= 4  # two waits, two releases
+    if lean:
+        assert mix["NANOSLEEP"] == 0 and mix["S2R"] == 0
+    else:
+        assert mix["NANOSLEEP"] > 0 and mix["S2R"] > 0
+
+
 @pytest.mark.parametrize("rescale_threshold", [0, 8])
 def test_lazy_rescale_compiles_to_a_warp_vote(tmp_path, rescale_threshold):
     config = default_fwd_config(64, True).replace(rescale_threshold=rescale_threshold)
