@@ -202,3 +202,51 @@ def main_loop_mix(sass: str, hgmmas_per_step: int):
             body = instructions[start:end + 1]
             return Counter(opcode(i) for i in body), body
     return None
+
+
+# ------------------------------------------- live registers through the loop
+
+_LIVE_COUNT = re.compile(r";\s*//\s*\|\s*(\d*)\s*\|")
+
+
+def ptxas_path() -> str | None:
+    """A standalone ptxas: $CUDA_HOME/bin, else PATH."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = os.path.join(home, "bin", "ptxas")
+    return candidate if os.access(candidate, os.X_OK) else shutil.which("ptxas")
+
+
+def live_register_listing(ptx_path: str) -> tuple[str, list[int]]:
+    """(listing, live vector registers at each instruction) of a PTX file's code.
+
+    nvdisasm's register life ranges need a cubin in the format ptxas writes,
+    not the DSL's, so the PTX is assembled again here (same target, ptxas's
+    defaults). The live count is the pressure ptxas allocated against: where
+    it nears the setmaxnreg budget, ptxas spills or serialises WGMMAs.
+    """
+    ptxas, nvdisasm = ptxas_path(), nvdisasm_path()
+    if ptxas is None or nvdisasm is None:
+        raise RuntimeError("register liveness needs ptxas (CUDA toolkit; CUDA_HOME or PATH) "
+                           "and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    cubin = ptx_path + ".ptxas.cubin"
+    subprocess.run([ptxas, "-arch=sm_90a", ptx_path, "-o", cubin], check=True,
+                   capture_output=True)
+    listing = subprocess.run([nvdisasm, "-c", "-plr", "-lrm", "count", cubin], check=True,
+                             capture_output=True, text=True).stdout
+    live = []
+    for line in listing.splitlines():
+        if _SASS_LINE.match(line):
+            count = _LIVE_COUNT.search(line)
+            live.append(int(count.group(1) or 0) if count else 0)
+    return listing, live
+
+
+def loop_liveness(ptx_path: str, hgmmas_per_step: int) -> tuple[int, int] | None:
+    """(registers live on entering the loop that issues `hgmmas_per_step`
+    HGMMAs, the most live anywhere in it): the first is what the loop carries
+    from step to step (accumulators and bookkeeping), the second its peak."""
+    listing, live = live_register_listing(ptx_path)
+    for start, end, count in hgmma_loops(listing):
+        if count == hgmmas_per_step:
+            return live[start], max(live[start:end + 1])
+    return None

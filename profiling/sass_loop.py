@@ -1,17 +1,30 @@
-"""The forward's main loop in SASS: its instruction mix per K/V step, and
-flash-attn-4's SM90 forward's beside it where that package is importable.
+"""A kernel's main loop in SASS: its instruction mix per step, and
+flash-attn-4's SM90 kernel's beside it where that package is importable.
 
-    python -m profiling.sass_loop --head-dim 128                 # the op's config
+    python -m profiling.sass_loop --head-dim 128                 # the op's forward config
     python -m profiling.sass_loop --head-dim 128 --vary tile_n=128 --fa4
+    python -m profiling.sass_loop --kernel bwd --head-dim 64 --fa4 --liveness
 
 Runs on a machine without a GPU (kernels compiled for sm_90a, disassembled by
-nvdisasm). A K/V step issues head_dim/16 HGMMAs for S = Q·Kᵀ and tile_n/16 for
-O += P·V per consumer warpgroup, and the loop is found as the innermost one
-that issues exactly that many. The math of a step is fixed by the tile; what
-differs between two kernels is the bookkeeping around it (descriptor
-arithmetic, barrier waits, index math), which this table shows opcode by
-opcode. fa4 compiles with its own tile for the head dim (128x128 at d=128,
-192x128 at d=64): give ours the same tile with --vary to compare like with like.
+nvdisasm). A forward step (one K/V block) issues head_dim/16 HGMMAs for
+S = Q·Kᵀ and tile_n/16 for O += P·V per consumer warpgroup; a backward step
+(one query block) head_dim/16 each for Sᵀ and dPᵀ, tile_m/16 each for dV and
+dK, tile_n/16 for dQ. The loop is found as the innermost one that issues
+exactly that many. The math of a step is fixed by the tile; what differs
+between two kernels is the bookkeeping around it (descriptor arithmetic,
+barrier waits, index math), which the table shows opcode by opcode.
+
+--liveness adds two rows: the vector registers live on entering the loop
+(what it carries from step to step: accumulators plus bookkeeping) and the
+most live anywhere in it. Near the consumers' setmaxnreg budget ptxas
+spills or serialises the WGMMAs, so a register the loop carries for nothing
+can decide which configs fit. It re-assembles the PTX with a standalone
+ptxas (CUDA toolkit), since nvdisasm cannot track life ranges in the DSL's
+cubins.
+
+fa4 compiles with the tile its interface picks (forward: 128x128 at d=128,
+192x128 at d=64; backward: its _tile_size_bwd_sm90): give ours the same with
+--vary to compare like with like.
 """
 
 from __future__ import annotations
@@ -20,56 +33,109 @@ import argparse
 import glob
 import os
 import tempfile
+from collections import Counter
 
-from .kernel_info import main_loop_mix, sass_text
+from .kernel_info import loop_liveness, main_loop_mix, sass_text
 from .sweep import parse_vary
 
 
-def _compiled_sass(compile_fn, dump_dir: str) -> str:
+def _one(dump_dir: str, suffix: str) -> str:
+    found = glob.glob(os.path.join(dump_dir, "**", "*" + suffix), recursive=True)
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {suffix} under {dump_dir}, found {len(found)}")
+    return found[0]
+
+
+def _compiled(compile_fn, dump_dir: str) -> tuple[str, str]:
+    """(SASS, PTX path) of the one kernel compile_fn dumps into dump_dir."""
     os.makedirs(dump_dir, exist_ok=True)
     compile_fn(dump_dir)
-    cubins = glob.glob(os.path.join(dump_dir, "**", "*.cubin"), recursive=True)
-    if len(cubins) != 1:
-        raise RuntimeError(f"expected one cubin under {dump_dir}, found {len(cubins)}")
-    sass = sass_text(cubins[0])
+    sass = sass_text(_one(dump_dir, ".cubin"))
     if sass is None:
         raise SystemExit("profiling.sass_loop: needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    return sass
+    return sass, _one(dump_dir, ".ptx")
 
 
-def ours_sass(head_dim: int, causal: bool, config, dump_dir: str) -> str:
+def hgmmas_per_step(kind: str, head_dim: int, tile_m: int, tile_n: int) -> int:
+    if kind == "fwd":
+        return (head_dim + tile_n) // 16
+    return (2 * head_dim + 2 * tile_m + tile_n) // 16
+
+
+def ours(kind: str, head_dim: int, causal: bool, config, dump_dir: str):
+    """(SASS, PTX path) of our forward, or of our backward's main kernel."""
     import torch
 
-    from python_api.compile_cache import compile_fwd
+    from python_api.compile_cache import compile_bwd, compile_fwd
 
-    return _compiled_sass(lambda d: compile_fwd(torch.bfloat16, head_dim, causal, config,
-                                                dump_dir=d), dump_dir)
+    if kind == "fwd":
+        return _compiled(lambda d: compile_fwd(torch.bfloat16, head_dim, causal, config,
+                                               dump_dir=d), dump_dir)
+
+    compile_bwd(torch.bfloat16, head_dim, causal, config, dump_dir=dump_dir)
+    main_dir = os.path.join(dump_dir, "main")  # beside preprocess/ and postprocess/
+    sass = sass_text(_one(main_dir, ".cubin"))
+    if sass is None:
+        raise SystemExit("profiling.sass_loop: needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    return sass, _one(main_dir, ".ptx")
 
 
-def fa4_sass(head_dim: int, causal: bool, dump_dir: str) -> tuple[str, tuple[int, int]]:
-    """flash-attn-4's SM90 forward with the tile its interface picks."""
+def fa4(kind: str, head_dim: int, causal: bool, dump_dir: str):
+    """(SASS, PTX path, (tile_m, tile_n)) of flash-attn-4's SM90 kernel with
+    the tile its interface picks."""
     import cutlass
     import cutlass.cute as cute
-    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     from python_api.compile_cache import _fake_bshd, _fake_rows, _sym
 
-    tile_m, tile_n = (192, 128) if head_dim <= 64 else (128, 128)
-    kernel = FlashAttentionForwardSm90(
-        cutlass.BFloat16, head_dim, head_dim, 1, is_causal=causal, is_local=False,
-        pack_gqa=False, tile_m=tile_m, tile_n=tile_n, num_stages=2,
-        num_threads=128 * (tile_m // 64 + 1), Q_in_regs=False, intra_wg_overlap=True,
-        mma_pv_is_rs=True)
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
     b, sq, sk, h = _sym(), _sym(), _sym(), _sym()
-    q, o = (_fake_bshd(cutlass.BFloat16, b, sq, h, head_dim) for _ in range(2))
-    k, v = (_fake_bshd(cutlass.BFloat16, b, sk, h, head_dim) for _ in range(2))
-    lse = _fake_rows(cutlass.Float32, b, h, sq)
+    q, o = (_fake_bshd(bf16, b, sq, h, head_dim) for _ in range(2))
+    k, v = (_fake_bshd(bf16, b, sk, h, head_dim) for _ in range(2))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
-    def compile_it(d):
-        cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(0.1),
-                     stream=cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                     options=f"--enable-tvm-ffi --keep-cubin --dump-dir {d}")
-    return _compiled_sass(compile_it, dump_dir), (tile_m, tile_n)
+    def options(d):
+        return f"--enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir {d}"
+
+    if kind == "fwd":
+        from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+        tile_m, tile_n = (192, 128) if head_dim <= 64 else (128, 128)
+        kernel = FlashAttentionForwardSm90(
+            bf16, head_dim, head_dim, 1, is_causal=causal, is_local=False, pack_gqa=False,
+            tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=128 * (tile_m // 64 + 1),
+            Q_in_regs=False, intra_wg_overlap=True, mma_pv_is_rs=True)
+        lse = _fake_rows(f32, b, h, sq)
+
+        def compile_it(d):
+            cute.compile(kernel, q, k, v, o, lse, f32(0.1), stream=stream, options=options(d))
+    else:
+        from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+        from flash_attn.cute.interface import _tile_size_bwd_sm90
+        from flash_attn.cute.utils import AuxData
+
+        cfg = _tile_size_bwd_sm90(head_dim, head_dim, causal, False)
+        tile_m, tile_n = cfg.m_block_size, cfg.n_block_size
+        kernel = FlashAttentionBackwardSm90(
+            bf16, head_dim, head_dim, 1, causal, tile_m=tile_m, tile_n=tile_n,
+            Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS,
+            SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB,
+            AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
+            AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=128 * (cfg.num_wg + 1),
+            dQ_single_wg=cfg.dQ_single_wg)
+        do = _fake_bshd(bf16, b, sq, h, head_dim)
+        dk, dv = (_fake_bshd(bf16, b, sk, h, head_dim) for _ in range(2))
+        lse2, dsum = (_fake_rows(f32, b, h, _sym()) for _ in range(2))
+        dq_accum = _fake_rows(f32, b, h, _sym(), divisibility=4, align=16)
+
+        def compile_it(d):
+            # The optional arguments (varlen, windows, semaphores, block
+            # sparsity) stay None: the dense, non-deterministic kernel.
+            cute.compile(kernel, q, k, v, do, lse2, dsum, dq_accum, dk, dv, f32(0.1),
+                         None, None, None, None, None, None, None, None, None, AuxData(),
+                         None, None, stream, options=options(d))
+    sass, ptx = _compiled(compile_it, dump_dir)
+    return sass, ptx, (tile_m, tile_n)
 
 
 def format_mix(columns: dict) -> str:
@@ -84,44 +150,71 @@ def format_mix(columns: dict) -> str:
     return "\n".join(lines)
 
 
+def format_liveness(liveness: dict) -> str:
+    names = list(liveness)
+    rows = [("live at loop entry", 0), ("live at peak", 1)]
+    return "\n".join(f"{label:<20}" + "".join(
+        f"{'-' if liveness[n] is None else liveness[n][i]:>14}" for n in names)
+        for label, i in rows)
+
+
+def _measure(label, sass, ptx, steps, columns, bodies, liveness, want_liveness):
+    mix = main_loop_mix(sass, steps)
+    if mix is None:
+        raise SystemExit(f"profiling.sass_loop: no loop issuing {steps} HGMMAs in {label}")
+    columns[label], bodies[label] = mix
+    if want_liveness:
+        liveness[label] = loop_liveness(ptx, steps)
+
+
 def main(argv=None) -> dict:
-    from cute_kernels.config import fwd_config_for_problem
+    from cute_kernels.config import default_bwd_config, fwd_config_for_problem
 
     p = argparse.ArgumentParser(prog="python -m profiling.sass_loop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", choices=["no", "yes"], default="no")
     p.add_argument("--seqlen", type=int, default=8192, help="for the op's per-problem config")
     p.add_argument("--vary", nargs="*", default=[], metavar="FIELD=VALUE",
-                   help="FwdConfig fields to set (one value each)")
+                   help="config fields to set (one value each)")
     p.add_argument("--fa4", action="store_true", help="flash-attn-4's loop beside ours")
+    p.add_argument("--liveness", action="store_true",
+                   help="live registers at the loop's entry and peak (needs ptxas)")
     p.add_argument("--print-loop", action="store_true", help="also print our loop's SASS")
     args = p.parse_args(argv)
     causal = args.causal == "yes"
-    config = fwd_config_for_problem(args.head_dim, causal, args.seqlen)
-    for field, values in parse_vary(args.vary).items():
+    kind = args.kernel
+    config = (fwd_config_for_problem(args.head_dim, causal, args.seqlen) if kind == "fwd"
+              else default_bwd_config(args.head_dim, causal))
+    for field, values in parse_vary(args.vary, kind).items():
         if len(values) != 1:
             p.error(f"--vary {field}: expected one value, got {values}")
         config = config.replace(**{field: values[0]})
-    columns, bodies = {}, {}
+    columns: dict[str, Counter] = {}
+    bodies, liveness = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        sass = ours_sass(args.head_dim, causal, config, os.path.join(tmp, "ours"))
-        mix = main_loop_mix(sass, (args.head_dim + config.tile_n) // 16)
-        if mix is None:
-            raise SystemExit("profiling.sass_loop: no loop with one K/V step's HGMMAs in ours")
-        columns[f"ours {config.tile_m}x{config.tile_n}"], bodies["ours"] = mix
+        sass, ptx = ours(kind, args.head_dim, causal, config, os.path.join(tmp, "ours"))
+        label = f"ours {config.tile_m}x{config.tile_n}"
+        _measure(label, sass, ptx, hgmmas_per_step(kind, args.head_dim, config.tile_m,
+                                                   config.tile_n),
+                 columns, bodies, liveness, args.liveness)
+        ours_label = label
         if args.fa4:
-            sass, (tile_m, tile_n) = fa4_sass(args.head_dim, causal, os.path.join(tmp, "fa4"))
-            mix = main_loop_mix(sass, (args.head_dim + tile_n) // 16)
-            if mix is None:
-                raise SystemExit("profiling.sass_loop: no loop with one K/V step's HGMMAs in fa4")
-            columns[f"fa4 {tile_m}x{tile_n}"], bodies["fa4"] = mix
-    print(f"forward main loop, d={args.head_dim}, causal={args.causal}, bf16, sm_90a: "
-          f"instructions per K/V step and consumer warp")
+            sass, ptx, (tile_m, tile_n) = fa4(kind, args.head_dim, causal,
+                                              os.path.join(tmp, "fa4"))
+            _measure(f"fa4 {tile_m}x{tile_n}", sass, ptx,
+                     hgmmas_per_step(kind, args.head_dim, tile_m, tile_n),
+                     columns, bodies, liveness, args.liveness)
+    step = "K/V step" if kind == "fwd" else "query-block step"
+    print(f"{'forward' if kind == 'fwd' else 'backward'} main loop, d={args.head_dim}, "
+          f"causal={args.causal}, bf16, sm_90a: instructions per {step} and consumer warp")
     print(format_mix(columns))
+    if args.liveness:
+        print(format_liveness(liveness))
     if args.print_loop:
-        print("\n".join(bodies["ours"]))
-    return columns
+        print("\n".join(bodies[ours_label]))
+    return dict(mix=columns, liveness=liveness)
 
 
 if __name__ == "__main__":

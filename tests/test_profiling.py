@@ -257,15 +257,37 @@ def test_sass_loop_finds_one_kv_step_of_the_forward():
     from profiling import sass_loop
 
     if importlib.util.find_spec("flash_attn") is None:
-        columns = sass_loop.main(["--head-dim", "64"])
+        columns = sass_loop.main(["--head-dim", "64"])["mix"]
     else:
-        columns = sass_loop.main(["--head-dim", "64", "--fa4"])
+        columns = sass_loop.main(["--head-dim", "64", "--fa4"])["mix"]
     mix = columns["ours 192x128"]
     assert mix["HGMMA"] == 64 // 16 + 128 // 16
     # 64 rows x 128 columns per warpgroup: 64 scores a thread, one ex2 each,
     # plus one per row for the O rescale factor (2 rows a thread).
     assert mix["MUFU"] == 64 + 2
     assert "total" in sass_loop.format_mix(columns)
+
+
+def test_sass_loop_backward_step_and_its_live_registers():
+    # The d=64 backward (128 queries x 128 keys, two consumer warpgroups):
+    # one query-block step issues Sᵀ, dPᵀ (64/16 each), dV, dK (128/16 each)
+    # and dQ (128/16) HGMMAs and one ex2 per Pᵀ element (64 keys x 128
+    # queries per warpgroup: 64 a thread).
+    from profiling import sass_loop
+    from profiling.kernel_info import ptxas_path
+
+    liveness = ptxas_path() is not None
+    out = sass_loop.main(["--kernel", "bwd", "--head-dim", "64"]
+                         + (["--liveness"] if liveness else []))
+    mix = out["mix"]["ours 128x128"]
+    assert mix["HGMMA"] == 32 and mix["MUFU"] == 64
+    if liveness:
+        entry, peak = out["liveness"]["ours 128x128"]
+        # dK and dV stay in registers across steps (2 x 64 keys x 64 dims /
+        # 128 threads); the peak adds Sᵀ and dPᵀ in flight (2 x 64) and
+        # stays within the consumers' setmaxnreg budget.
+        assert 64 <= entry < 64 + 24
+        assert entry + 128 <= peak <= 240
 
 
 def test_hgmma_loops_on_a_synthetic_listing():
