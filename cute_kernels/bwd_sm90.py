@@ -67,6 +67,33 @@ class _ColumnStats:
         return self.sStat[self.coords[0, j][1], self.stage]
 
 
+class _ShuffledColumnStats:
+    """BwdConfig.stats_shuffle: each lane reads 2 · tile_m / 64 of the query
+    block's statistics from shared memory once, and column j's value comes
+    from the lane holding it by a shuffle.
+
+    A thread's accumulator columns are 8·c + 2·(lane % 4) + e for each
+    8-column chunk c and e in {0, 1} (wgmma.py); its column j is
+    (e, c) = (j % 2, j // 2). Lane L holds chunks per_lane · (L // 4) + t
+    (t < per_lane) at its own lane % 4, so chunk c of every thread is in
+    lane 4 · (c // per_lane) + lane % 4, register (c % per_lane) · 2 + e:
+    the same register for the whole warp, as a shuffle needs."""
+
+    def __init__(self, sStat: cute.Tensor, stage, tile_m: int, lane):
+        self.per_lane = tile_m // 64
+        self.quad_lane = lane % 4
+        first = self.per_lane * 8 * (lane // 4) + 2 * self.quad_lane
+        self.held = cute.make_rmem_tensor((2 * self.per_lane,), Float32)
+        for t in range(self.per_lane):
+            for e in range(2):
+                self.held[2 * t + e] = sStat[first + 8 * t + e, stage]
+
+    def __getitem__(self, j: int):
+        e, chunk = j % 2, j // 2
+        source = 4 * (chunk // self.per_lane) + self.quad_lane
+        return cute.arch.shuffle_sync(self.held[(chunk % self.per_lane) * 2 + e], source)
+
+
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared memory.
     The postprocess partitions the dQ accumulator with this same MMA."""
@@ -355,9 +382,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def column_stats(self, sStat: cute.Tensor, coords, stage: Int32):
         """The statistic (LSE₂ or D) of each of this thread's accumulator
-        columns: with stats_early a register copy, loaded here; otherwise a
-        view that reads shared memory where it is indexed (holding all columns
-        in registers for the whole step spills)."""
+        columns: with stats_early a register copy, loaded here; with
+        stats_shuffle a few values per lane, shuffled where indexed; otherwise
+        a view that reads shared memory where it is indexed (holding all
+        columns in registers for the whole step spills)."""
+        if cutlass.const_expr(self.cfg.stats_shuffle):
+            return _ShuffledColumnStats(sStat, stage, self.tile_m, cute.arch.lane_idx())
         if cutlass.const_expr(not self.cfg.stats_early):
             return _ColumnStats(sStat, coords, stage)
         values = cute.make_rmem_tensor((cute.size(coords, mode=[1]),), Float32)

@@ -108,6 +108,9 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(tile_m=64, dq_store_under_dk=True),
                                        dict(split_gqa=True), dict(stats_early=True),
                                        dict(tile_m=64, stats_early=True),
+                                       dict(stats_shuffle=True),
+                                       dict(tile_m=64, stats_shuffle=True),
+                                       dict(lean_consumer_sync=False),
                                        dict(tile_m=64, split_gqa=True, deterministic=True)])
 def test_backward_config_variants(overrides):
     head_dim = 64

@@ -141,6 +141,26 @@ def test_stats_early_loads_statistics_before_the_wgmma_wait(tmp_path, head_dim):
     assert lds_before_first_wait(config.replace(stats_early=False), tmp_path / "lazy") == 0
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_stats_shuffle_reads_each_statistic_once_per_lane(tmp_path, head_dim):
+    """BwdConfig.stats_shuffle: per query-block step, a lane reads
+    2 · tile_m / 64 values of LSE₂ and of D (LDS.64 pairs) and shuffles one
+    value per accumulator column pair of each (tile_m / 4 columns a thread),
+    without ptxas serialising the WGMMAs."""
+    from profiling.kernel_info import main_loop_mix
+    from profiling.sass_loop import hgmmas_per_step
+
+    config = default_bwd_config(head_dim, False).replace(stats_shuffle=True)
+    compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path))
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    assert not info.wgmma_serialized and info.counts["local_memory"] == 0
+    cubin = next((tmp_path / "main").glob("*.cubin"))
+    mix, _ = main_loop_mix(sass_text(str(cubin)),
+                           hgmmas_per_step("bwd", head_dim, config.tile_m, config.tile_n))
+    assert mix["SHFL"] == 2 * config.tile_m // 4
+    assert mix["LDS"] == 2 * config.tile_m // 64
+
+
 def test_deterministic_backward_waits_on_semaphores(tmp_path):
     config = default_bwd_config(128, True, deterministic=True)
     compile_bwd(torch.bfloat16, 128, True, config, dump_dir=str(tmp_path))

@@ -45,6 +45,7 @@ def test_backward_defaults_validate_and_fit():
     (dict(qdo_stages=4), "qdo_stages"), (dict(consumer_regs=252), "consumer_regs"),
     (dict(tile_n=192, consumer_regs=240, tile_m=192), "consumer_regs"),
     (dict(dv_under_ds=False, ds_from_16bit_p=True), "ds_from_16bit_p"),
+    (dict(stats_early=True, stats_shuffle=True), "stats_shuffle"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
     from cute_kernels.config import BwdConfig
