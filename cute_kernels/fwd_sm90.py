@@ -36,7 +36,8 @@ from cutlass.memory import SmemAllocator
 
 from . import wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M
-from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
+from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
+                          tma_views)
 from .mask import BlockRange, apply_mask
 from .pipeline import NamedBarrier, PingPong, consumer_state, make_tma_pipeline, producer_state
 from .scheduler import TileScheduler
@@ -140,7 +141,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 self.produce(mQ, mK, mV, tma_q, tma_k, tma_v, smem, pipes, scheduler)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mO, mLSE, tma_o, mK.shape[0], softmax_scale_log2, smem, pipes,
+            # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
+            mma_smem = (mma_operand_view(storage.sQ, sQ_layout, self.dtype),
+                        mma_operand_view(storage.sK, sK_layout, self.dtype),
+                        mma_operand_view(storage.sV, sV_layout, self.dtype), smem[3])
+            self.consume(mO, mLSE, tma_o, mK.shape[0], softmax_scale_log2, mma_smem, pipes,
                          scheduler, tiled_mma_qk, tiled_mma_pv)
 
     # -------------------------------------------------------------- producer
