@@ -46,14 +46,16 @@ def _one(dump_dir: str, suffix: str) -> str:
     return found[0]
 
 
-def _compiled(compile_fn, dump_dir: str) -> tuple[str, str]:
-    """(SASS, PTX path) of the one kernel compile_fn dumps into dump_dir."""
+def _compiled(compile_fn, dump_dir: str, kernel_subdir: str = "") -> tuple[str, str]:
+    """(SASS, PTX path) of the one kernel compile_fn dumps into dump_dir (or
+    into its kernel_subdir, where it dumps several)."""
     os.makedirs(dump_dir, exist_ok=True)
     compile_fn(dump_dir)
-    sass = sass_text(_one(dump_dir, ".cubin"))
+    kernel_dir = os.path.join(dump_dir, kernel_subdir)
+    sass = sass_text(_one(kernel_dir, ".cubin"))
     if sass is None:
         raise SystemExit("profiling.sass_loop: needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    return sass, _one(dump_dir, ".ptx")
+    return sass, _one(kernel_dir, ".ptx")
 
 
 def hgmmas_per_step(kind: str, head_dim: int, tile_m: int, tile_n: int) -> int:
@@ -72,12 +74,9 @@ def ours(kind: str, head_dim: int, causal: bool, config, dump_dir: str):
         return _compiled(lambda d: compile_fwd(torch.bfloat16, head_dim, causal, config,
                                                dump_dir=d), dump_dir)
 
-    compile_bwd(torch.bfloat16, head_dim, causal, config, dump_dir=dump_dir)
-    main_dir = os.path.join(dump_dir, "main")  # beside preprocess/ and postprocess/
-    sass = sass_text(_one(main_dir, ".cubin"))
-    if sass is None:
-        raise SystemExit("profiling.sass_loop: needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    return sass, _one(main_dir, ".ptx")
+    # The main kernel, beside preprocess/ and postprocess/.
+    return _compiled(lambda d: compile_bwd(torch.bfloat16, head_dim, causal, config,
+                                           dump_dir=d), dump_dir, "main")
 
 
 def fa4(kind: str, head_dim: int, causal: bool, dump_dir: str):
