@@ -175,10 +175,7 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P[T\d]+\s+", "", instruction).split()[0].split(".")[0]
 
 
-def hgmma_loops(sass: str) -> list[tuple[int, int, int]]:
-    """(first, last, HGMMAs) of every loop (a backward branch and its target)
-    that issues HGMMAs, innermost first."""
-    instructions, labels = sass_instructions(sass)
+def _hgmma_loops(instructions: list[str], labels: dict[str, int]) -> list[tuple[int, int, int]]:
     loops = []
     for end, inst in enumerate(instructions):
         branch = _SASS_BRANCH.search(inst)
@@ -190,18 +187,34 @@ def hgmma_loops(sass: str) -> list[tuple[int, int, int]]:
     return sorted(loops, key=lambda loop: loop[1] - loop[0])
 
 
+def hgmma_loops(sass: str) -> list[tuple[int, int, int]]:
+    """(first, last, HGMMAs) of every loop (a backward branch and its target)
+    that issues HGMMAs, innermost first."""
+    return _hgmma_loops(*sass_instructions(sass))
+
+
+def step_loop(sass: str, hgmmas_per_step: int):
+    """(instructions, first, last) of the innermost loop issuing
+    `hgmmas_per_step` HGMMAs (one main-loop step), None when none does."""
+    instructions, labels = sass_instructions(sass)
+    for start, end, count in _hgmma_loops(instructions, labels):
+        if count == hgmmas_per_step:
+            return instructions, start, end
+    return None
+
+
 def main_loop_mix(sass: str, hgmmas_per_step: int):
     """The opcode counts of the innermost loop that issues `hgmmas_per_step`
     HGMMAs (one K/V step of the forward: S = Q·Kᵀ and O += P·V), and its
     instructions; None when no loop matches."""
     from collections import Counter
 
-    instructions, _ = sass_instructions(sass)
-    for start, end, count in hgmma_loops(sass):
-        if count == hgmmas_per_step:
-            body = instructions[start:end + 1]
-            return Counter(opcode(i) for i in body), body
-    return None
+    found = step_loop(sass, hgmmas_per_step)
+    if found is None:
+        return None
+    instructions, start, end = found
+    body = instructions[start:end + 1]
+    return Counter(opcode(i) for i in body), body
 
 
 # ------------------------------------------- live registers through the loop
@@ -246,7 +259,8 @@ def loop_liveness(ptx_path: str, hgmmas_per_step: int) -> tuple[int, int] | None
     HGMMAs, the most live anywhere in it): the first is what the loop carries
     from step to step (accumulators and bookkeeping), the second its peak."""
     listing, live = live_register_listing(ptx_path)
-    for start, end, count in hgmma_loops(listing):
-        if count == hgmmas_per_step:
-            return live[start], max(live[start:end + 1])
-    return None
+    found = step_loop(listing, hgmmas_per_step)
+    if found is None:
+        return None
+    _, start, end = found
+    return live[start], max(live[start:end + 1])

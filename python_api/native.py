@@ -24,7 +24,6 @@ import glob
 import os
 import warnings
 
-import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
                       "cute_fa_native.cpp")
@@ -77,33 +76,24 @@ def _ffi_handle(compiled) -> int:
 
 
 def _fwd_plan(q, k, causal):
-    from . import compile_cache, ops
+    from . import ops
     from . import nvtx as nvtx_ranges
-    from cute_kernels.config import fwd_config_for_problem
 
-    device_index = ops._device_index(q)  # sm_90 or a clear error
-    head_dim = q.shape[3]
-    config = fwd_config_for_problem(head_dim, causal, k.shape[1])
-    kernel = compile_cache.get_fwd(q.dtype, head_dim, causal, config)
+    kernel, device_index = ops.fwd_kernel_for(q, k, causal)
     return ((_ffi_handle(kernel.fn),), ops._num_sms(device_index), 0, 0, False, False,
             nvtx_ranges.range_name("fwd", q, k, causal), kernel)
 
 
 def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
-    from . import compile_cache, ops
+    from . import ops
     from . import nvtx as nvtx_ranges
-    from cute_kernels.config import bwd_config_for_problem
 
-    device_index = ops._device_index(q)
-    batch, _, heads, head_dim = q.shape
-    num_sms = ops._num_sms(device_index)
-    config = bwd_config_for_problem(head_dim, causal, deterministic, batch, k.shape[1], heads,
-                                    k.shape[2], num_sms)
-    kernels = compile_cache.get_bwd(q.dtype, head_dim, causal, config, has_grad_lse)
+    kernels, config, device_index = ops.bwd_kernels_for(q, k, causal, deterministic,
+                                                        has_grad_lse)
     fns = (kernels.preprocess, kernels.main, kernels.postprocess)
     if config.split_gqa:
         fns += (kernels.group_sum,)
-    return (tuple(_ffi_handle(f) for f in fns), num_sms, config.tile_m,
+    return (tuple(_ffi_handle(f) for f in fns), ops._num_sms(device_index), config.tile_m,
             config.consumer_warpgroups, config.split_gqa, config.deterministic,
             nvtx_ranges.range_name("bwd", q, k, causal), kernels)
 

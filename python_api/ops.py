@@ -87,6 +87,30 @@ def _kernels():
     return _compile_cache
 
 
+def fwd_kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool,
+                   config: FwdConfig | None = None):
+    """(compiled forward, device index) for a problem: the device checked,
+    `config` or the per-problem default. Also the C++ kernels' planner
+    (native.py) uses it, once per problem."""
+    device_index = _device_index(q)
+    head_dim = q.shape[3]
+    config = config or fwd_config_for_problem(head_dim, causal, k.shape[1])
+    return _kernels().get_fwd(q.dtype, head_dim, causal, config), device_index
+
+
+def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,
+                    has_grad_lse: bool, config: BwdConfig | None = None):
+    """(compiled backward launches, their config, device index) for a
+    problem, as fwd_kernel_for."""
+    device_index = _device_index(q)
+    batch, _, heads, head_dim = q.shape
+    config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch,
+                                              k.shape[1], heads, k.shape[2],
+                                              _num_sms(device_index))
+    return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse), config,
+            device_index)
+
+
 # The host path below runs once per attention call; a compiled training step
 # without a CUDA graph is paced by its host, so it avoids what costs there:
 # context managers, generators and repeated lookups (profiling/RESULTS.md).
@@ -95,10 +119,8 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
                  causal: bool, config: FwdConfig | None = None):
     """Run the DSL forward kernel; `config` overrides the per-problem default
     (this is how profiling.sweep A/Bs kernel variants)."""
-    device_index = _device_index(q)
+    kernel, device_index = fwd_kernel_for(q, k, causal, config)
     batch, seqlen_q, heads, head_dim = q.shape
-    config = config or fwd_config_for_problem(head_dim, causal, k.shape[1])
-    kernel = _kernels().get_fwd(q.dtype, head_dim, causal, config)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -117,12 +139,10 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     """Run preprocess, the DSL backward kernel and the dQ postprocess (the
     arguments of cute_fa::bwd); `config` overrides the per-problem default
     (profiling.sweep), deterministic included."""
-    device_index = _device_index(q)
+    kernels, config, device_index = bwd_kernels_for(q, k, causal, deterministic,
+                                                    grad_lse is not None, config)
     batch, seqlen_q, heads, head_dim = q.shape
-    _, seqlen_k, heads_kv, _ = k.shape
-    config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch, seqlen_k,
-                                              heads, heads_kv, _num_sms(device_index))
-    kernels = _kernels().get_bwd(q.dtype, head_dim, causal, config, grad_lse is not None)
+    seqlen_k = k.shape[1]
     q, k, v, out, grad_out = (_tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(out),
                               _tma_ready(grad_out))
     lse = lse.contiguous()

@@ -26,6 +26,16 @@ def _assert_warp_specialised(info, config):
     assert not info.wgmma_serialized, f"ptxas serialised the WGMMAs: {info.sass}"
 
 
+def _step_mix(kind: str, head_dim: int, causal: bool, config, tmp_path):
+    """Opcode counts of one main-loop step of the bf16 kernel (profiling.sass_loop)."""
+    from profiling.kernel_info import main_loop_mix
+    from profiling.sass_loop import hgmmas_per_step, ours
+
+    sass, _ = ours(kind, head_dim, causal, config, str(tmp_path))
+    mix, _ = main_loop_mix(sass, hgmmas_per_step(kind, head_dim, config.tile_m, config.tile_n))
+    return mix
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
@@ -79,12 +89,8 @@ def test_forward_loop_consumer_sync(tmp_path, head_dim, causal, lean):
     # suspend-time retry path on the K/V waits (NANOSLEEP.SYNCS) and no
     # thread-index read for a lane-0 release (S2R); the DSL pipeline's
     # wait and release have both.
-    from profiling.kernel_info import main_loop_mix
-
     config = default_fwd_config(head_dim, causal).replace(lean_consumer_sync=lean)
-    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path))
-    cubin = next(tmp_path.rglob("*.cubin"))
-    mix, _ = main_loop_mix(sass_text(str(cubin)), (head_dim + config.tile_n) // 16)
+    mix = _step_mix("fwd", head_dim, causal, config, tmp_path)
     assert mix["SYNCS"] >= 4  # two waits, two releases
     if lean:
         assert mix["NANOSLEEP"] == 0 and mix["S2R"] == 0
@@ -98,11 +104,8 @@ def test_forward_loop_bookkeeping_matches_fa4(tmp_path):
     # all with the DSL's consumer waits and descriptors rebuilt every step,
     # 470 with lean_consumer_sync, 456 with mma_operand_view as well; fa4's
     # loop has 457.
-    from profiling.kernel_info import main_loop_mix
-
     config = default_fwd_config(128, False).replace(tile_n=128)
-    compile_fwd(torch.bfloat16, 128, False, config, dump_dir=str(tmp_path))
-    mix, _ = main_loop_mix(sass_text(str(next(tmp_path.rglob("*.cubin")))), 16)
+    mix = _step_mix("fwd", 128, False, config, tmp_path)
     assert mix["HGMMA"] == 16 and mix["MUFU"] == 66
     assert sum(mix.values()) <= 460
 
@@ -165,16 +168,10 @@ def test_stats_shuffle_reads_each_statistic_once_per_lane(tmp_path, head_dim):
     2 · tile_m / 64 values of LSE₂ and of D (LDS.64 pairs) and shuffles one
     value per accumulator column pair of each (tile_m / 4 columns a thread),
     without ptxas serialising the WGMMAs."""
-    from profiling.kernel_info import main_loop_mix
-    from profiling.sass_loop import hgmmas_per_step
-
     config = default_bwd_config(head_dim, False).replace(stats_shuffle=True)
-    compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path))
+    mix = _step_mix("bwd", head_dim, False, config, tmp_path)
     info = dumped_kernel_info(str(tmp_path / "main"))
     assert not info.wgmma_serialized and info.counts["local_memory"] == 0
-    cubin = next((tmp_path / "main").glob("*.cubin"))
-    mix, _ = main_loop_mix(sass_text(str(cubin)),
-                           hgmmas_per_step("bwd", head_dim, config.tile_m, config.tile_n))
     assert mix["SHFL"] == 2 * config.tile_m // 4
     assert mix["LDS"] == 2 * config.tile_m // 64
 
