@@ -366,9 +366,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                        cta_head, batch, seqlen_k)
 
     @cute.jit
-    def issue_s(self, frags, acc_s, mma_sdp, pipe_q, q_state):
-        """Sᵀ = K·Qᵀ of one query block, left in flight."""
-        self.sync.wait(pipe_q, q_state)
+    def issue_s(self, frags, acc_s, mma_sdp, q_state):
+        """Sᵀ = K·Qᵀ of one query block (its Q stage has landed), left in flight."""
         wgmma.gemm(mma_sdp, acc_s, frags["K"], frags["Q"][None, None, None, q_state.index],
                    zero_init=True, wait_groups=-1)
 
@@ -406,13 +405,16 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         tile_m, tile_n = self.tile_m, self.tile_n
         acc_s = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
         acc_dp = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
-        self.issue_s(frags, acc_s, mma_sdp, pipe_q, q_state)
-        self.issue_dp(frags, acc_dp, mma_sdp, pipe_do, do_state)
-
+        self.sync.wait(pipe_q, q_state)
         # Per-query statistics, one per accumulator column of this thread:
-        # read here, ahead of the WGMMA waits (stats_early), or at their use.
+        # read here (stats_early) or at their use. Here is ahead of the
+        # GEMM issue: an LDS issued behind HGMMAs queues behind them until
+        # the tensor core accepts them, so the first exp2 waited for the dPᵀ
+        # GEMM to start (ncu: short-scoreboard stalls on that FFMA).
         coords = wgmma.acc_rows_cols(st_coords)
         lse2 = self.column_stats(sLSE2, coords, q_state.index)
+        self.issue_s(frags, acc_s, mma_sdp, q_state)
+        self.issue_dp(frags, acc_dp, mma_sdp, pipe_do, do_state)
         warpgroup.wait_group(1)  # Sᵀ has landed
         if needs_mask:
             apply_mask_transposed(acc_s, st_coords, n_block, m_block, seqlen_q, seqlen_k,

@@ -226,16 +226,17 @@ class BwdConfig(_KernelConfig):
     dq_store_under_dk: issue dK += dSᵀ·Q after dQ = dS·K instead of before
         it, so the dQ partial's stores to shared memory run under dK (dSᵀ
         stays in registers through the dSᵀ barrier).
-    stats_early: read each query block's LSE₂ (and D) from shared memory into
-        registers before waiting for Sᵀ (and dPᵀ), so the loads' latency
-        hides under the WGMMA wait instead of stalling the first FFMA that
-        uses them (ncu: short-scoreboard stalls on those FFMAs); costs
-        tile_m / 4 registers per statistic while they wait. Off: each value
-        is read from shared memory next to its use. Off by default: on the
-        H100 it measured even (bf16 8k, TFLOP/s on vs off: d128 613.1 vs
-        614.9, causal 574.2 vs 574.1; d64 535.8 vs 536.4, causal 501.6 vs
-        493.4): the stalls it removes were time the other warpgroup's GEMMs
-        already covered.
+    stats_early: read each query block's LSE₂ from shared memory into
+        registers as soon as its Q stage has landed, ahead of the Sᵀ and dPᵀ
+        GEMM issue (D: ahead of the dV issue), instead of next to each use.
+        An LDS issued behind HGMMAs waits in the MIO queue until the tensor
+        core has accepted them, so the lazy loads, and loads placed between
+        the GEMM issues, held the first exp2 until the dPᵀ GEMM started (ncu
+        source view, d=128 causal 8k: 12-27 k of 240 k stall samples on that
+        FFMA). Costs tile_m / 4 registers per statistic while they wait.
+        On the H100 (bf16 8k, TFLOP/s on vs off): d128 625.7 vs 614.7,
+        causal 580.9 vs 573.5; d64 (tile_m 128: 32 more registers) 545.3 vs
+        548.3, causal 497.0 vs 513.7, so the op turns it on for d > 64 only.
     stats_shuffle: each lane reads 2 · tile_m / 64 of a query block's
         statistics (LSE₂, D) once, and every column's value comes by shuffle
         from the lane holding it: per step at tile_m=64, 2 LDS.64 and 32
@@ -358,6 +359,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
       registers per thread), dSᵀ from the fp32 Pᵀ (608.1 vs 598.7);
     - dQ partial stored under the dK GEMM (d128 618.3 vs 600.7, causal 555.8
       vs 542.8; d64 541.4 vs 504.9, causal 500.4 vs 464.5);
+    - head dim 96/128: LSE₂ read before the GEMM issue (stats_early; d128
+      8k 625.7 vs 614.7, causal 580.9 vs 573.5);
     - dV issued before dSᵀ is computed (d128 608.1 vs 608.5, even), which is
       what lets d64 drop the fp32 Pᵀ; qdo_stages 3 gains nothing (616.0 vs 618.3).
     - causal key blocks longest-first in 16 MB L2 sections (d128 causal 4k
@@ -375,7 +378,7 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
                          ds_from_16bit_p=True, split_gqa=split_gqa)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
-                     split_gqa=split_gqa)
+                     stats_early=True, split_gqa=split_gqa)
 
 
 KERNEL_CONFIGS = {"fwd": FwdConfig, "bwd": BwdConfig}

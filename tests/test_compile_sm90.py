@@ -8,7 +8,8 @@ import torch
 
 from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config
 from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
-from profiling.kernel_info import dumped_kernel_info, sass_text
+from profiling import sass_loop
+from profiling.kernel_info import dumped_kernel_info, opcode, sass_text, step_loop
 
 
 def _assert_warp_specialised(info, config):
@@ -156,18 +157,26 @@ def test_backward_kernel_ptx(tmp_path, dtype, head_dim, causal):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_stats_early_loads_statistics_before_the_wgmma_wait(tmp_path, head_dim):
-    """BwdConfig.stats_early: LSE₂ is read from shared memory between the
-    Sᵀ/dPᵀ issue and the first wait; off, only after it."""
-    def lds_before_first_wait(config, where):
+def test_stats_early_loads_statistics_before_the_gemm_issue(tmp_path, head_dim):
+    """BwdConfig.stats_early: in the query-block step, LSE₂ is read from shared
+    memory before the first HGMMA is issued (an LDS behind HGMMAs waits for
+    them in the MIO queue); off, only after the first WGMMA wait."""
+    def lds_before(config, where):
         compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(where))
         sass = sass_text(str(next((where / "main").glob("*.cubin"))))
-        consumer = sass[sass.index("HGMMA"):]  # from the first GEMM issue
-        return consumer[:consumer.index("WARPGROUP.DEPBAR")].count("LDS")
+        per_step = sass_loop.hgmmas_per_step("bwd", head_dim, config.tile_m, config.tile_n)
+        instructions, start, end = step_loop(sass, per_step)
+        body = [opcode(i) for i in instructions[start:end + 1]]
+        first_gemm = body.index("HGMMA")
+        first_wait = next(i for i, inst in enumerate(instructions[start:end + 1])
+                          if "WARPGROUP.DEPBAR" in inst)
+        return body[:first_gemm].count("LDS"), body[:first_wait].count("LDS")
 
     config = default_bwd_config(head_dim, False)
-    assert lds_before_first_wait(config.replace(stats_early=True), tmp_path / "early") > 0
-    assert lds_before_first_wait(config.replace(stats_early=False), tmp_path / "lazy") == 0
+    before_gemm, _ = lds_before(config.replace(stats_early=True), tmp_path / "early")
+    assert before_gemm == config.tile_m // 8  # LDS.64: two columns each, tile_m / 4 columns
+    _, before_wait = lds_before(config.replace(stats_early=False), tmp_path / "lazy")
+    assert before_wait == 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -176,7 +185,8 @@ def test_stats_shuffle_reads_each_statistic_once_per_lane(tmp_path, head_dim):
     2 · tile_m / 64 values of LSE₂ and of D (LDS.64 pairs) and shuffles one
     value per accumulator column pair of each (tile_m / 4 columns a thread),
     without ptxas serialising the WGMMAs."""
-    config = default_bwd_config(head_dim, False).replace(stats_shuffle=True)
+    config = default_bwd_config(head_dim, False).replace(stats_shuffle=True,
+                                                          stats_early=False)
     mix = _step_mix("bwd", head_dim, False, config, tmp_path)
     info = dumped_kernel_info(str(tmp_path / "main"))
     assert not info.wgmma_serialized and info.counts["local_memory"] == 0
