@@ -3,11 +3,15 @@ by kernel name.
 
     python -m profiling.ncu --head-dim 128 --seqlen 8192 --causal
     python -m profiling.ncu --backend fa4 --seqlen 8192 --out profiling_out/fa4
+    python -m profiling.ncu --direction bwd --causal --clocks none --source
 
 Writes <out>.ncu-rep and <out>.txt (the metrics that matter for attention:
 tensor-pipe utilisation, SM/DRAM throughput, warp stall reasons, shared-memory
 bank conflicts, registers, local-memory spills). The same problem, config
-and backend names as profiling.bench.
+and backend names as profiling.bench. --source adds the per-instruction view
+(which SASS instruction each stall sits at); --clocks none profiles at the
+GPU's own clocks, where the benchmarks run (ncu otherwise locks the base
+clock, which can reorder two close kernels).
 """
 
 from __future__ import annotations
@@ -65,6 +69,14 @@ def parse_args(argv=None):
     p.add_argument("--config", default="", help="config overrides for ours (FwdConfig, or "
                                                "BwdConfig with --direction bwd), e.g. "
                                                "'tile_n=176,kv_stages=2'")
+    p.add_argument("--clocks", choices=["base", "none"], default="base",
+                   help="ncu --clock-control: base locks the SM clock to its base "
+                        "(repeatable); none leaves the GPU's own boost and power "
+                        "management, as the benchmarks run")
+    p.add_argument("--source", action="store_true",
+                   help="also write <out>_source.csv (ncu's source page: per SASS "
+                        "instruction, executions and warp stall samples by reason) and "
+                        "<out>_source.txt, the instructions warps wait at most")
     p.add_argument("--out", default="profiling_out/ncu")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -117,7 +129,8 @@ def run_workload(args) -> None:
 def ncu_command(args, report: str) -> list[str]:
     child = [sys.executable, "-m", "profiling.ncu", "--child"] + [
         a for a in sys.argv[1:] if a != "--child"]
-    cmd = ["ncu", "--profile-from-start", "off", "--target-processes", "all", "-f", "-o", report]
+    cmd = ["ncu", "--profile-from-start", "off", "--target-processes", "all",
+           "--clock-control", args.clocks, "-f", "-o", report]
     for s in SECTIONS:
         cmd += ["--section", s]
     if args.backend == "cute":
@@ -162,6 +175,74 @@ def summarize(report: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def source_kernels(csv_text: str) -> dict[str, list[dict]]:
+    """ncu's source page (--page source --csv --print-source sass) by kernel:
+    each kernel's block starts with a "Kernel Name" line, then a header and
+    one row per SASS instruction."""
+    kernels, name, rows = {}, None, []
+    for record in csv.reader(io.StringIO(csv_text)):
+        if record and record[0] == "Kernel Name":
+            name = record[1] if len(record) > 1 else "?"
+            kernels[name] = rows = []
+        elif name is not None and record:
+            rows.append(record)
+    out = {}
+    for kname, records in kernels.items():
+        if records:
+            header = records[0]
+            out[kname] = [dict(zip(header, r)) for r in records[1:] if len(r) == len(header)]
+    return out
+
+
+_SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def _opcode(source: str) -> str:
+    tokens = source.split()
+    if not tokens:
+        return "?"
+    return (tokens[1] if tokens[0].startswith("@") and len(tokens) > 1 else tokens[0]).split(".")[0]
+
+
+def source_hotspots(rows: list[dict], top: int = 25) -> str:
+    """Where a kernel's warps wait: stall samples by reason, by opcode, and the
+    `top` instructions with the most samples, each with its three largest
+    reasons. (An instruction's samples are the cycles a warp sat at it: a
+    short-scoreboard wait on an FFMA is the load or MUFU feeding it.)"""
+    if not rows:
+        return "no instructions\n"
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    total = sum(_number(r.get(_SAMPLES, "0")) for r in rows) or 1.0
+    lines = [f"stall samples: {total:.0f}, instructions executed: "
+             f"{sum(_number(r.get('Instructions Executed', '0')) for r in rows):.0f}"]
+    by_reason = sorted(((sum(_number(r[c]) for r in rows), c[6:]) for c in reasons),
+                       reverse=True)
+    lines += [f"  {name:<20} {v:10.0f} {100 * v / total:5.1f}%" for v, name in by_reason[:10]]
+    by_op: dict[str, list[float]] = {}
+    for r in rows:
+        entry = by_op.setdefault(_opcode(r.get("Source", "")), [0.0, 0.0])
+        entry[0] += _number(r.get(_SAMPLES, "0"))
+        entry[1] += _number(r.get("Instructions Executed", "0"))
+    lines.append(f"{'opcode':<12} {'samples':>9} {'%':>6} {'executed':>14}")
+    for op, (samples, executed) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:15]:
+        lines.append(f"{op:<12} {samples:9.0f} {100 * samples / total:5.1f}% {executed:14.0f}")
+    lines.append(f"top {top} instructions by stall samples:")
+    for r in sorted(rows, key=lambda r: -_number(r.get(_SAMPLES, "0")))[:top]:
+        samples = _number(r.get(_SAMPLES, "0"))
+        worst = sorted(((_number(r[c]), c[6:]) for c in reasons), reverse=True)[:3]
+        why = " ".join(f"{name}:{v:.0f}" for v, name in worst if v)
+        lines.append(f"  {r.get('Address', '?'):>16} {samples:7.0f} {100 * samples / total:5.1f}%  "
+                     f"{r.get('Source', '').strip()[:64]:<64} {why}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
@@ -179,6 +260,17 @@ def main(argv=None):
         f.write(raw)
     with open(report + ".txt", "w") as f:
         f.write(summary)
+    if args.source:
+        source = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--page", "source",
+                                 "--csv", "--print-source", "sass"],
+                                capture_output=True, text=True, check=True).stdout
+        with open(report + "_source.csv", "w") as f:
+            f.write(source)
+        hotspots = "".join(f"kernel: {name[:110]}\n{source_hotspots(rows)}"
+                           for name, rows in source_kernels(source).items())
+        with open(report + "_source.txt", "w") as f:
+            f.write(hotspots)
+        print(hotspots)
     print(summary)
 
 

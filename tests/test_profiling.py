@@ -113,6 +113,29 @@ def test_ncu_summary_from_recorded_csv(monkeypatch):
     assert "168" in text
 
 
+def test_ncu_source_hotspots_from_a_recorded_source_page():
+    from profiling.ncu import source_hotspots, source_kernels
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+              "Instructions Executed", "stall_short_sb", "stall_wait",
+              "stall_wait (Not Issued)"]
+    rows = [["0x10", "LDS.64 R18, [R11+0x20400]", "5", "100", "0", "5", "5"],
+            ["0x20", "FFMA R184, R184, UR20, -R18", "90", "100", "88", "2", "2"],
+            ["0x30", "@!P0 BRA 0x10", "5", "100", "0", "5", "5"]]
+    page = "\n".join(",".join(f'"{x}"' for x in r) for r in
+                     [["Kernel Name", "pre"], header, rows[0],
+                      ["Kernel Name", "main"], header] + rows)
+    kernels = source_kernels(page)
+    assert list(kernels) == ["pre", "main"] and len(kernels["main"]) == 3
+    text = source_hotspots(kernels["main"], top=2)
+    assert "short_sb" in text.splitlines()[1]  # reasons, largest first
+    hot = text[text.index("top 2"):].splitlines()[1:]
+    assert "FFMA" in hot[0] and "short_sb:88" in hot[0] and "90.0%" in hot[0]
+    assert len(hot) == 2
+    assert "BRA" in text  # predicated instructions counted under their opcode
+    assert "(Not Issued)" not in text
+
+
 def test_ncu_config_overrides_are_typed():
     from profiling.ncu import parse_overrides
 
