@@ -236,7 +236,8 @@ class BwdConfig(_KernelConfig):
         FFMA). Costs tile_m / 4 registers per statistic while they wait.
         On the H100 (bf16 8k, TFLOP/s on vs off): d128 625.7 vs 614.7,
         causal 580.9 vs 573.5; d64 (tile_m 128: 32 more registers) 545.3 vs
-        548.3, causal 497.0 vs 513.7, so the op turns it on for d > 64 only.
+        548.3, causal 497.0 vs 513.7, so the op turns it on for d > 64 only
+        (d96 shares d128's tile; not timed separately).
     stats_shuffle: each lane reads 2 · tile_m / 64 of a query block's
         statistics (LSE₂, D) once, and every column's value comes by shuffle
         from the lane holding it: per step at tile_m=64, 2 LDS.64 and 32
