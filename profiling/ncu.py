@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from .kernel_info import opcode
+
 # metric name -> label, in the order of the summary
 METRICS = {
     "gpu__time_duration.sum": "duration",
@@ -156,18 +158,14 @@ def summarize(report: str) -> str:
         for metric, label in METRICS.items():
             if metric in values:
                 lines.append(f"  {label:<32} {values[metric]} {unit_of.get(metric, '')}".rstrip())
-        def numeric(v):
-            try:
-                return float(v.replace(",", ""))
-            except ValueError:
-                return None
         for k, label in EXTRA_METRICS.items():
             if k in values:
                 lines.append(f"  {label:<32} {values[k]}")
         prefix, suffix = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
-        stalls = sorted(((numeric(v), k[len(prefix):-len(suffix)]) for k, v in values.items()
+        stalls = sorted(((_number(v, None), k[len(prefix):-len(suffix)])
+                         for k, v in values.items()
                          if k.startswith(prefix) and k.endswith(suffix)
-                         and numeric(v) is not None), reverse=True)
+                         and _number(v, None) is not None), reverse=True)
         if stalls:
             lines.append("  warp stalls (warps stalled per issued instruction):")
             for ratio, reason in stalls[:10]:
@@ -175,11 +173,12 @@ def summarize(report: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _number(text: str) -> float:
+def _number(text: str, default: float | None = 0.0) -> float | None:
+    """A number as ncu's CSV writes it ("1,234.5"); default when it is not one."""
     try:
         return float(text.replace(",", ""))
     except ValueError:
-        return 0.0
+        return default
 
 
 def source_kernels(csv_text: str) -> dict[str, list[dict]]:
@@ -204,13 +203,6 @@ def source_kernels(csv_text: str) -> dict[str, list[dict]]:
 _SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
-def _opcode(source: str) -> str:
-    tokens = source.split()
-    if not tokens:
-        return "?"
-    return (tokens[1] if tokens[0].startswith("@") and len(tokens) > 1 else tokens[0]).split(".")[0]
-
-
 def source_hotspots(rows: list[dict], top: int = 25) -> str:
     """Where a kernel's warps wait: stall samples by reason, by opcode, and the
     `top` instructions with the most samples, each with its three largest
@@ -227,7 +219,8 @@ def source_hotspots(rows: list[dict], top: int = 25) -> str:
     lines += [f"  {name:<20} {v:10.0f} {100 * v / total:5.1f}%" for v, name in by_reason[:10]]
     by_op: dict[str, list[float]] = {}
     for r in rows:
-        entry = by_op.setdefault(_opcode(r.get("Source", "")), [0.0, 0.0])
+        source = r.get("Source", "").strip()
+        entry = by_op.setdefault(opcode(source) if source else "?", [0.0, 0.0])
         entry[0] += _number(r.get(_SAMPLES, "0"))
         entry[1] += _number(r.get("Instructions Executed", "0"))
     lines.append(f"{'opcode':<12} {'samples':>9} {'%':>6} {'executed':>14}")

@@ -8,8 +8,7 @@ import torch
 
 from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config
 from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
-from profiling import sass_loop
-from profiling.kernel_info import dumped_kernel_info, opcode, sass_text, step_loop
+from profiling.kernel_info import dumped_kernel_info, opcode
 
 
 def _assert_warp_specialised(info, config):
@@ -27,14 +26,19 @@ def _assert_warp_specialised(info, config):
     assert not info.wgmma_serialized, f"ptxas serialised the WGMMAs: {info.sass}"
 
 
-def _step_mix(kind: str, head_dim: int, causal: bool, config, tmp_path):
-    """Opcode counts of one main-loop step of the bf16 kernel (profiling.sass_loop)."""
+def _step(kind: str, head_dim: int, causal: bool, config, tmp_path):
+    """(opcode counts, instructions) of one main-loop step of the bf16 kernel
+    (profiling.sass_loop)."""
     from profiling.kernel_info import main_loop_mix
     from profiling.sass_loop import hgmmas_per_step, ours
 
     sass, _ = ours(kind, head_dim, causal, config, str(tmp_path))
-    mix, _ = main_loop_mix(sass, hgmmas_per_step(kind, head_dim, config.tile_m, config.tile_n))
-    return mix
+    return main_loop_mix(sass, hgmmas_per_step(kind, head_dim, config.tile_m, config.tile_n))
+
+
+def _step_mix(kind: str, head_dim: int, causal: bool, config, tmp_path):
+    """Opcode counts of one main-loop step of the bf16 kernel."""
+    return _step(kind, head_dim, causal, config, tmp_path)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -162,15 +166,11 @@ def test_stats_early_loads_statistics_before_the_gemm_issue(tmp_path, head_dim):
     memory before the first HGMMA is issued (an LDS behind HGMMAs waits for
     them in the MIO queue); off, only after the first WGMMA wait."""
     def lds_before(config, where):
-        compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(where))
-        sass = sass_text(str(next((where / "main").glob("*.cubin"))))
-        per_step = sass_loop.hgmmas_per_step("bwd", head_dim, config.tile_m, config.tile_n)
-        instructions, start, end = step_loop(sass, per_step)
-        body = [opcode(i) for i in instructions[start:end + 1]]
-        first_gemm = body.index("HGMMA")
-        first_wait = next(i for i, inst in enumerate(instructions[start:end + 1])
-                          if "WARPGROUP.DEPBAR" in inst)
-        return body[:first_gemm].count("LDS"), body[:first_wait].count("LDS")
+        _, body = _step("bwd", head_dim, False, config, where)
+        ops = [opcode(i) for i in body]
+        first_gemm = ops.index("HGMMA")
+        first_wait = next(i for i, inst in enumerate(body) if "WARPGROUP.DEPBAR" in inst)
+        return ops[:first_gemm].count("LDS"), ops[:first_wait].count("LDS")
 
     config = default_bwd_config(head_dim, False)
     before_gemm, _ = lds_before(config.replace(stats_early=True), tmp_path / "early")
