@@ -154,7 +154,8 @@ def measure(args) -> list[StepCost]:
     trainers = {}
     for backend in args.backends:
         try:
-            trainers[backend] = Trainer(backend, init_state, targs, device, bar_position=None)
+            trainers[backend] = Trainer(backend, init_state, targs, device, bar_position=None,
+                                        csv_log=False)
             trainers[backend].run(args.warmup_steps)  # compiles, warms the allocator
         except Exception as exc:  # a failing backend is a row, not the end of the run
             results[backend].status = f"failed: {type(exc).__name__}: {str(exc)[:100]}"

@@ -15,12 +15,16 @@ batches. Logged every --log-every steps: loss, tokens/s, TFLOP/s and MFU, with
     model FLOPs per token = 6·N + 6·n_layers·seq·dim
 (N: parameters except the input embedding; the second term is causal attention,
 QKᵀ and P·V, forward and backward) and MFU against the H100 SXM dense bf16 peak
-of 989.4 TFLOP/s. Writes <out>/<backend>.csv and .json, <out>/compare.json,
-<out>/train.png (loss and tokens/s per backend) and prints the comparison table.
-A backend that fails is a row with its error; the run goes on.
+of 989.4 TFLOP/s. Writes <out>/<backend>.csv (row by row, as each window is
+logged), <out>/<backend>.json, <out>/compare.json, <out>/train.png (loss and
+tokens/s per backend) and prints the comparison table. A backend that fails is
+a row with its error; the run goes on.
 --interleave N alternates the backends every N steps instead of running each
 to the end in turn, so that the host's drift in speed (the steps are
-host-bound without --cuda-graph) falls on all of them alike.
+host-bound without --cuda-graph) falls on all of them alike; the table then
+adds the first backend's tokens/s over each one's: the median of the ratios
+of windows that end at the same step, with its 95 % confidence interval
+(paired_ratios).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import math
 import os
 import time
 import traceback
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -44,6 +49,7 @@ from .backends import check_items
 from .data import TokenStream, ensure_dataset, load_split
 
 CONFIGS = {"default": DEFAULT, "tiny": TINY}
+LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s"]
 GRAPH_WARMUP_STEPS = 3  # eager steps before capture: JIT compiles, allocator and library warm-up
 
 
@@ -84,8 +90,9 @@ class Trainer:
     --log-every steps are timed within a chunk only."""
 
     def __init__(self, backend: str, init_state: dict, args, device,
-                 bar_position: int | None = 0):
-        """bar_position: the row of its progress bar; None: no bar."""
+                 bar_position: int | None = 0, csv_log: bool = True):
+        """bar_position: the row of its progress bar; None: no bar. csv_log:
+        write <args.out>/<backend>.csv."""
         self.backend, self.args, self.device = backend, args, device
         config = model_config(args.config, args.seq)
         torch.manual_seed(args.seed)
@@ -121,6 +128,13 @@ class Trainer:
                             else EagerStep(train_step, optimizer))
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.log, self.step, self.busy_s = [], 0, 0.0
+        # Each window's row goes to <out>/<backend>.csv as it is logged, so a
+        # run cut short (a time limit, a later backend's crash) keeps its logs.
+        self.csv_path = os.path.join(args.out, f"{backend}.csv") if csv_log else None
+        if self.csv_path:
+            os.makedirs(args.out, exist_ok=True)
+            with open(self.csv_path, "w", newline="") as f:
+                csv.writer(f).writerow(LOG_FIELDS)
         self.bar = (None if bar_position is None
                     else _progress_bar(args.steps, f"train {backend}", bar_position))
 
@@ -149,6 +163,9 @@ class Trainer:
                     grad_norm=float(grad_norm), tokens_per_s=tokens_per_s, tflops=tflops,
                     mfu=tflops * 1e12 / H100_BF16_DENSE_PEAK,
                     elapsed_s=self.busy_s + now - chunk_start))
+                if self.csv_path:
+                    with open(self.csv_path, "a", newline="") as f:
+                        csv.DictWriter(f, fieldnames=LOG_FIELDS).writerow(self.log[-1])
                 if self.bar is not None:
                     self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
@@ -306,10 +323,6 @@ def write_outputs(results: list[dict], out: str) -> None:
     for r in results:
         if r["status"] != "ok":
             continue
-        with open(os.path.join(out, f"{r['backend']}.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(r["log"][0]))
-            writer.writeheader()
-            writer.writerows(r["log"])
         with open(os.path.join(out, f"{r['backend']}.json"), "w") as f:
             json.dump(r, f, indent=1)
     with open(os.path.join(out, "compare.json"), "w") as f:
@@ -334,16 +347,64 @@ def write_outputs(results: list[dict], out: str) -> None:
         plt.close(fig)
 
 
+@dataclass(frozen=True)
+class PairedRatio:
+    """The first backend's tokens/s over another's, window by window."""
+    median: float
+    low: float        # 95 % confidence interval of the median (order statistics,
+    high: float       # distribution-free: the windows' spread is the host's noise)
+    first_faster: int  # windows in which the first backend was faster
+    windows: int
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def paired_ratios(logs: dict[str, list[dict]]) -> dict[str, PairedRatio]:
+    """Interleaved runs: for each backend, the first backend's tokens/s divided
+    by its own in the log windows that end at the same step. Two such windows
+    ran one round apart at most, so the host's drift cancels in each ratio,
+    which comparing the two backends' medians does not promise. The first
+    window of each backend (compilation) is left out."""
+    names = list(logs)
+    if not names:
+        return {}
+    first = {row["step"]: row["tokens_per_s"] for row in logs[names[0]][1:]}
+    ratios = {}
+    for name in names:
+        pairs = sorted(first[row["step"]] / row["tokens_per_s"] for row in logs[name][1:]
+                       if row["step"] in first)
+        if not pairs:
+            continue
+        n = len(pairs)
+        # Ranks n/2 -+ 1.96·sqrt(n)/2 bound the median with ~95 % confidence.
+        half_width = 1.96 * math.sqrt(n) / 2
+        ratios[name] = PairedRatio(
+            median=pairs[n // 2], low=pairs[max(0, math.floor(n / 2 - half_width))],
+            high=pairs[min(n - 1, math.ceil(n / 2 + half_width))],
+            first_faster=sum(r > 1 for r in pairs), windows=n)
+    return ratios
+
+
 def format_comparison(results: list[dict]) -> str:
+    ok = [r for r in results if r["status"] == "ok"]
+    paired = {}
+    if ok and all("paired_ratio" in r for r in ok):
+        paired = {r["backend"]: PairedRatio(**r["paired_ratio"]) for r in ok}
+        ratio_title = f"{ok[0]['backend']}/this [95% CI]"
+    ratio_width = 24
     lines = [f"{'backend':<15} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'final loss':>10} "
-             f"{'val loss':>9}  status"]
+             f"{'val loss':>9}" + (f" {ratio_title:>{ratio_width}}" if paired else "")
+             + "  status"]
     for r in results:
         if r["status"] == "ok":
+            ratio = f" {str(paired[r['backend']]):>{ratio_width}}" if paired else ""
             lines.append(f"{r['backend']:<15} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.1f} "
-                         f"{r['mfu']:>6.1%} {r['final_loss']:>10.4f} {r['val_loss']:>9.4f}  ok")
+                         f"{r['mfu']:>6.1%} {r['final_loss']:>10.4f} {r['val_loss']:>9.4f}"
+                         f"{ratio}  ok")
         else:
-            lines.append(f"{r['backend']:<15} {'-':>10} {'-':>8} {'-':>6} {'-':>10} {'-':>9}  "
-                         f"{r['status']}")
+            lines.append(f"{r['backend']:<15} {'-':>10} {'-':>8} {'-':>6} {'-':>10} {'-':>9}"
+                         + (f" {'-':>{ratio_width}}" if paired else "") + f"  {r['status']}")
     return "\n".join(lines)
 
 
@@ -398,6 +459,10 @@ def main(argv=None) -> list[dict]:
     init_state = copy.deepcopy(Transformer(config).state_dict())
     if args.interleave:
         results = train_interleaved(init_state, args, device)
+        ratios = paired_ratios({r["backend"]: r["log"] for r in results if r["status"] == "ok"})
+        for r in results:
+            if r["backend"] in ratios:
+                r["paired_ratio"] = asdict(ratios[r["backend"]])
     else:
         results = []
         for backend in args.backend_list:

@@ -1,5 +1,7 @@
 """The llama-like model, its data pipeline, training and inference scripts on the CPU."""
 
+import csv
+from dataclasses import asdict
 import json
 import math
 import os
@@ -146,6 +148,43 @@ def test_interleaved_training_matches_sequential(dataset, tmp_path):
         assert [r["loss"] for r in int_row["log"]] == [r["loss"] for r in seq_row["log"]]
         assert int_row["val_loss"] == seq_row["val_loss"]
         assert int_row["wall_s"] > 0
+    # Only the interleaved run pairs windows; the first backend is 1 against itself.
+    assert interleaved[0]["paired_ratio"]["median"] == 1.0
+    assert interleaved[1]["paired_ratio"]["windows"] == 2  # steps 6 and 7
+    assert "paired_ratio" not in sequential[1]
+    # The CSV holds every logged window, written as it was logged.
+    with open(tmp_path / "int" / "sdpa_math.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [3, 6, 7]
+    assert float(rows[-1]["loss"]) == interleaved[1]["log"][-1]["loss"]
+
+
+def test_paired_ratios_divide_windows_of_the_same_step():
+    def log(*tps):
+        return [dict(step=10 * (i + 1), tokens_per_s=t) for i, t in enumerate(tps)]
+
+    # The first window (compilation) is left out; windows pair by step, so a
+    # slow stretch that hits both backends in the same round cancels out.
+    ratios = train.paired_ratios({"a": log(1, 100, 50, 100, 100),
+                                  "b": log(9, 80, 40, 80, 100)})
+    assert ratios["a"].median == 1.0 and ratios["a"].first_faster == 0
+    b = ratios["b"]
+    assert b.median == pytest.approx(1.25) and (b.first_faster, b.windows) == (3, 4)
+    assert b.low <= b.median <= b.high
+    assert train.paired_ratios({}) == {}
+    # Many windows: the interval narrows around the median.
+    wide = train.paired_ratios({"a": log(*[1.0] * 401),
+                                "b": log(1.0, *[1 / (0.9 + 0.001 * i) for i in range(400)])})
+    assert wide["b"].median == pytest.approx(1.1, abs=1e-9)
+    # ranks 200 -+ 1.96·sqrt(400)/2 = 19.6 → 180 and 220
+    assert (wide["b"].low, wide["b"].high) == (pytest.approx(1.08), pytest.approx(1.12))
+    row = dict(status="ok", tokens_per_s=1.0, tflops=1.0, mfu=0.1, final_loss=1.0,
+               val_loss=1.0)
+    table = train.format_comparison([
+        dict(row, backend="a", paired_ratio=asdict(ratios["a"])),
+        dict(row, backend="b", paired_ratio=asdict(b)),
+        dict(backend="c", status="failed: X")])
+    assert "a/this [95% CI]" in table and "1.250 [" in table and "failed: X" in table
 
 
 def test_interleave_must_be_a_multiple_of_log_every():
