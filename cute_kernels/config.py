@@ -102,6 +102,16 @@ class FwdConfig(_KernelConfig):
         8k 570.1 vs 581.6; but d64 causal loses (16k one CTA per tile 571.8
         vs 537.6, 8k 532.3 vs 508.3, 4k 462.6 vs 444.9), so the op keeps it
         off there (default_fwd_config).
+    late_pv_wait: with intra_wg_overlap, hold the wait for the previous
+        block's P·V until every exponential of the step is issued. ptxas
+        keeps mbarrier arrives and WGMMA waits in program order but lifts
+        them as early as their operands allow; the K stage's release reads
+        nothing, so it rose to the S wait, and the P·V wait (right behind
+        it) rose above the first exp2: the warp stalled on the tensor core
+        with its whole softmax still to do (SASS, d=64: the wait after the
+        first row's max; fa4's lands after ~12 exp2). On, the release is
+        conditioned on the row sums (always true: sums of exp2 are >= 0 or
+        NaN), and the wait follows every exp2.
     """
 
     tile_m: int = 128
@@ -115,6 +125,7 @@ class FwdConfig(_KernelConfig):
     consumer_regs: int = 240
     l2_section_mb: int = 16
     lean_consumer_sync: bool = True
+    late_pv_wait: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -146,6 +157,9 @@ class FwdConfig(_KernelConfig):
         if self.intra_wg_overlap and self.kv_stages < 2:
             raise bad("kv_stages", ">= 2 when intra_wg_overlap is on (K_{j+1} and V_j are "
                                    "in flight together)")
+        if self.late_pv_wait and not self.intra_wg_overlap:
+            raise bad("late_pv_wait", "False unless intra_wg_overlap (without it no P·V is "
+                                      "in flight during the softmax)")
         _check_shared_fields(self, bad)
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
             raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "

@@ -123,6 +123,25 @@ def test_forward_loop_bookkeeping_matches_fa4(tmp_path):
     assert sum(mix.values()) <= 460
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False)])
+@pytest.mark.parametrize("late", [False, True])
+def test_forward_pv_wait_after_the_exponentials(tmp_path, head_dim, causal, late):
+    # FwdConfig.late_pv_wait: in one K/V step, the wait for the previous
+    # block's P·V (WARPGROUP.DEPBAR ... 0x0) comes after every exp2 of the
+    # step; without it ptxas lifts it above the first one.
+    from profiling.kernel_info import main_loop_mix
+    from profiling.sass_loop import hgmmas_per_step, ours
+
+    config = default_fwd_config(head_dim, causal).replace(late_pv_wait=late)
+    sass, _ = ours("fwd", head_dim, causal, config, str(tmp_path))
+    mix, body = main_loop_mix(sass, hgmmas_per_step("fwd", head_dim, config.tile_m,
+                                                    config.tile_n))
+    pv_wait = next(i for i, inst in enumerate(body) if "DEPBAR.LE gsb0, 0x0" in inst)
+    exp2_before_wait = sum("MUFU.EX2" in inst for inst in body[:pv_wait])
+    assert exp2_before_wait == (mix["MUFU"] if late else 0)
+    assert not any("LDL" in inst or "STL" in inst for inst in body)
+
+
 @pytest.mark.parametrize("rescale_threshold", [0, 8])
 def test_lazy_rescale_compiles_to_a_warp_vote(tmp_path, rescale_threshold):
     config = default_fwd_config(64, True).replace(rescale_threshold=rescale_threshold)
