@@ -5,8 +5,10 @@ symbolic tensors: batch, sequence lengths and head counts are runtime values,
 so a new problem size reuses the compiled kernel. The compiled function is
 called through TVM-FFI with torch tensors directly, on the current stream.
 
-On a machine without a GPU, `CUTE_DSL_ARCH=sm_90a` (set here when no CUDA
-device is visible) lets the DSL compile Hopper kernels to PTX and cubin.
+On a machine without a GPU the kernels are compiled for sm_90a to PTX and
+cubin: `CUTE_DSL_ARCH=sm_90a` is set here when no CUDA device is visible, and
+every compile also names the target (`--gpu-arch`), since the DSL reads the
+variable once, at its first use, which may come before this module's import.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from dataclasses import dataclass
 import torch
 
 
+# The kernels' target where no GPU is visible to detect one from.
+CPU_TARGET_ARCH = "sm_90a"
+
+
 def _ensure_arch_env() -> None:
-    # Must precede the first `import cutlass`: without a GPU the DSL would
-    # default to another architecture and reject warpgroup instructions.
+    # Without a GPU the DSL would default to another architecture and reject
+    # warpgroup instructions. The variable only helps a DSL that has not read
+    # it yet (it caches the first read); _compile names the target as well.
     if "CUTE_DSL_ARCH" not in os.environ and not torch.cuda.is_available():
-        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        os.environ["CUTE_DSL_ARCH"] = CPU_TARGET_ARCH
 
 
 _ensure_arch_env()
@@ -61,8 +68,15 @@ def _fake_rows(dtype, batch, heads, length, divisibility: int = 1, align: int = 
                                          assumed_align=align)
 
 
+def _target_option() -> str:
+    """The compile option naming sm_90a where no GPU is visible, else "":
+    `import cutlass` before this module (fa4's import does it) fixes the DSL's
+    target at its CPU default, sm_100a, whatever the variable says later."""
+    return "" if torch.cuda.is_available() else f" --gpu-arch {CPU_TARGET_ARCH}"
+
+
 def _compile(kernel, *args, dump_dir: str | None = None):
-    options = "--enable-tvm-ffi"
+    options = "--enable-tvm-ffi" + _target_option()
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"

@@ -152,6 +152,31 @@ def test_lazy_rescale_compiles_to_a_warp_vote(tmp_path, rescale_threshold):
     assert info.counts["local_memory"] == 0 and not info.wgmma_serialized
 
 
+def test_compiles_for_sm90a_when_cutlass_was_imported_first(tmp_path):
+    # The DSL reads CUTE_DSL_ARCH once; a process that imported cutlass before
+    # our compile cache (fa4's import does) had it fixed at the CPU default,
+    # sm_100a, and the warpgroup MMA refused to build. A fresh interpreter,
+    # since this one has imported the cache already.
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import cutlass, cutlass.cute\n"
+        "import torch\n"
+        "from python_api.compile_cache import compile_fwd\n"
+        "from cute_kernels.config import default_fwd_config\n"
+        f"compile_fwd(torch.bfloat16, 64, False, default_fwd_config(64, False), {str(tmp_path)!r})\n"
+        "from profiling.kernel_info import dumped_kernel_info\n"
+        f"print('wgmma', dumped_kernel_info({str(tmp_path)!r}).counts['wgmma'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split("wgmma")[-1]) > 0
+
+
 def test_compile_cache_reuses_by_static_key():
     config = default_fwd_config(64, False)
     a = get_fwd(torch.bfloat16, 64, False, config)
