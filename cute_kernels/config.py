@@ -102,16 +102,18 @@ class FwdConfig(_KernelConfig):
         8k 570.1 vs 581.6; but d64 causal loses (16k one CTA per tile 571.8
         vs 537.6, 8k 532.3 vs 508.3, 4k 462.6 vs 444.9), so the op keeps it
         off there (default_fwd_config).
-    late_pv_wait: with intra_wg_overlap, hold the wait for the previous
-        block's P·V until every exponential of the step is issued. ptxas
-        keeps mbarrier arrives and WGMMA waits in program order but lifts
-        them as early as their operands allow; the K stage's release reads
-        nothing, so it rose to the S wait, and the P·V wait (right behind
-        it) rose above the first exp2: the warp stalled on the tensor core
-        with its whole softmax still to do (SASS, d=64: the wait after the
-        first row's max; fa4's lands after ~12 exp2). On, the release is
-        conditioned on the row sums (always true: sums of exp2 are >= 0 or
-        NaN), and the wait follows every exp2.
+    pv_wait_after_rows: with intra_wg_overlap, hold the wait for the previous
+        block's P·V until the exponentials of this many of the thread's two
+        rows are issued (0: where ptxas puts it). ptxas keeps mbarrier arrives
+        and WGMMA waits in program order but lifts them as early as their
+        operands allow; the K stage's release reads nothing, so it rose to the
+        S wait, and the P·V wait (right behind it) rose above the first exp2:
+        the warp waited on the tensor core with its whole softmax still to do
+        (SASS, d=64: after the first row's max; fa4's wait lands after ~12
+        exp2). With 1 or 2 the release is conditioned on those rows' sums
+        (always true: sums of exp2 are >= 0 or NaN), and the wait follows
+        their exp2s: 1 leaves the other row's exp2s to fill the gaps of the O
+        rescale and the P conversion behind the wait, 2 puts every exp2 first.
     """
 
     tile_m: int = 128
@@ -125,7 +127,7 @@ class FwdConfig(_KernelConfig):
     consumer_regs: int = 240
     l2_section_mb: int = 16
     lean_consumer_sync: bool = True
-    late_pv_wait: bool = False
+    pv_wait_after_rows: int = 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -157,9 +159,12 @@ class FwdConfig(_KernelConfig):
         if self.intra_wg_overlap and self.kv_stages < 2:
             raise bad("kv_stages", ">= 2 when intra_wg_overlap is on (K_{j+1} and V_j are "
                                    "in flight together)")
-        if self.late_pv_wait and not self.intra_wg_overlap:
-            raise bad("late_pv_wait", "False unless intra_wg_overlap (without it no P·V is "
-                                      "in flight during the softmax)")
+        if self.pv_wait_after_rows not in (0, 1, 2):
+            raise bad("pv_wait_after_rows", "0, 1 or 2 (a thread holds two rows of each "
+                                            "64-row warpgroup tile)")
+        if self.pv_wait_after_rows and not self.intra_wg_overlap:
+            raise bad("pv_wait_after_rows", "0 unless intra_wg_overlap (without it no P·V is "
+                                            "in flight during the softmax)")
         _check_shared_fields(self, bad)
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
             raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "

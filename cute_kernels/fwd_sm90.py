@@ -364,13 +364,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                    zero_init=False, wait_groups=-1)
         pingpong.pass_turn(wg)
         warpgroup.wait_group(1)  # S_j has landed; P·V may still run
-        if cutlass.const_expr(not self.cfg.late_pv_wait):
+        if cutlass.const_expr(self.cfg.pv_wait_after_rows == 0):
             self.sync.release(pipe_k, kv_state)
         if cutlass.const_expr(apply_causal):
             self._mask(acc_s, mask, n_block)
         rescale, moved = softmax.update(acc_s, is_first=False)
-        if cutlass.const_expr(self.cfg.late_pv_wait):
-            self._release_after_exponentials(softmax, pipe_k, kv_state)
+        if cutlass.const_expr(self.cfg.pv_wait_after_rows > 0):
+            self._release_after_exponentials(softmax, pipe_k, kv_state,
+                                             self.cfg.pv_wait_after_rows)
         warpgroup.wait_group(0)  # P·V done: tOrP and the V stage are free
         self.sync.release(pipe_v, v_state)
         if moved:
@@ -379,16 +380,18 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         return kv_state
 
     @cute.jit
-    def _release_after_exponentials(self, softmax: OnlineSoftmax, pipe_k, kv_state):
-        """Free the K stage once every row's exponentials are summed. ptxas
-        keeps this arrive ahead of the P·V wait that follows it but would lift
-        a data-free arrive (and the wait with it) above the exp2s
-        (FwdConfig.late_pv_wait); the test reads every row sum and is always
-        true (sums of exp2 are >= 0 or NaN), so every thread still arrives."""
-        all_rows = softmax.row_sum[0]
-        for r in cutlass.range_constexpr(1, softmax.rows):
-            all_rows = all_rows + softmax.row_sum[r]
-        if not (all_rows < Float32(0.0)):
+    def _release_after_exponentials(self, softmax: OnlineSoftmax, pipe_k, kv_state,
+                                    rows: cutlass.Constexpr[int]):
+        """Free the K stage once the first `rows` rows' exponentials are
+        summed. ptxas keeps this arrive ahead of the P·V wait that follows it
+        but would lift a data-free arrive (and the wait with it) above the
+        exp2s (FwdConfig.pv_wait_after_rows); the test reads those row sums
+        and is always true (sums of exp2 are >= 0 or NaN), so every thread
+        still arrives."""
+        held = softmax.row_sum[0]
+        for r in cutlass.range_constexpr(1, rows):
+            held = held + softmax.row_sum[r]
+        if not (held < Float32(0.0)):
             self.sync.release(pipe_k, kv_state)
 
     @cute.jit

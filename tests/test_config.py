@@ -16,7 +16,8 @@ def test_defaults_validate_for_every_head_dim():
     (dict(kv_stages=0), "kv_stages"), (dict(kv_stages=1), "kv_stages"),
     (dict(consumer_regs=250), "consumer_regs"), (dict(producer_regs=16), "producer_regs"),
     (dict(tile_m=192, consumer_regs=240), "consumer_regs"), (dict(kv_stages=4), "kv_stages"),
-    (dict(late_pv_wait=True, intra_wg_overlap=False), "late_pv_wait"),
+    (dict(pv_wait_after_rows=1, intra_wg_overlap=False), "pv_wait_after_rows"),
+    (dict(pv_wait_after_rows=3), "pv_wait_after_rows"),
 ])
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"FwdConfig\.{field}: expected"):

@@ -68,9 +68,10 @@ def test_forward_random_shapes(trial):
     dict(rescale_threshold=8), dict(rescale_threshold=8, intra_wg_overlap=False),
     dict(lean_consumer_sync=False), dict(lean_consumer_sync=False, tile_m=192,
                                          producer_regs=32, consumer_regs=160),
-    dict(late_pv_wait=True), dict(late_pv_wait=True, lean_consumer_sync=False, tile_m=192,
-                                  producer_regs=32, consumer_regs=160),
-    dict(late_pv_wait=True, rescale_threshold=8),
+    dict(pv_wait_after_rows=1), dict(pv_wait_after_rows=2),
+    dict(pv_wait_after_rows=2, lean_consumer_sync=False, tile_m=192, producer_regs=32,
+         consumer_regs=160),
+    dict(pv_wait_after_rows=2, rescale_threshold=8),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_config_variants(overrides, causal):
