@@ -25,6 +25,9 @@ host-bound without --cuda-graph) falls on all of them alike; the table then
 adds the first backend's tokens/s over each one's: the median of the ratios
 of windows that end at the same step, with its 95 % confidence interval
 (paired_ratios).
+--max-minutes M stops the run after about M minutes (the learning-rate
+schedule still spans --steps), evaluates every backend where it stopped and
+writes the same outputs: a run that must fit a time limit keeps its table.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from .data import TokenStream, ensure_dataset, load_split
 
 CONFIGS = {"default": DEFAULT, "tiny": TINY}
 LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s"]
+SKIPPED = "skipped: --max-minutes ran out before its first step"
 GRAPH_WARMUP_STEPS = 3  # eager steps before capture: JIT compiles, allocator and library warm-up
 
 
@@ -180,13 +184,16 @@ class Trainer:
         return self.step >= self.args.steps
 
     def finish(self) -> dict:
-        """Validation loss, the optional checkpoint and the summary row."""
+        """Validation loss, the optional checkpoint and the summary row (also
+        of a run that --max-minutes stopped early: steps_done says where)."""
         if self.bar is not None:
             self.bar.close()
+        if self.step == 0:
+            return dict(backend=self.backend, status=SKIPPED)
         val = evaluate(self.model, self.args, self.device)
         if self.args.save_checkpoint:
             save_checkpoint(os.path.join(self.args.out, f"{self.backend}.pt"), self.model,
-                            self.optimizer, self.args.steps, self.backend)
+                            self.optimizer, self.step, self.backend)
         log = self.log
         steady = log[1:] or log  # the first window holds compilation and warm-up
 
@@ -196,22 +203,35 @@ class Trainer:
         return dict(backend=self.backend, status="ok", log=log, val_loss=val,
                     final_loss=log[-1]["loss"], params=count_parameters(self.model),
                     tokens_per_s=median("tokens_per_s"), tflops=median("tflops"),
-                    mfu=median("mfu"), wall_s=self.busy_s)
+                    mfu=median("mfu"), wall_s=self.busy_s, steps_done=self.step)
 
 
-def train_one(backend: str, init_state: dict, args, device) -> dict:
-    """Train one backend for all --steps."""
+_now = time.perf_counter  # the clock --max-minutes is read on
+
+
+def deadline(args) -> float:
+    """_now() time at which --max-minutes runs out (inf without it)."""
+    return math.inf if args.max_minutes is None else _now() + 60 * args.max_minutes
+
+
+def train_one(backend: str, init_state: dict, args, device, stop_at: float = math.inf) -> dict:
+    """Train one backend for all --steps, or until stop_at (log window by log
+    window, so a stop lands on a logged step)."""
+    if _now() >= stop_at:
+        return dict(backend=backend, status=SKIPPED)
     trainer = Trainer(backend, init_state, args, device)
-    trainer.run(args.steps)
+    while not trainer.done and _now() < stop_at:
+        trainer.run(args.log_every)
     return trainer.finish()
 
 
-def train_interleaved(init_state: dict, args, device) -> list[dict]:
+def train_interleaved(init_state: dict, args, device, stop_at: float = math.inf) -> list[dict]:
     """All backends in rounds of --interleave steps each (A, B, C, A, B, C, ...):
     the host's speed drifts during a run (±15 % on the H100 machine), and
     rounds spread that drift over every backend alike instead of letting it
     favour whichever ran in a fast stretch. Every model, optimizer and
-    compiled graph stays alive for the whole run."""
+    compiled graph stays alive for the whole run. At stop_at the round under
+    way finishes and every backend stops there, all at the same step."""
     results, trainers = {}, {}
     for position, backend in enumerate(args.backend_list):
         try:
@@ -219,10 +239,12 @@ def train_interleaved(init_state: dict, args, device) -> list[dict]:
         except Exception as exc:
             results[backend] = _failed(backend, exc)
     while trainers:
+        stopping = _now() >= stop_at
         for backend, trainer in list(trainers.items()):
             try:
-                trainer.run(args.interleave)
-                if trainer.done:
+                if not stopping:
+                    trainer.run(args.interleave)
+                if trainer.done or stopping:
                     results[backend] = trainer.finish()
                     del trainers[backend]
             except Exception as exc:
@@ -386,7 +408,8 @@ def paired_ratios(logs: dict[str, list[dict]]) -> dict[str, PairedRatio]:
     return ratios
 
 
-def format_comparison(results: list[dict]) -> str:
+def format_comparison(results: list[dict], steps: int) -> str:
+    """The comparison table; steps: --steps, to mark runs stopped short of it."""
     ok = [r for r in results if r["status"] == "ok"]
     paired = {}
     if ok and all("paired_ratio" in r for r in ok):
@@ -399,9 +422,11 @@ def format_comparison(results: list[dict]) -> str:
     for r in results:
         if r["status"] == "ok":
             ratio = f" {str(paired[r['backend']]):>{ratio_width}}" if paired else ""
+            status = "ok" if r["steps_done"] == steps else \
+                f"ok, stopped at step {r['steps_done']} of {steps} (--max-minutes)"
             lines.append(f"{r['backend']:<15} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.1f} "
                          f"{r['mfu']:>6.1%} {r['final_loss']:>10.4f} {r['val_loss']:>9.4f}"
-                         f"{ratio}  ok")
+                         f"{ratio}  {status}")
         else:
             lines.append(f"{r['backend']:<15} {'-':>10} {'-':>8} {'-':>6} {'-':>10} {'-':>9}"
                          + (f" {'-':>{ratio_width}}" if paired else "") + f"  {r['status']}")
@@ -427,6 +452,10 @@ def parse_args(argv=None):
     p.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="with several backends, alternate them every N steps (a multiple "
                         "of --log-every) instead of running each to the end in turn")
+    p.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                   help="stop after about M minutes (at the next log window, or with "
+                        "--interleave the next round), evaluate and report the steps done; "
+                        "the learning-rate schedule still spans --steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="data/stdlib.parquet")
     p.add_argument("--out", default="train_out")
@@ -442,6 +471,8 @@ def parse_args(argv=None):
     if args.interleave and (args.interleave < 0 or args.interleave % args.log_every):
         p.error(f"--interleave: expected a positive multiple of --log-every "
                 f"({args.log_every}), got {args.interleave}")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        p.error(f"--max-minutes: expected a positive number, got {args.max_minutes}")
     if args.steps < 1 or args.seq < 2 or args.batch < 1:
         p.error(f"--steps, --seq, --batch: expected positive values (seq >= 2), got "
                 f"{args.steps}, {args.seq}, {args.batch}")
@@ -457,8 +488,9 @@ def main(argv=None) -> list[dict]:
     config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
     init_state = copy.deepcopy(Transformer(config).state_dict())
+    stop_at = deadline(args)
     if args.interleave:
-        results = train_interleaved(init_state, args, device)
+        results = train_interleaved(init_state, args, device, stop_at)
         ratios = paired_ratios({r["backend"]: r["log"] for r in results if r["status"] == "ok"})
         for r in results:
             if r["backend"] in ratios:
@@ -467,13 +499,13 @@ def main(argv=None) -> list[dict]:
         results = []
         for backend in args.backend_list:
             try:
-                results.append(train_one(backend, init_state, args, device))
+                results.append(train_one(backend, init_state, args, device, stop_at))
             except Exception as exc:
                 results.append(_failed(backend, exc))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     write_outputs(results, args.out)
-    print(format_comparison(results))
+    print(format_comparison(results, args.steps))
     return results
 
 

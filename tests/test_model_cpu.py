@@ -181,10 +181,35 @@ def test_paired_ratios_divide_windows_of_the_same_step():
     row = dict(status="ok", tokens_per_s=1.0, tflops=1.0, mfu=0.1, final_loss=1.0,
                val_loss=1.0)
     table = train.format_comparison([
-        dict(row, backend="a", paired_ratio=asdict(ratios["a"])),
-        dict(row, backend="b", paired_ratio=asdict(b)),
-        dict(backend="c", status="failed: X")])
+        dict(row, backend="a", paired_ratio=asdict(ratios["a"]), steps_done=50),
+        dict(row, backend="b", paired_ratio=asdict(b), steps_done=40),
+        dict(backend="c", status="failed: X")], steps=50)
     assert "a/this [95% CI]" in table and "1.250 [" in table and "failed: X" in table
+    assert "stopped at step 40 of 50 (--max-minutes)" in table
+
+
+def test_max_minutes_stops_every_backend_at_the_same_round(dataset, tmp_path, monkeypatch):
+    # A clock that ticks once per reading: the deadline is read at 0 and
+    # lands at 2.5, so rounds start at 1 and 2 and the third (at 3) stops,
+    # every backend after 2 rounds of 3 steps; each is still evaluated and
+    # reported, and the table says where it stopped.
+    path, _ = dataset
+    ticks = iter(range(1000))
+    monkeypatch.setattr(train, "_now", lambda: next(ticks))
+    common = ["--config", "tiny", "--backends", "cute,sdpa_math", "--steps", "30",
+              "--seq", "32", "--batch", "2", "--log-every", "3", "--data", path,
+              "--device", "cpu", "--max-minutes", str(2.5 / 60)]
+    results = train.main(common + ["--interleave", "3", "--out", str(tmp_path / "int")])
+    assert [r["steps_done"] for r in results] == [6, 6]
+    assert all(r["status"] == "ok" and r["val_loss"] > 0 for r in results)
+    assert "stopped at step 6 of 30" in train.format_comparison(results, 30)
+    # Sequential: the first backend takes log windows until the deadline,
+    # the next one finds it passed and is skipped without being built.
+    ticks = iter(range(1000))
+    results = train.main(common + ["--out", str(tmp_path / "seq")])
+    assert results[0]["steps_done"] == 3 and results[1]["status"] == train.SKIPPED
+    with pytest.raises(SystemExit):
+        train.parse_args(["--max-minutes", "0"])
 
 
 def test_interleave_must_be_a_multiple_of_log_every():
