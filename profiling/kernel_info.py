@@ -151,6 +151,8 @@ def dumped_kernel_info(dump_dir: str) -> KernelInfo:
 _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _SASS_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+# Also `@!P1 BRA P2, `(.L_x_26)`: a branch taken on two predicates.
+_SASS_ANY_BRANCH = re.compile(r"\bBRA\s+(?:!?U?P[T\d]+,\s*)?`?\(?(\.L_x_\d+)")
 
 
 def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
@@ -201,6 +203,39 @@ def step_loop(sass: str, hgmmas_per_step: int):
         if count == hgmmas_per_step:
             return instructions, start, end
     return None
+
+
+def mask_regions(instructions: list[str], labels: dict[str, int], start: int,
+                 end: int) -> list[tuple[int, int]]:
+    """(first, last) of each stretch of the loop [start, end] that a
+    predicated forward branch jumps over and that sets scores to -inf: the
+    masking code, which runs only on the blocks that need it (the diagonal,
+    the sequence edge), not on a steady step."""
+    regions = []
+    for i in range(start, end + 1):
+        inst = instructions[i]
+        branch = _SASS_ANY_BRANCH.search(inst)
+        if not (branch and inst.startswith("@")):
+            continue
+        target = labels.get(branch.group(1))
+        if target is None or not i < target <= end + 1:
+            continue
+        if any("-INF" in x for x in instructions[i + 1:target] if opcode(x) == "FSEL"):
+            regions.append((i + 1, target - 1))
+    return regions
+
+
+def unmasked_step_count(sass: str, hgmmas_per_step: int) -> int | None:
+    """Instructions of one main-loop step on a block that needs no mask: the
+    step's loop without its masking stretches (mask_regions)."""
+    found = step_loop(sass, hgmmas_per_step)
+    if found is None:
+        return None
+    instructions, start, end = found
+    _, labels = sass_instructions(sass)
+    skipped = sum(last - first + 1
+                  for first, last in mask_regions(instructions, labels, start, end))
+    return end - start + 1 - skipped
 
 
 def main_loop_mix(sass: str, hgmmas_per_step: int):

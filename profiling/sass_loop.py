@@ -13,6 +13,11 @@ dK, tile_n/16 for dQ. The loop is found as the innermost one that issues
 exactly that many. The math of a step is fixed by the tile; what differs
 between two kernels is the bookkeeping around it (descriptor arithmetic,
 barrier waits, index math), which the table shows opcode by opcode.
+The `total` row counts the whole loop; `unmasked` leaves out the stretches
+a forward branch skips that set scores to -inf (kernel_info.mask_regions):
+what a block that needs no mask executes. Ours branches over its mask;
+fa4's backward applies its -inf selects on every step, so there the two rows
+are equal, and only `unmasked` compares the steady steps.
 
 --liveness adds two rows: the vector registers live on entering the loop
 (what it carries from step to step: accumulators plus bookkeeping) and the
@@ -35,7 +40,7 @@ import os
 import tempfile
 from collections import Counter
 
-from .kernel_info import loop_liveness, main_loop_mix, sass_text
+from .kernel_info import loop_liveness, main_loop_mix, sass_text, unmasked_step_count
 from .sweep import parse_vary
 
 
@@ -137,8 +142,9 @@ def fa4(kind: str, head_dim: int, causal: bool, dump_dir: str):
     return sass, ptx, (tile_m, tile_n)
 
 
-def format_mix(columns: dict) -> str:
-    """columns: name -> Counter; one row per opcode, the ones that differ first."""
+def format_mix(columns: dict, unmasked: dict | None = None) -> str:
+    """columns: name -> Counter; one row per opcode, the ones that differ first.
+    unmasked: name -> the step's instructions without its masking branch."""
     names = list(columns)
     ops = sorted(set().union(*columns.values()),
                  key=lambda op: (len({c[op] for c in columns.values()}) == 1,
@@ -146,6 +152,8 @@ def format_mix(columns: dict) -> str:
     lines = [f"{'opcode':<12}" + "".join(f"{n:>14}" for n in names)]
     lines += [f"{op:<12}" + "".join(f"{columns[n][op]:>14}" for n in names) for op in ops]
     lines.append(f"{'total':<12}" + "".join(f"{sum(columns[n].values()):>14}" for n in names))
+    if unmasked:
+        lines.append(f"{'unmasked':<12}" + "".join(f"{unmasked[n]:>14}" for n in names))
     return "\n".join(lines)
 
 
@@ -157,11 +165,12 @@ def format_liveness(liveness: dict) -> str:
         for label, i in rows)
 
 
-def _measure(label, sass, ptx, steps, columns, bodies, liveness, want_liveness):
+def _measure(label, sass, ptx, steps, columns, bodies, unmasked, liveness, want_liveness):
     mix = main_loop_mix(sass, steps)
     if mix is None:
         raise SystemExit(f"profiling.sass_loop: no loop issuing {steps} HGMMAs in {label}")
     columns[label], bodies[label] = mix
+    unmasked[label] = unmasked_step_count(sass, steps)
     if want_liveness:
         liveness[label] = loop_liveness(ptx, steps)
 
@@ -191,29 +200,29 @@ def main(argv=None) -> dict:
             p.error(f"--vary {field}: expected one value, got {values}")
         config = config.replace(**{field: values[0]})
     columns: dict[str, Counter] = {}
-    bodies, liveness = {}, {}
+    bodies, unmasked, liveness = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         sass, ptx = ours(kind, args.head_dim, causal, config, os.path.join(tmp, "ours"))
         label = f"ours {config.tile_m}x{config.tile_n}"
         _measure(label, sass, ptx, hgmmas_per_step(kind, args.head_dim, config.tile_m,
                                                    config.tile_n),
-                 columns, bodies, liveness, args.liveness)
+                 columns, bodies, unmasked, liveness, args.liveness)
         ours_label = label
         if args.fa4:
             sass, ptx, (tile_m, tile_n) = fa4(kind, args.head_dim, causal,
                                               os.path.join(tmp, "fa4"))
             _measure(f"fa4 {tile_m}x{tile_n}", sass, ptx,
                      hgmmas_per_step(kind, args.head_dim, tile_m, tile_n),
-                     columns, bodies, liveness, args.liveness)
+                     columns, bodies, unmasked, liveness, args.liveness)
     step = "K/V step" if kind == "fwd" else "query-block step"
     print(f"{'forward' if kind == 'fwd' else 'backward'} main loop, d={args.head_dim}, "
           f"causal={args.causal}, bf16, sm_90a: instructions per {step} and consumer warp")
-    print(format_mix(columns))
+    print(format_mix(columns, unmasked))
     if args.liveness:
         print(format_liveness(liveness))
     if args.print_loop:
         print("\n".join(bodies[ours_label]))
-    return dict(mix=columns, liveness=liveness)
+    return dict(mix=columns, unmasked=unmasked, liveness=liveness)
 
 
 if __name__ == "__main__":

@@ -304,6 +304,9 @@ def test_sass_loop_backward_step_and_its_live_registers():
                          + (["--liveness"] if liveness else []))
     mix = out["mix"]["ours 128x128"]
     assert mix["HGMMA"] == 32 and mix["MUFU"] == 64
+    # The sequence-edge mask (a -inf select per score) is branched over on
+    # a steady step.
+    assert out["unmasked"]["ours 128x128"] <= sum(mix.values()) - mix["FSEL"]
     if liveness:
         entry, peak = out["liveness"]["ours 128x128"]
         # dK and dV stay in registers across steps (2 x 64 keys x 64 dims /
@@ -332,3 +335,27 @@ def test_hgmma_loops_on_a_synthetic_listing():
     assert mix["HGMMA"] == 2 and mix["BRA"] == 2 and len(body) == 5
     assert main_loop_mix(sass, 3) is None
     assert opcode("@!P0 SYNCS.ARRIVE.TRANS64 RZ, [UR8+0x20], R18") == "SYNCS"
+
+
+def test_unmasked_step_skips_the_masking_branch_on_a_synthetic_listing():
+    # A step whose masking code (-inf selects) sits behind a forward branch
+    # taken on two predicates, as ptxas emits it: the unmasked step is the
+    # loop without that stretch. A skipped stretch without -inf stays in.
+    from profiling.kernel_info import unmasked_step_count
+
+    sass = """
+.L_x_1:
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ ;
+        /*0010*/              @!P1 BRA P2, `(.L_x_3) ;
+        /*0020*/                   ISETP.GE.AND P6, PT, R216, R217, PT ;
+        /*0030*/                   FSEL R185, R185, -INF , P6 ;
+.L_x_3:
+        /*0040*/                   MUFU.EX2 R184, R184 ;
+        /*0050*/               @P3 BRA `(.L_x_4) ;
+        /*0060*/                   FADD R1, R1, R2 ;
+.L_x_4:
+        /*0070*/               @P0 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+    assert unmasked_step_count(sass, 1) == 8 - 2
+    assert unmasked_step_count(sass, 2) is None
