@@ -150,9 +150,8 @@ def dumped_kernel_info(dump_dir: str) -> KernelInfo:
 
 _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_SASS_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
-# Also `@!P1 BRA P2, `(.L_x_26)`: a branch taken on two predicates.
-_SASS_ANY_BRANCH = re.compile(r"\bBRA\s+(?:!?U?P[T\d]+,\s*)?`?\(?(\.L_x_\d+)")
+# `BRA `(.L_x_2)`, and `@!P1 BRA P2, `(.L_x_26)`: a branch taken on two predicates.
+_SASS_BRANCH = re.compile(r"\bBRA\s+(?:!?U?P[T\d]+,\s*)?`?\(?(\.L_x_\d+)")
 
 
 def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
@@ -195,14 +194,19 @@ def hgmma_loops(sass: str) -> list[tuple[int, int, int]]:
     return _hgmma_loops(*sass_instructions(sass))
 
 
+def _step_loop(instructions: list[str], labels: dict[str, int], hgmmas_per_step: int):
+    for start, end, count in _hgmma_loops(instructions, labels):
+        if count == hgmmas_per_step:
+            return start, end
+    return None
+
+
 def step_loop(sass: str, hgmmas_per_step: int):
     """(instructions, first, last) of the innermost loop issuing
     `hgmmas_per_step` HGMMAs (one main-loop step), None when none does."""
     instructions, labels = sass_instructions(sass)
-    for start, end, count in _hgmma_loops(instructions, labels):
-        if count == hgmmas_per_step:
-            return instructions, start, end
-    return None
+    found = _step_loop(instructions, labels, hgmmas_per_step)
+    return None if found is None else (instructions, *found)
 
 
 def mask_regions(instructions: list[str], labels: dict[str, int], start: int,
@@ -214,7 +218,7 @@ def mask_regions(instructions: list[str], labels: dict[str, int], start: int,
     regions = []
     for i in range(start, end + 1):
         inst = instructions[i]
-        branch = _SASS_ANY_BRANCH.search(inst)
+        branch = _SASS_BRANCH.search(inst)
         if not (branch and inst.startswith("@")):
             continue
         target = labels.get(branch.group(1))
@@ -228,11 +232,11 @@ def mask_regions(instructions: list[str], labels: dict[str, int], start: int,
 def unmasked_step_count(sass: str, hgmmas_per_step: int) -> int | None:
     """Instructions of one main-loop step on a block that needs no mask: the
     step's loop without its masking stretches (mask_regions)."""
-    found = step_loop(sass, hgmmas_per_step)
+    instructions, labels = sass_instructions(sass)
+    found = _step_loop(instructions, labels, hgmmas_per_step)
     if found is None:
         return None
-    instructions, start, end = found
-    _, labels = sass_instructions(sass)
+    start, end = found
     skipped = sum(last - first + 1
                   for first, last in mask_regions(instructions, labels, start, end))
     return end - start + 1 - skipped

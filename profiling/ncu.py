@@ -162,10 +162,9 @@ def summarize(report: str) -> str:
             if k in values:
                 lines.append(f"  {label:<32} {values[k]}")
         prefix, suffix = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
-        stalls = sorted(((_number(v, None), k[len(prefix):-len(suffix)])
-                         for k, v in values.items()
+        stalls = sorted(((ratio, k[len(prefix):-len(suffix)]) for k, v in values.items()
                          if k.startswith(prefix) and k.endswith(suffix)
-                         and _number(v, None) is not None), reverse=True)
+                         and (ratio := _number(v, None)) is not None), reverse=True)
         if stalls:
             lines.append("  warp stalls (warps stalled per issued instruction):")
             for ratio, reason in stalls[:10]:
