@@ -142,6 +142,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         stat_stage = cute.make_layout(tile_m)
         tma_lse, tLSE2 = cpasync.make_tiled_tma_atom(load, mLSE2, stat_stage, (tile_m,))
         tma_d, tD = cpasync.make_tiled_tma_atom(load, mD, stat_stage, (tile_m,))
+        # dK and dV through the K and V buffers (BwdConfig.dkv_tma_store): the
+        # kernel then gets the stores' coordinate tensors in place of dK and dV.
+        tma_dk = tma_dv = None
+        if cutlass.const_expr(self._dkv_tma_store()):
+            store = cpasync.CopyBulkTensorTileS2GOp()
+            tma_dk, mdK = cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
+            tma_dv, mdV = cpasync.make_tiled_tma_atom(store, mdV, sK_layout, (tile_n, d))
 
         @cute.struct
         class SharedStorage:
@@ -164,9 +171,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
         grid = (self._scheduler(mQ, mK).num_tiles(), 1, 1)
         self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, mdK, mdV, mSemaphore,
-                    tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, softmax_scale_log2,
-                    softmax_scale, sQ_layout, sK_layout, sdSt_layout, sStat_layout,
-                    mma_sdp, mma_dkv, mma_dq, SharedStorage).launch(
+                    tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
+                    softmax_scale_log2, softmax_scale, sQ_layout, sK_layout, sdSt_layout,
+                    sStat_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage).launch(
             grid=list(grid), block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
 
@@ -176,8 +183,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mSemaphore: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
-               tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, softmax_scale_log2: Float32,
-               softmax_scale: Float32, sQ_layout: cute.ComposedLayout,
+               tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, tma_dk, tma_dv,
+               softmax_scale_log2: Float32, softmax_scale: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
                sStat_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
@@ -191,9 +198,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         elem = self.dtype.width // 8
         stat_bytes = self.tile_m * 4
         qdo_bytes = self.tile_m * self.head_dim * elem
+        pipe_kv = None  # with kv_with_first_block K and V ride on the Q and dO rings
+        if cutlass.const_expr(not self.cfg.kv_with_first_block):
+            pipe_kv = make_tma_pipeline(storage.kv_barriers.data_ptr(), 1, arrivals,
+                                        2 * self.tile_n * self.head_dim * elem)
         pipes = (
-            make_tma_pipeline(storage.kv_barriers.data_ptr(), 1, arrivals,
-                              2 * self.tile_n * self.head_dim * elem),
+            pipe_kv,
             make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.qdo_stages,
                               arrivals, qdo_bytes + stat_bytes),
             make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.qdo_stages,
@@ -225,9 +235,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                               n_block, heads, batch)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mdK, mdV, mQ.shape[0], mK.shape[0], softmax_scale_log2,
-                         softmax_scale, smem, pipes, mma_sdp, mma_dkv, mma_dq, n_block,
-                         cta_head, heads, batch)
+            self.consume(mdK, mdV, tma_dk, tma_dv, mQ.shape[0], mK.shape[0],
+                         softmax_scale_log2, softmax_scale, smem, pipes, mma_sdp, mma_dkv,
+                         mma_dq, n_block, cta_head, heads, batch)
 
     def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
         """One CTA per (key block, KV head or with split_gqa query head, batch),
@@ -267,15 +277,18 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         head_kv, first_head, head_count = heads
 
-        kv_state = producer_state(1)
-        pipe_kv.producer_acquire(kv_state)
-        kv_bar = pipe_kv.producer_get_barrier(kv_state)
         tKs, tKg = tma_views(tma_k, sK, cute.local_tile(
             mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
         tVs, tVg = tma_views(tma_v, sV, cute.local_tile(
             mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
-        cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
-        cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
+        kv_first = self.cfg.kv_with_first_block
+        if cutlass.const_expr(not kv_first):
+            kv_state = producer_state(1)
+            pipe_kv.producer_acquire(kv_state)
+            kv_bar = pipe_kv.producer_get_barrier(kv_state)
+            cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
+            cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
+        kv_bytes = self.tile_n * d * (self.dtype.width // 8)
 
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         q_state = producer_state(self.cfg.qdo_stages)
@@ -292,26 +305,43 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 mD[None, head, batch], (self.tile_m,), (None,)), staged=True)
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
+                first = (h == 0) & (i == 0)
                 pipe_q.producer_acquire(q_state)
                 q_bar = pipe_q.producer_get_barrier(q_state)
+                if cutlass.const_expr(kv_first):
+                    if first:
+                        self._load_on(tma_k, tKg, tKs, q_bar, kv_bytes)
                 cute.copy(tma_q, tQg[None, m_block], tQs[None, q_state.index], tma_bar_ptr=q_bar)
                 cute.copy(tma_lse, tLg[None, m_block], tLs[None, q_state.index],
                           tma_bar_ptr=q_bar)
                 q_state.advance()
                 pipe_do.producer_acquire(do_state)
                 do_bar = pipe_do.producer_get_barrier(do_state)
+                if cutlass.const_expr(kv_first):
+                    if first:
+                        self._load_on(tma_v, tVg, tVs, do_bar, kv_bytes)
                 cute.copy(tma_do, tdOg[None, m_block], tdOs[None, do_state.index],
                           tma_bar_ptr=do_bar)
                 cute.copy(tma_d, tDg[None, m_block], tDs[None, do_state.index],
                           tma_bar_ptr=do_bar)
                 do_state.advance()
 
+    @cute.jit
+    def _load_on(self, atom, g_view, s_view, barrier, nbytes: int):
+        """A TMA load completing on a ring stage's barrier, whose arrival
+        (producer_acquire) expected only the stage's own bytes. Raising the
+        expected count before the copy is issued keeps the phase open until
+        this load lands too."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_expect_tx(barrier, nbytes)
+        cute.copy(atom, g_view, s_view, tma_bar_ptr=barrier)
+
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mdK, mdV, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
-                softmax_scale: Float32, smem, pipes, mma_sdp: cute.TiledMma,
-                mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma, n_block: Int32,
-                cta_head: Int32, heads, batch: Int32):
+    def consume(self, mdK, mdV, tma_dk, tma_dv, seqlen_q: Int32, seqlen_k: Int32,
+                softmax_scale_log2: Float32, softmax_scale: Float32, smem, pipes,
+                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+                n_block: Int32, cta_head: Int32, heads, batch: Int32):
         sK, sV, sQ, sdO, sLSE2, sD, sdSt, sdQ = smem
         pipe_kv, pipe_q, pipe_do = pipes
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
@@ -346,8 +376,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         seqlen_edge = (n_block + 1) * tile_n > seqlen_k
         q_state = consumer_state(self.cfg.qdo_stages)
         do_state = consumer_state(self.cfg.qdo_stages)
-        kv_state = consumer_state(1)
-        self.sync.wait(pipe_kv, kv_state)
+        if cutlass.const_expr(not self.cfg.kv_with_first_block):
+            self.sync.wait(pipe_kv, consumer_state(1))
         step = Int32(0)
         _, _, head_count = heads
         for h in cutlass.range(head_count, unroll=1):
@@ -362,8 +392,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 q_state.advance()
                 do_state.advance()
                 step += 1
-        self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, softmax_scale, n_block,
-                       cta_head, batch, seqlen_k)
+        for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
+            acc_dk[i] = acc_dk[i] * softmax_scale
+        if cutlass.const_expr(self._dkv_tma_store()):
+            self.store_dkv_via_smem(acc_dk, acc_dv, sK, sV, tma_dk, tma_dv, mdK, mdV, wg, tid,
+                                    n_block, cta_head, batch)
+        else:
+            self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, n_block, cta_head, batch,
+                           seqlen_k)
 
     @cute.jit
     def issue_s(self, frags, acc_s, mma_sdp, q_state):
@@ -541,14 +577,49 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                              number_of_threads=DQ_HANDOFF_THREADS)
 
     # -------------------------------------------------------------- epilogue
+    def _dkv_tma_store(self) -> bool:
+        return self.cfg.dkv_tma_store and not self.cfg.split_gqa
+
+    @cute.jit
+    def store_dkv_via_smem(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor,
+                           sV: cute.Tensor, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
+                           mdK: cute.Tensor, mdV: cute.Tensor, wg: Int32, tid: Int32,
+                           n_block: Int32, head_kv: Int32, batch: Int32):
+        """dK (scaled) and dV, 16-bit, into the K and V buffers with stmatrix
+        (each warpgroup its 64 rows), then one TMA store each from the first
+        consumer warp; TMA clips the rows past seqlen_k."""
+        outputs = []
+        for acc in (acc_dk, acc_dv):
+            values = cute.make_rmem_tensor_like(acc, self.dtype)
+            wgmma.convert_to_16bit(acc, values)
+            outputs.append(values)
+        # dQ = dS·K of every warpgroup's last block reads all of K: all
+        # consumers' GEMMs have retired before any overwrites it.
+        cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
+                          number_of_threads=self.consumer_threads)
+        for values, s in zip(outputs, (sK, sV)):
+            slab = cute.local_tile(s, (WGMMA_M, self.head_dim), (wg, 0))
+            wgmma.stmatrix_store(self.dtype, values, slab, tid % WARPGROUP_THREADS)
+        # stmatrix writes go through the generic proxy; TMA reads through the async one.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
+                          number_of_threads=self.consumer_threads)
+        if tid < 32:
+            for atom, s, m_out in ((tma_dk, sK, mdK), (tma_dv, sV, mdV)):
+                g_tile = cute.local_tile(m_out[None, None, head_kv, batch],
+                                         (self.tile_n, self.head_dim), (n_block, 0))
+                s_view, g_view = tma_views(atom, s, g_tile, staged=False)
+                cute.copy(atom, s_view, g_view)
+            cute.arch.cp_async_bulk_commit_group()
+            # shared memory must outlive the stores' reads of it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
     @cute.jit
     def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, mdK: cute.Tensor,
-                  mdV: cute.Tensor, mma_dkv: cute.TiledMma, tid: Int32, softmax_scale: Float32,
-                  n_block: Int32, out_head: Int32, batch: Int32, seqlen_k: Int32):
-        """dK = scale · Σ dSᵀ·Q and dV, straight from registers (once per CTA):
-        16-bit, or with split_gqa the fp32 partials of query head out_head."""
-        for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
-            acc_dk[i] = acc_dk[i] * softmax_scale
+                  mdV: cute.Tensor, mma_dkv: cute.TiledMma, tid: Int32, n_block: Int32,
+                  out_head: Int32, batch: Int32, seqlen_k: Int32):
+        """dK (scaled) and dV straight from registers (once per CTA): 16-bit,
+        or with split_gqa the fp32 partials of query head out_head."""
         thr = mma_dkv.get_slice(tid)
         rows_valid = seqlen_k - n_block * self.tile_n
         for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):

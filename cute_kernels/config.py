@@ -277,6 +277,16 @@ class BwdConfig(_KernelConfig):
     producer_regs / consumer_regs: setmaxnreg targets.
     lean_consumer_sync: as in FwdConfig (pipeline.py's ConsumerSync); on
         the H100 even (d128 8k: 623.2 vs 623.3 TFLOP/s off vs on).
+    kv_with_first_block: K is loaded on the first Q stage's barrier and V on
+        the first dO stage's, in the order K, Q, V, dO, so the first Sᵀ GEMM
+        waits for K and Q only. Off: K and V first, on a barrier of their
+        own that the consumers wait on before the first block.
+    dkv_tma_store: the 16-bit dK and dV leave through shared memory (the K
+        and V buffers, free once every warpgroup's last GEMM has retired) and
+        one TMA store each, instead of 4-byte stores from the accumulator
+        registers, which run at half a sector each and hold the CTA (and the
+        next CTA on the SM) until they issue. split_gqa's fp32 partials always
+        go straight from registers.
     """
 
     tile_m: int = 64
@@ -293,6 +303,8 @@ class BwdConfig(_KernelConfig):
     producer_regs: int = 24
     consumer_regs: int = 240
     lean_consumer_sync: bool = True
+    kv_with_first_block: bool = False
+    dkv_tma_store: bool = True
 
     @property
     def consumer_warpgroups(self) -> int:

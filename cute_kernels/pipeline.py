@@ -141,11 +141,15 @@ class BwdBarrier(enum.IntEnum):
         issues the reduce-add.
     DQ_EMPTY_BASE + w: the reduce-add has finished reading slab w (the writer
         warp arrives); warpgroup w waits before writing the slab again.
+    EPILOGUE (BwdConfig.dkv_tma_store): every consumer warpgroup's last GEMM
+        has retired before dK and dV overwrite K and V; then, every
+        warpgroup's rows are written before the TMA stores read them.
     """
 
     DS_READY = 1
     DQ_FULL_BASE = 2
     DQ_EMPTY_BASE = 5
+    EPILOGUE = 8
 
 
 # DQ_FULL / DQ_EMPTY count one consumer warpgroup and the dQ-writer warp.

@@ -111,9 +111,19 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(stats_shuffle=True),
                                        dict(tile_m=64, stats_shuffle=True),
                                        dict(lean_consumer_sync=False),
-                                       dict(tile_m=64, split_gqa=True, deterministic=True)])
+                                       dict(tile_m=64, split_gqa=True, deterministic=True),
+                                       dict(kv_with_first_block=False),
+                                       dict(dkv_tma_store=False),
+                                       dict(kv_with_first_block=False, dkv_tma_store=False,
+                                            tile_m=64),
+                                       dict(kv_with_first_block=True, dkv_tma_store=True),
+                                       dict(kv_with_first_block=True, dkv_tma_store=True,
+                                            tile_m=64, head_dim=128),
+                                       dict(kv_with_first_block=True, dkv_tma_store=True,
+                                            tile_m=64, head_dim=128, split_gqa=True)])
 def test_backward_config_variants(overrides):
-    head_dim = 64
+    overrides = dict(overrides)
+    head_dim = overrides.pop("head_dim", 64)
     config = BwdConfig(tile_m=128).replace(**overrides)
     q, k, v, grad_out = _inputs(2, 700, 900, 4, 1, head_dim, torch.bfloat16, seed=5)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)

@@ -244,6 +244,39 @@ def test_stats_shuffle_reads_each_statistic_once_per_lane(tmp_path, head_dim):
     assert mix["LDS"] == 2 * config.tile_m // 64
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
+def test_backward_kv_with_first_block_and_dkv_tma_store(tmp_path, head_dim, causal):
+    """BwdConfig.kv_with_first_block: K and V load on the first Q and dO
+    stages' barriers, whose expected byte counts are raised for them (two
+    mbarrier.expect_tx beside the rings' arrive-expect-tx); dkv_tma_store:
+    dK and dV leave by two TMA stores and no 16-bit register stores, while
+    split_gqa's fp32 partials still go from registers."""
+    def ptx_of(config, where):
+        compile_bwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(where))
+        info = dumped_kernel_info(str(where / "main"))
+        assert info.stack_bytes == 0 and info.sass["local_memory"] == 0
+        assert not info.wgmma_serialized
+        return info, "".join(p.read_text() for p in (where / "main").glob("*.ptx"))
+
+    def expect_tx(ptx):
+        return len(re.findall(r"mbarrier\.expect_tx", ptx))
+
+    base = default_bwd_config(head_dim, causal).replace(kv_with_first_block=False,
+                                                         dkv_tma_store=False)
+    info, ptx = ptx_of(base, tmp_path / "base")
+    assert info.counts["tma_store"] == 0 and re.search(r"st\.global\.b32\s", ptx)
+    info_new, ptx_new = ptx_of(base.replace(kv_with_first_block=True, dkv_tma_store=True),
+                               tmp_path / "new")
+    assert expect_tx(ptx_new) == expect_tx(ptx) + 2
+    assert info_new.counts["tma_load"] == info.counts["tma_load"]
+    # one box per 64 columns (the 128-byte swizzle atom of K and V) of each
+    assert info_new.counts["tma_store"] == 2 * head_dim // 64
+    assert not re.search(r"st\.global\.b32\s", ptx_new)
+    _, ptx_split = ptx_of(base.replace(dkv_tma_store=True, split_gqa=True), tmp_path / "split")
+    assert re.search(r"st\.global\.v2\.b32\s", ptx_split)
+    assert "cp.async.bulk.tensor.2d.global" not in ptx_split
+
+
 def test_deterministic_backward_waits_on_semaphores(tmp_path):
     config = default_bwd_config(128, True, deterministic=True)
     compile_bwd(torch.bfloat16, 128, True, config, dump_dir=str(tmp_path))
