@@ -175,7 +175,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     softmax_scale_log2, softmax_scale, sQ_layout, sK_layout, sdSt_layout,
                     sStat_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage).launch(
             grid=list(grid), block=[self.cfg.threads, 1, 1], stream=stream,
-            min_blocks_per_mp=1)
+            min_blocks_per_mp=1, use_pdl=self.cfg.early_launch)
 
     # ---------------------------------------------------------------- kernel
     @cute.kernel
@@ -289,6 +289,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
             cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
         kv_bytes = self.tile_n * d * (self.dtype.width // 8)
+        if cutlass.const_expr(self.cfg.early_launch):
+            cute.arch.griddepcontrol_wait()  # LSE₂ and D come from the preprocess
 
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         q_state = producer_state(self.cfg.qdo_stages)
@@ -544,6 +546,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
         region = dq_accum.warpgroup_region(tile_m, d, wgs)
         lane = cute.arch.lane_idx()
+        if cutlass.const_expr(self.cfg.early_launch):
+            cute.arch.griddepcontrol_wait()  # the preprocess zeroes the accumulator
         for w in cutlass.range_constexpr(wgs):  # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                      number_of_threads=DQ_HANDOFF_THREADS)

@@ -287,6 +287,11 @@ class BwdConfig(_KernelConfig):
         registers, which run at half a sector each and hold the CTA (and the
         next CTA on the SM) until they issue. split_gqa's fp32 partials always
         go straight from registers.
+    early_launch: the main kernel is launched with programmatic dependent
+        launch, so its CTAs start (barrier setup, descriptor prefetch, the
+        K/V loads) while the preprocess's last CTAs run; the producer and
+        the dQ writer wait for the preprocess (griddepcontrol.wait) before
+        reading LSE₂ and D or adding into the dQ accumulator it zeroes.
     """
 
     tile_m: int = 64
@@ -305,6 +310,7 @@ class BwdConfig(_KernelConfig):
     lean_consumer_sync: bool = True
     kv_with_first_block: bool = False
     dkv_tma_store: bool = True
+    early_launch: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:

@@ -120,7 +120,10 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(kv_with_first_block=True, dkv_tma_store=True,
                                             tile_m=64, head_dim=128),
                                        dict(kv_with_first_block=True, dkv_tma_store=True,
-                                            tile_m=64, head_dim=128, split_gqa=True)])
+                                            tile_m=64, head_dim=128, split_gqa=True),
+                                       dict(early_launch=True),
+                                       dict(early_launch=True, kv_with_first_block=True,
+                                            deterministic=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)

@@ -208,6 +208,12 @@ def test_backward_kernel_ptx(tmp_path, dtype, head_dim, causal):
     assert info.stack_bytes == 0 and info.sass["local_memory"] == 0
     for helper in ("preprocess", "postprocess"):
         assert dumped_kernel_info(str(tmp_path / helper)).counts["local_memory"] == 0
+    # the postprocess writes dQ through shared memory and a TMA store (one
+    # box per swizzle atom of a warpgroup's slab), not from registers
+    post = dumped_kernel_info(str(tmp_path / "postprocess"))
+    assert post.counts["stmatrix"] > 0 and post.counts["tma_store"] >= 1
+    post_ptx = "".join(p.read_text() for p in (tmp_path / "postprocess").glob("*.ptx"))
+    assert not re.search(r"st\.global\.b32\s", post_ptx)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -275,6 +281,20 @@ def test_backward_kv_with_first_block_and_dkv_tma_store(tmp_path, head_dim, caus
     _, ptx_split = ptx_of(base.replace(dkv_tma_store=True, split_gqa=True), tmp_path / "split")
     assert re.search(r"st\.global\.v2\.b32\s", ptx_split)
     assert "cp.async.bulk.tensor.2d.global" not in ptx_split
+
+
+def test_backward_early_launch(tmp_path):
+    """BwdConfig.early_launch: the preprocess lets the main kernel start
+    early, and the main kernel's producer and dQ writer wait for it."""
+    config = default_bwd_config(128, False)
+    for on in (False, True):
+        where = tmp_path / str(on)
+        compile_bwd(torch.bfloat16, 128, False, config.replace(early_launch=on),
+                    dump_dir=str(where))
+        main = "".join(p.read_text() for p in (where / "main").glob("*.ptx"))
+        pre = "".join(p.read_text() for p in (where / "preprocess").glob("*.ptx"))
+        assert main.count("griddepcontrol.wait") == (2 if on else 0)
+        assert "griddepcontrol.launch_dependents" in pre
 
 
 def test_deterministic_backward_waits_on_semaphores(tmp_path):
