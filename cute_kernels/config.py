@@ -280,18 +280,25 @@ class BwdConfig(_KernelConfig):
     kv_with_first_block: K is loaded on the first Q stage's barrier and V on
         the first dO stage's, in the order K, Q, V, dO, so the first Sᵀ GEMM
         waits for K and Q only. Off: K and V first, on a barrier of their
-        own that the consumers wait on before the first block.
+        own that the consumers wait on before the first block. On the H100
+        even (bf16, TFLOP/s off vs on, dkv_tma_store on: d128 2k 534.6 vs
+        534.8, causal 414.3 vs 414.7, d128 8k 641.3 vs 639.8, d64 2k 467.8
+        vs 465.8), so off.
     dkv_tma_store: the 16-bit dK and dV leave through shared memory (the K
         and V buffers, free once every warpgroup's last GEMM has retired) and
         one TMA store each, instead of 4-byte stores from the accumulator
         registers, which run at half a sector each and hold the CTA (and the
         next CTA on the SM) until they issue. split_gqa's fp32 partials always
-        go straight from registers.
+        go straight from registers. On the H100 (bf16, TFLOP/s off vs on):
+        d128 2k 509.9 vs 534.6, causal 391.9 vs 414.3, 8k 633.4 vs 641.3;
+        d64 2k 456.5 vs 467.8.
     early_launch: the main kernel is launched with programmatic dependent
         launch, so its CTAs start (barrier setup, descriptor prefetch, the
         K/V loads) while the preprocess's last CTAs run; the producer and
         the dQ writer wait for the preprocess (griddepcontrol.wait) before
         reading LSE₂ and D or adding into the dQ accumulator it zeroes.
+        On the H100 even (bf16 2k, TFLOP/s off vs on: d128 545.8 vs 545.7,
+        d64 causal 376.4 vs 377.3), so off.
     """
 
     tile_m: int = 64
@@ -399,6 +406,9 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
       vs 542.8; d64 541.4 vs 504.9, causal 500.4 vs 464.5);
     - head dim 96/128: LSE₂ read before the GEMM issue (stats_early; d128
       8k 625.7 vs 614.7, causal 580.9 vs 573.5);
+    - dK and dV stored through the K and V buffers with TMA (dkv_tma_store,
+      a field default: d128 2k 534.6 vs 509.9, causal 414.3 vs 391.9, 8k
+      641.3 vs 633.4; d64 2k 467.8 vs 456.5);
     - dV issued before dSᵀ is computed (d128 608.1 vs 608.5, even), which is
       what lets d64 drop the fp32 Pᵀ; qdo_stages 3 gains nothing (616.0 vs 618.3).
     - causal key blocks longest-first in 16 MB L2 sections (d128 causal 4k
