@@ -108,10 +108,16 @@ class BackwardPostprocess:
     def _slab_shape(self) -> tuple[int, int]:
         """The (rows, cols) of the dQ tile one warpgroup holds (dq_tiled_mma):
         64 rows each when the warpgroups split the rows, else all rows and
-        head_dim / warpgroups columns each."""
+        head_dim / warpgroups columns each (dQ transposed: 64 each)."""
         if self.cfg.dq_split_m():
             return WGMMA_M, self.head_dim
         return self.cfg.tile_m, self.head_dim // self.cfg.consumer_warpgroups
+
+    def _acc_shape(self) -> tuple[int, int]:
+        """The dQ GEMM's (M, N), as bwd_sm90 issues it."""
+        if self.cfg.dq_transposed():
+            return self.head_dim, self.cfg.tile_m
+        return self.cfg.tile_m, self.head_dim
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
@@ -157,11 +163,14 @@ class BackwardPostprocess:
         wgmma.convert_to_16bit(values, values_16bit)
         # values are in accumulator register order: view them with its shape
         acc_shaped = cute.make_tensor(values_16bit.iterator,
-                                      cute.make_layout(mma.partition_shape_C((tile_m, d))))
+                                      cute.make_layout(mma.partition_shape_C(self._acc_shape())))
         slab_coord = (wg, 0) if cutlass.const_expr(self.cfg.dq_split_m()) else (0, wg)
-        wgmma.stmatrix_store(self.dtype, acc_shaped,
-                             cute.local_tile(sdQ, self._slab_shape(), slab_coord),
-                             tid % WARPGROUP_THREADS)
+        slab = cute.local_tile(sdQ, self._slab_shape(), slab_coord)
+        transposed = self.cfg.dq_transposed()
+        if cutlass.const_expr(transposed):  # the warpgroup holds (head_dim slice, rows)
+            slab = wgmma.transpose_view(slab)
+        wgmma.stmatrix_store(self.dtype, acc_shaped, slab, tid % WARPGROUP_THREADS,
+                             transpose=transposed)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()

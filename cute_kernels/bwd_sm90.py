@@ -95,9 +95,13 @@ class _ShuffledColumnStats:
 
 
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
-    """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared memory.
-    The postprocess partitions the dQ accumulator with this same MMA."""
+    """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared
+    memory, or with BwdConfig.dq_transposed dQᵀ = Kᵀ·dSᵀ (head_dim x tile_m),
+    both operands MN-major. The postprocess partitions the dQ accumulator
+    with this same MMA."""
     wgs = config.consumer_warpgroups
+    if config.dq_transposed():
+        return wgmma.tiled_mma(dtype, False, False, (wgs, 1, 1), config.tile_m)
     if config.dq_split_m():
         return wgmma.tiled_mma(dtype, False, False, (wgs, 1, 1), head_dim)
     return wgmma.tiled_mma(dtype, False, False, (1, wgs, 1), head_dim // wgs)
@@ -363,9 +367,15 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             dSt=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m))),
             dOt=wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(sdO))),
             Qt=wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(sQ))),
-            dS=wg_dq.make_fragment_A(wg_dq.partition_A(wgmma.transpose_view(sdSt))),
-            Kt=wg_dq.make_fragment_B(wg_dq.partition_B(wgmma.transpose_view(sK))),
         )
+        # dQ's operands: dS = (dSᵀ)ᵀ and Kᵀ, as A and B, or B and A for dQᵀ
+        sdS, sKt = wgmma.transpose_view(sdSt), wgmma.transpose_view(sK)
+        if cutlass.const_expr(self.cfg.dq_transposed()):
+            frags["dS"] = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            frags["Kt"] = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))
+        else:
+            frags["dS"] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            frags["Kt"] = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dv = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dk.fill(0.0)
@@ -493,11 +503,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
                           number_of_threads=self.consumer_threads)
-        acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((tile_m, self.head_dim)),
-                                       Float32)
+        acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C(self._dq_shape()), Float32)
+        ds_operand = frags["dS"][None, None, None, ds_buffer]
+        a, b = ds_operand, frags["Kt"]
+        if cutlass.const_expr(self.cfg.dq_transposed()):
+            a, b = b, a
         # Without under_dk this wait also retires dV and dK.
-        wgmma.gemm(mma_dq, acc_dq, frags["dS"][None, None, None, ds_buffer], frags["Kt"],
-                   zero_init=True, wait_groups=-1 if under_dk else 0)
+        wgmma.gemm(mma_dq, acc_dq, a, b, zero_init=True, wait_groups=-1 if under_dk else 0)
         if cutlass.const_expr(under_dk):
             self.issue_dk(frags, acc_dk, mma_dkv, q_state)
             warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
@@ -509,6 +521,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             self.sync.release(pipe_q, q_state)
             self.sync.release(pipe_do, do_state)
             self.stage_dq(acc_dq, sdQ, wg, tid)
+
+    def _dq_shape(self) -> tuple[int, int]:
+        """The dQ GEMM's (M, N): (tile_m, head_dim), or transposed."""
+        if self.cfg.dq_transposed():
+            return self.head_dim, self.tile_m
+        return self.tile_m, self.head_dim
 
     @cute.jit
     def issue_dk(self, frags, acc_dk, mma_dkv, q_state):

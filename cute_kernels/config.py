@@ -225,6 +225,15 @@ class BwdConfig(_KernelConfig):
     One CTA owns tile_n keys (tile_n // 64 consumer warpgroups, 64 keys each)
     and walks the query tiles that see them, tile_m queries at a time.
     tile_m: queries per main-loop step (WGMMA N of Sᵀ = K·Qᵀ, K of dV/dK).
+        A multiple of 64 (dQ = dS·K with the warpgroups splitting its rows,
+        or at 64 its columns), or of 16 otherwise, e.g. 80 (fa4's d=128
+        non-causal tile): dQ is then computed transposed, dQᵀ = Kᵀ·dSᵀ,
+        with head_dim on WGMMA's M axis, 64 rows per warpgroup. In SASS
+        (d=128, non-causal) 80 rows fit the registers with ds_from_16bit_p:
+        483 instructions per step against 400 for 64 rows, 6.0 per query
+        row against 6.3 (fa4's 80-row step: 465, 5.8). Without it ptxas
+        spills and serialises every WGMMA; causal, the mask adds a 16-byte
+        spill. Not yet timed on the H100.
     tile_n: keys per CTA.
     qdo_stages: depth of the Q (+LSE) and dO (+D) shared-memory rings.
     deterministic: dQ partial sums are added to the fp32 accumulator in
@@ -329,6 +338,11 @@ class BwdConfig(_KernelConfig):
         slice per warpgroup, else they split the head dimension."""
         return self.tile_m == WGMMA_M * self.consumer_warpgroups
 
+    def dq_transposed(self) -> bool:
+        """dQᵀ = Kᵀ·dSᵀ (tile_m not a multiple of 64): head_dim on WGMMA's M
+        axis, 64 rows of it per warpgroup, and the query rows on N."""
+        return self.tile_m % WGMMA_M != 0
+
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         size = 8 * (2 + 4 * self.qdo_stages)                                   # mbarriers
         size = _align_1k(size) + 2 * self.tile_n * head_dim * elem_bytes           # K, V
@@ -343,9 +357,17 @@ class BwdConfig(_KernelConfig):
 
         if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
-        if self.tile_m % WGMMA_M or not WGMMA_M <= self.tile_m <= 192:
-            raise bad("tile_m", "64, 128 or 192 (the dS tile is stored in 64-row atoms)")
-        if not self.dq_split_m():
+        if self.tile_m % 16 or not WGMMA_M <= self.tile_m <= 192:
+            raise bad("tile_m", "a multiple of 16 in [64, 192] (the K of the dV and dK GEMMs)")
+        if self.dq_transposed():
+            if head_dim != WGMMA_M * self.consumer_warpgroups:
+                raise bad("tile_m", f"a multiple of 64 at head_dim {head_dim}: other tiles "
+                                    f"compute dQᵀ with head_dim = 64 * consumer_warpgroups "
+                                    f"({WGMMA_M * self.consumer_warpgroups})")
+            if self.stats_shuffle:
+                raise bad("stats_shuffle", "False when tile_m is not a multiple of 64 (each "
+                                           "lane holds tile_m / 64 statistics)")
+        elif not self.dq_split_m():
             if self.tile_m != WGMMA_M or (head_dim // self.consumer_warpgroups) % 8 \
                     or head_dim % self.consumer_warpgroups:
                 raise bad("tile_m", f"64 * consumer_warpgroups "

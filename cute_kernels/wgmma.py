@@ -164,12 +164,15 @@ def store_acc_tile(values: cute.Tensor, thr_mma, g_tile: cute.Tensor, rows_valid
 
 
 @cute.jit
-def stmatrix_store(dtype, values: cute.Tensor, slab: cute.Tensor, thread_in_wg):
+def stmatrix_store(dtype, values: cute.Tensor, slab: cute.Tensor, thread_in_wg,
+                   transpose: cutlass.Constexpr[bool] = False):
     """One warpgroup's 16-bit accumulator values (64 x n, accumulator order) into
     its (64, n) shared-memory slab with stmatrix. Inside a warpgroup the
     accumulator layout is that of a one-warpgroup MMA, whatever the tiled MMA
-    that produced it."""
-    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    that produced it. transpose: the slab is a transposed view, contiguous
+    along its rows (stmatrix .trans writes each 8x8 block's columns as rows)."""
+    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4),
+                               dtype)
     thr_copy = cute.make_tiled_copy_C(
         atom, tiled_mma_ss(dtype, 1, cute.size(slab, mode=[1]))).get_slice(thread_in_wg)
     cute.copy(atom, thr_copy.retile(values), thr_copy.partition_D(slab))

@@ -121,6 +121,10 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                             tile_m=64, head_dim=128),
                                        dict(kv_with_first_block=True, dkv_tma_store=True,
                                             tile_m=64, head_dim=128, split_gqa=True),
+                                       dict(tile_m=80, head_dim=128, ds_from_16bit_p=True),
+                                       dict(tile_m=80, head_dim=128, ds_from_16bit_p=True,
+                                            deterministic=True, dkv_tma_store=False,
+                                            stats_early=True),
                                        dict(early_launch=True),
                                        dict(early_launch=True, kv_with_first_block=True,
                                             deterministic=True)])

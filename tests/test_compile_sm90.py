@@ -283,6 +283,23 @@ def test_backward_kv_with_first_block_and_dkv_tma_store(tmp_path, head_dim, caus
     assert "cp.async.bulk.tensor.2d.global" not in ptx_split
 
 
+def test_backward_transposed_dq_with_80_query_rows(tmp_path):
+    """tile_m=80 (fa4's d=128 non-causal tile): dQᵀ = Kᵀ·dSᵀ as m64n80 WGMMAs,
+    34 per step (Sᵀ, dPᵀ, dQᵀ: 8 each; dV, dK: 5 each), asynchronous and
+    without spills when dSᵀ comes from the 16-bit Pᵀ; the postprocess stores
+    the transposed accumulator with stmatrix .trans."""
+    config = default_bwd_config(128, False).replace(tile_m=80, ds_from_16bit_p=True)
+    mix = _step_mix("bwd", 128, False, config, tmp_path)
+    assert mix["HGMMA"] == 34 and mix.get("LDL", 0) == 0 and mix.get("STL", 0) == 0
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    assert not info.wgmma_serialized and info.stack_bytes == 0
+    ptx = "".join(p.read_text() for p in (tmp_path / "main").glob("*.ptx"))
+    assert "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16" in ptx
+    post = "".join(p.read_text() for p in (tmp_path / "postprocess").glob("*.ptx"))
+    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in post
+    assert dumped_kernel_info(str(tmp_path / "postprocess")).counts["tma_store"] >= 1
+
+
 def test_backward_early_launch(tmp_path):
     """BwdConfig.early_launch: the preprocess lets the main kernel start
     early, and the main kernel's producer and dQ writer wait for it."""
@@ -313,10 +330,10 @@ def test_split_gqa_backward_stores_fp32_partials(tmp_path, head_dim):
     assert info.stack_bytes == 0 and info.sass["local_memory"] == 0
     ptx = "".join(p.read_text() for p in (tmp_path / "main").glob("*.ptx"))
     # dK and dV leave as fp32 column pairs (8 bytes) where the 16-bit path
-    # stores bf16 pairs (4 bytes), one store each
+    # from registers stores bf16 pairs (4 bytes), one store each
     plain = tmp_path / "plain"
-    compile_bwd(torch.bfloat16, head_dim, True, config.replace(split_gqa=False),
-                dump_dir=str(plain))
+    compile_bwd(torch.bfloat16, head_dim, True,
+                config.replace(split_gqa=False, dkv_tma_store=False), dump_dir=str(plain))
     plain_ptx = "".join(p.read_text() for p in (plain / "main").glob("*.ptx"))
 
     def stores(text, kind):

@@ -48,6 +48,8 @@ def test_backward_defaults_validate_and_fit():
     (dict(tile_n=192, consumer_regs=240, tile_m=192), "consumer_regs"),
     (dict(dv_under_ds=False, ds_from_16bit_p=True), "ds_from_16bit_p"),
     (dict(stats_early=True, stats_shuffle=True), "stats_shuffle"),
+    (dict(tile_m=72), "tile_m"), (dict(tile_m=80, tile_n=192, consumer_regs=160), "tile_m"),
+    (dict(tile_m=80, stats_shuffle=True), "stats_shuffle"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
     from cute_kernels.config import BwdConfig
@@ -62,6 +64,13 @@ def test_backward_dq_split_follows_the_tile():
     BwdConfig(tile_m=64, tile_n=192, consumer_regs=160, producer_regs=32).validate(96)
     with pytest.raises(ValueError, match="BwdConfig.tile_m"):  # 64 / 3 is not a WGMMA N
         BwdConfig(tile_m=64, tile_n=192, consumer_regs=160, producer_regs=32).validate(64)
+    # rows that are no multiple of 64: dQ transposed, head_dim on M, 64 per warpgroup
+    transposed = BwdConfig(tile_m=80, tile_n=128)
+    assert transposed.dq_transposed() and not transposed.dq_split_m()
+    transposed.validate(128)
+    with pytest.raises(ValueError, match="BwdConfig.tile_m"):
+        transposed.validate(64)
+    assert not BwdConfig(tile_m=64).dq_transposed() and not BwdConfig(tile_m=128).dq_transposed()
 
 
 def test_parse_field_per_kernel():
