@@ -4,7 +4,8 @@ One CTA per (key block, KV head, batch), or per (key block, query head, batch)
 with cfg.split_gqa, causal key blocks longest-first (scheduler.py);
 threads = 128 · (1 + consumer_warpgroups).
   warpgroup 0   producer (setmaxnreg.dec). Warp 0 issues every TMA load:
-                K and V of the CTA's key block once, then, for each query head
+                K and V of the CTA's key block once (on the first Q and dO
+                stages with cfg.kv_with_first_block), then, for each query head
                 it walks (all of the KV group's, or its own with split_gqa)
                 and each query block that sees these keys,
                 Q + LSE₂ into the Q ring and dO + D into the dO ring.
@@ -13,9 +14,9 @@ threads = 128 · (1 + consumer_warpgroups).
                 reduce-add each), so consumers never wait on global memory.
   warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each. dK and dV stay in
                 registers for the whole walk over query blocks.
-Pipelines: K/V (1 stage), Q and dO (qdo_stages each), TMA → consumer-warp
-mbarriers (pipeline.py); named barriers BwdBarrier between consumers and
-between consumers and the dQ writer.
+Pipelines: K/V (1 stage, unless cfg.kv_with_first_block), Q and dO
+(qdo_stages each), TMA → consumer-warp mbarriers (pipeline.py); named
+barriers BwdBarrier between consumers and between consumers and the dQ writer.
 
 Per query block, each consumer warpgroup (the computation runs transposed,
 keys on WGMMA's M axis, so Pᵀ and dSᵀ come out in the register layout the
@@ -28,12 +29,14 @@ next WGMMA takes as its A operand):
                                        Pᵀ fp32, or 16-bit (cfg.ds_from_16bit_p)
     dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers (issued after
                                        dQ instead with cfg.dq_store_under_dk)
-    dSᵀ → smem; [DS_READY]  dQ_part = dS·K   (SS-WGMMA over all keys of the CTA)
+    dSᵀ → smem; [DS_READY]  dQ_part = dS·K   (SS-WGMMA over all keys of the CTA;
+                                       dQᵀ = Kᵀ·dSᵀ when tile_m is no multiple of 64)
     dQ_part → smem [DQ_FULL] (under the dK GEMM with cfg.dq_store_under_dk);
     the writer warp reduce-adds it into the fp32 dQ accumulator (dq_accum.py)
     and frees the slab [DQ_EMPTY]
-At the end dK·scale and dV go to global memory (16-bit, or with split_gqa fp32
-partials per query head, which the group-sum kernel adds over each group); the
+At the end dK·scale and dV go to global memory: 16-bit through the K and V
+buffers and TMA stores (cfg.dkv_tma_store), or from registers, with split_gqa
+as fp32 partials per query head that the group-sum kernel adds over each group; the
 postprocess kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
 """
 
@@ -188,10 +191,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                mdV: cute.Tensor, mSemaphore: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, tma_dk, tma_dv,
-               softmax_scale_log2: Float32, softmax_scale: Float32, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
-               sStat_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
-               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               softmax_scale_log2: Float32, softmax_scale: Float32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sdSt_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+               mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
@@ -311,10 +315,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 mD[None, head, batch], (self.tile_m,), (None,)), staged=True)
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
-                first = (h == 0) & (i == 0)
                 pipe_q.producer_acquire(q_state)
                 q_bar = pipe_q.producer_get_barrier(q_state)
+                first = False
                 if cutlass.const_expr(kv_first):
+                    first = (h == 0) & (i == 0)
                     if first:
                         self._load_on(tma_k, tKg, tKs, q_bar, kv_bytes)
                 cute.copy(tma_q, tQg[None, m_block], tQs[None, q_state.index], tma_bar_ptr=q_bar)

@@ -358,7 +358,8 @@ class BwdConfig(_KernelConfig):
         if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
         if self.tile_m % 16 or not WGMMA_M <= self.tile_m <= 192:
-            raise bad("tile_m", "a multiple of 16 in [64, 192] (the K of the dV and dK GEMMs)")
+            raise bad("tile_m", "a multiple of 16 in [64, 192] (the K of the dV and dK "
+                                "GEMMs)")
         if self.dq_transposed():
             if head_dim != WGMMA_M * self.consumer_warpgroups:
                 raise bad("tile_m", f"a multiple of 64 at head_dim {head_dim}: other tiles "
