@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
-from .bwd_sm90 import dq_tiled_mma
+from .bwd_sm90 import dq_gemm_shape, dq_tiled_mma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
 from .kernel_base import SMEM_ALIGN, permute, tma_views
 
@@ -113,12 +113,6 @@ class BackwardPostprocess:
             return WGMMA_M, self.head_dim
         return self.cfg.tile_m, self.head_dim // self.cfg.consumer_warpgroups
 
-    def _acc_shape(self) -> tuple[int, int]:
-        """The dQ GEMM's (M, N), as bwd_sm90 issues it."""
-        if self.cfg.dq_transposed():
-            return self.head_dim, self.cfg.tile_m
-        return self.cfg.tile_m, self.head_dim
-
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
                  stream: cuda.CUstream):
@@ -162,8 +156,8 @@ class BackwardPostprocess:
         values_16bit = cute.make_rmem_tensor(values.shape, self.dtype)
         wgmma.convert_to_16bit(values, values_16bit)
         # values are in accumulator register order: view them with its shape
-        acc_shaped = cute.make_tensor(values_16bit.iterator,
-                                      cute.make_layout(mma.partition_shape_C(self._acc_shape())))
+        acc_shape = mma.partition_shape_C(dq_gemm_shape(self.cfg, d))
+        acc_shaped = cute.make_tensor(values_16bit.iterator, cute.make_layout(acc_shape))
         slab_coord = (wg, 0) if cutlass.const_expr(self.cfg.dq_split_m()) else (0, wg)
         slab = cute.local_tile(sdQ, self._slab_shape(), slab_coord)
         transposed = self.cfg.dq_transposed()

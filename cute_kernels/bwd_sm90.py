@@ -110,6 +110,14 @@ def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     return wgmma.tiled_mma(dtype, False, False, (1, wgs, 1), head_dim // wgs)
 
 
+def dq_gemm_shape(config: BwdConfig, head_dim: int) -> tuple[int, int]:
+    """The (M, N) that dq_tiled_mma computes: (tile_m, head_dim), or
+    (head_dim, tile_m) when dQ is transposed."""
+    if config.dq_transposed():
+        return head_dim, config.tile_m
+    return config.tile_m, head_dim
+
+
 class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     """One compiled kernel per (dtype, head_dim, causal, config: BwdConfig)."""
 
@@ -296,7 +304,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             kv_bar = pipe_kv.producer_get_barrier(kv_state)
             cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
             cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
-        kv_bytes = self.tile_n * d * (self.dtype.width // 8)
         if cutlass.const_expr(self.cfg.early_launch):
             cute.arch.griddepcontrol_wait()  # LSE₂ and D come from the preprocess
 
@@ -317,11 +324,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 m_block = m_min + i
                 pipe_q.producer_acquire(q_state)
                 q_bar = pipe_q.producer_get_barrier(q_state)
-                first = False
                 if cutlass.const_expr(kv_first):
                     first = (h == 0) & (i == 0)
                     if first:
-                        self._load_on(tma_k, tKg, tKs, q_bar, kv_bytes)
+                        self._load_on(tma_k, tKg, tKs, q_bar)
                 cute.copy(tma_q, tQg[None, m_block], tQs[None, q_state.index], tma_bar_ptr=q_bar)
                 cute.copy(tma_lse, tLg[None, m_block], tLs[None, q_state.index],
                           tma_bar_ptr=q_bar)
@@ -330,7 +336,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 do_bar = pipe_do.producer_get_barrier(do_state)
                 if cutlass.const_expr(kv_first):
                     if first:
-                        self._load_on(tma_v, tVg, tVs, do_bar, kv_bytes)
+                        self._load_on(tma_v, tVg, tVs, do_bar)
                 cute.copy(tma_do, tdOg[None, m_block], tdOs[None, do_state.index],
                           tma_bar_ptr=do_bar)
                 cute.copy(tma_d, tDg[None, m_block], tDs[None, do_state.index],
@@ -338,13 +344,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 do_state.advance()
 
     @cute.jit
-    def _load_on(self, atom, g_view, s_view, barrier, nbytes: int):
-        """A TMA load completing on a ring stage's barrier, whose arrival
-        (producer_acquire) expected only the stage's own bytes. Raising the
-        expected count before the copy is issued keeps the phase open until
-        this load lands too."""
+    def _load_on(self, atom, g_view, s_view, barrier):
+        """A K or V tile's TMA load completing on a ring stage's barrier, whose
+        arrival (producer_acquire) expected only the stage's own bytes.
+        Raising the expected count before the copy is issued keeps the phase
+        open until this load lands too."""
         with cute.arch.elect_one():
-            cute.arch.mbarrier_expect_tx(barrier, nbytes)
+            cute.arch.mbarrier_expect_tx(barrier,
+                                         self.tile_n * self.head_dim * (self.dtype.width // 8))
         cute.copy(atom, g_view, s_view, tma_bar_ptr=barrier)
 
     # ------------------------------------------------------------- consumers
@@ -508,7 +515,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
                           number_of_threads=self.consumer_threads)
-        acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C(self._dq_shape()), Float32)
+        acc_dq = cute.make_rmem_tensor(
+            mma_dq.partition_shape_C(dq_gemm_shape(self.cfg, self.head_dim)), Float32)
         ds_operand = frags["dS"][None, None, None, ds_buffer]
         a, b = ds_operand, frags["Kt"]
         if cutlass.const_expr(self.cfg.dq_transposed()):
@@ -526,12 +534,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             self.sync.release(pipe_q, q_state)
             self.sync.release(pipe_do, do_state)
             self.stage_dq(acc_dq, sdQ, wg, tid)
-
-    def _dq_shape(self) -> tuple[int, int]:
-        """The dQ GEMM's (M, N): (tile_m, head_dim), or transposed."""
-        if self.cfg.dq_transposed():
-            return self.head_dim, self.tile_m
-        return self.tile_m, self.head_dim
 
     @cute.jit
     def issue_dk(self, frags, acc_dk, mma_dkv, q_state):
