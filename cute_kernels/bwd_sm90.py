@@ -143,7 +143,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         k_atom_cols = d if self.cfg.dq_split_m() else d // self.consumer_wgs
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, atom_cols=k_atom_cols)
         sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, 2)
-        sStat_layout = cute.make_layout((tile_m, stages))
+        # each stage's statistics start 128-byte aligned, as a TMA destination
+        # must (tile_m=80: 320 bytes a stage otherwise, a misaligned address)
+        stat_stride = self.cfg.stat_stage_floats()
+        sStat_layout = cute.make_layout((tile_m, stages), stride=(1, stat_stride))
         mma_sdp = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_m)
         mma_dkv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
         mma_dq = dq_tiled_mma(self.dtype, self.cfg, d)
@@ -178,8 +181,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                   SMEM_ALIGN]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
                                    SMEM_ALIGN]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * stages], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * stages], 128]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
             sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)],
                                     SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * d], 128]

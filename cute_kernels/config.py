@@ -233,7 +233,8 @@ class BwdConfig(_KernelConfig):
         483 instructions per step against 400 for 64 rows, 6.0 per query
         row against 6.3 (fa4's 80-row step: 465, 5.8). Without it ptxas
         spills and serialises every WGMMA; causal, the mask adds a 16-byte
-        spill. Not yet timed on the H100.
+        spill. On the H100 (d=128 non-causal, bf16) 80 rows beat 64 at
+        2k, 8k and 16k (see default_bwd_config): the default there.
     tile_n: keys per CTA.
     qdo_stages: depth of the Q (+LSE) and dO (+D) shared-memory rings.
     deterministic: dQ partial sums are added to the fp32 accumulator in
@@ -343,11 +344,16 @@ class BwdConfig(_KernelConfig):
         axis, 64 rows of it per warpgroup, and the query rows on N."""
         return self.tile_m % WGMMA_M != 0
 
+    def stat_stage_floats(self) -> int:
+        """Floats between two stages of the LSE₂ and D rings: tile_m rounded up
+        to 128 bytes, the alignment a TMA destination needs."""
+        return -(-self.tile_m // 32) * 32
+
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         size = 8 * (2 + 4 * self.qdo_stages)                                   # mbarriers
         size = _align_1k(size) + 2 * self.tile_n * head_dim * elem_bytes           # K, V
         size = _align_1k(size) + 2 * self.qdo_stages * self.tile_m * head_dim * elem_bytes  # Q, dO
-        size = _align_1k(size) + 2 * self.qdo_stages * self.tile_m * 4             # LSE, D
+        size = _align_1k(size) + 2 * self.qdo_stages * self.stat_stage_floats() * 4  # LSE, D
         size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
         size = _align_1k(size) + self.tile_m * head_dim * 4                        # dQ partial
         return size
@@ -424,7 +430,14 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
       queries and the fp32 Pᵀ ptxas runs out of registers and serialises the
       WGMMAs (463.6 even in the FlashAttention-3 order);
     - head dim 96/128: 64 queries per step (128 would need 256 accumulator
-      registers per thread), dSᵀ from the fp32 Pᵀ (608.1 vs 598.7);
+      registers per thread), dSᵀ from the fp32 Pᵀ at 96 (at 128 it was
+      608.1 vs 598.7 before the TMA-stored dK/dV);
+    - head dim 128 non-causal: 80 queries per step with dSᵀ from the 16-bit
+      Pᵀ (dQ transposed; 680.8 vs 662.1 with 64, 16k 689.8 vs 653.7, 2k
+      565.9 vs 556.9); 64 rows with the 16-bit Pᵀ beat the fp32 one by
+      650.2 vs 643.0 (16k 654.3 vs 641.7, 2k 549.2 vs 543.2);
+    - head dim 128 causal: 64 queries, dSᵀ from the 16-bit Pᵀ (612.5 vs
+      611.3, even; 16k 654.9 vs 653.0, 2k 428.6 vs 428.5);
     - dQ partial stored under the dK GEMM (d128 618.3 vs 600.7, causal 555.8
       vs 542.8; d64 541.4 vs 504.9, causal 500.4 vs 464.5);
     - head dim 96/128: LSE₂ read before the GEMM issue (stats_early; d128
@@ -448,6 +461,12 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     if head_dim <= 64:
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
                          ds_from_16bit_p=True, split_gqa=split_gqa)
+    if head_dim == 128:
+        # 80 rows: the mask (causal) or split_gqa's fp32 partial stores make
+        # ptxas spill 16 bytes; they keep 64
+        return BwdConfig(tile_m=64 if causal or split_gqa else 80, tile_n=128, qdo_stages=2,
+                         deterministic=deterministic, ds_from_16bit_p=True,
+                         stats_early=True, split_gqa=split_gqa)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
                      stats_early=True, split_gqa=split_gqa)
 

@@ -93,7 +93,9 @@ def main(argv=None):
             t = time_cuda(lambda: case.run(config), repeats=args.repeats)
             row.update(median_ms=t.median_ms, tflops=tflops(flops, t.median_ms))
         except Exception as exc:
-            row["status"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:140]}"
+            # the DSL's errors can open with a blank line: keep the first words
+            first = next((l.strip() for l in str(exc).splitlines() if l.strip()), "")
+            row["status"] = f"{type(exc).__name__}: {first[:140]}"
         results.append(row)
         print(f"  {row['status']:<4} {row.get('tflops') or 0:7.1f} TFLOP/s  {row['config']}",
               flush=True)

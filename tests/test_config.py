@@ -73,6 +73,20 @@ def test_backward_dq_split_follows_the_tile():
     assert not BwdConfig(tile_m=64).dq_transposed() and not BwdConfig(tile_m=128).dq_transposed()
 
 
+def test_backward_statistics_stages_start_128_byte_aligned():
+    """Each LSE₂/D stage is a TMA destination: 80 rows (320 bytes) gave the
+    H100 a misaligned address (cudaErrorMisalignedAddress) before the stride
+    was rounded up."""
+    from cute_kernels.config import BwdConfig, default_bwd_config
+    for tile_m in (16, 64, 80, 112, 128):
+        assert BwdConfig(tile_m=tile_m).stat_stage_floats() * 4 % 128 == 0
+        assert BwdConfig(tile_m=tile_m).stat_stage_floats() >= tile_m
+    assert BwdConfig(tile_m=80).stat_stage_floats() == 96
+    assert default_bwd_config(128, False).tile_m == 80          # timed on the H100
+    assert default_bwd_config(128, True).tile_m == 64
+    assert default_bwd_config(128, False, split_gqa=True).tile_m == 64  # 80 spills there
+
+
 def test_parse_field_per_kernel():
     from cute_kernels.config import parse_field
     assert parse_field("deterministic", "yes", "bwd") is True
