@@ -71,15 +71,19 @@ class BackwardPreprocess:
         row_block, head, batch = cute.arch.block_idx()
         row = row_block * ROWS_PER_CTA + tid // LANES_PER_ROW
         lane = tid % LANES_PER_ROW
-        chunk = self.head_dim // LANES_PER_ROW
         seqlen, padded = mO.shape[1], mLSE2.shape[2]
 
+        # A row's lanes take 16-byte pieces in turn (lane, lane + 8, ...), so
+        # each load and store instruction covers whole 32-byte sectors; with
+        # one contiguous chunk per lane each covered half a sector.
         dot = Float32(0.0)
         if row < seqlen:
-            o = cute.local_tile(mO[batch, row, head, None], (chunk,), (lane,))
-            do = cute.local_tile(mdO[batch, row, head, None], (chunk,), (lane,))
-            prod = o.load().to(Float32) * do.load().to(Float32)
-            dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            o, pieces = interleaved_pieces(mO[batch, row, head, None], lane)
+            do, _ = interleaved_pieces(mdO[batch, row, head, None], lane)
+            for i in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                if lane + LANES_PER_ROW * i < pieces:
+                    prod = o[None, i].load().to(Float32) * do[None, i].load().to(Float32)
+                    dot += prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         dot = cute.arch.warp_reduction_sum(dot, threads_in_group=LANES_PER_ROW)
         if row < padded:
             if lane == 0:
@@ -95,8 +99,24 @@ class BackwardPreprocess:
                 mLSE2[batch, head, row] = lse2
                 mD[batch, head, row] = dsum
             acc_row = cute.local_tile(mdQaccum[batch, head, None], (self.head_dim,), (row,))
-            zeros = cute.local_tile(acc_row, (chunk,), (lane,))
-            zeros.fill(0.0)
+            zeros, pieces = interleaved_pieces(acc_row, lane)
+            for i in cutlass.range_constexpr(cute.size(zeros, mode=[1])):
+                if lane + LANES_PER_ROW * i < pieces:
+                    zeros[None, i].fill(0.0)
+
+
+def interleaved_pieces(row: cute.Tensor, lane) -> tuple[cute.Tensor, int]:
+    """(elements of a 16-byte piece, round) view of a contiguous row's pieces
+    lane, lane + LANES_PER_ROW, ..., and the row's piece count: the last
+    round may run past the row (d=96: 12 pieces of bf16), so a round is
+    used where lane + LANES_PER_ROW · round < pieces (for whole rounds
+    LLVM folds the test away: lane < LANES_PER_ROW)."""
+    vec = 128 // row.element_type.width
+    pieces = cute.size(row) // vec
+    rounds = -(-pieces // LANES_PER_ROW)
+    view = cute.make_tensor(row.iterator, cute.make_layout(
+        (vec, LANES_PER_ROW, rounds), stride=(1, vec, vec * LANES_PER_ROW)))
+    return view[None, lane, None], pieces
 
 
 class BackwardPostprocess:
