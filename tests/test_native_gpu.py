@@ -16,6 +16,7 @@ SHAPES = [
     (1, 17, 33, 8, 1, 64, torch.bfloat16, False),
     (3, 300, 77, 6, 6, 96, torch.float16, True),
     (1, 512, 512, 8, 4, 128, torch.bfloat16, True),   # a KV grid under two waves: split_gqa
+    (2, 1000, 1000, 4, 4, 128, torch.bfloat16, False),  # the backward's 80-row tile: padding
 ]
 
 
