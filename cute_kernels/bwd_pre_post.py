@@ -1,6 +1,9 @@
 """The small kernels around the backward main kernel (bwd_sm90.py).
 
-Preprocess, one row (query, head, batch) per 8 threads:
+Preprocess, one row (query, head, batch) per 8 threads, which take its
+16-byte pieces in turn so every load and store instruction covers whole
+sectors (an H200, d=128 2k: 0.067 ms; 0.091 with a contiguous chunk per
+lane, half a sector per instruction; fa4's 0.081):
     D    = rowsum(dO ∘ O) − dLSE     (dLSE: gradient flowing into the LSE output, if any)
     LSE₂ = LSE · log2(e)             (+inf for rows with no visible key and for padding,
                                       so exp2(s·scale_log2 − LSE₂) is 0 there, never NaN)

@@ -463,7 +463,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
                          ds_from_16bit_p=True, split_gqa=split_gqa)
     if head_dim == 128:
         # 80 rows: the mask (causal) or split_gqa's fp32 partial stores make
-        # ptxas spill 16 bytes; they keep 64
+        # ptxas spill 16 bytes; they keep 64 (causal on an H200, 64 vs 80
+        # rows: 2k 466.9 vs 450.8, 16k 669.5 vs 673.3)
         return BwdConfig(tile_m=64 if causal or split_gqa else 80, tile_n=128, qdo_stages=2,
                          deterministic=deterministic, ds_from_16bit_p=True,
                          stats_early=True, split_gqa=split_gqa)
