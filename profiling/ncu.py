@@ -216,15 +216,22 @@ def source_hotspots(rows: list[dict], top: int = 25) -> str:
     by_reason = sorted(((sum(_number(r[c]) for r in rows), c[6:]) for c in reasons),
                        reverse=True)
     lines += [f"  {name:<20} {v:10.0f} {100 * v / total:5.1f}%" for v, name in by_reason[:10]]
-    by_op: dict[str, list[float]] = {}
+    # per opcode: samples, executions and samples by reason (fa4's d64
+    # backward and ours differed most in MUFU's fixed-latency waits)
+    by_op: dict[str, list] = {}
     for r in rows:
         source = r.get("Source", "").strip()
-        entry = by_op.setdefault(opcode(source) if source else "?", [0.0, 0.0])
+        entry = by_op.setdefault(opcode(source) if source else "?", [0.0, 0.0, {}])
         entry[0] += _number(r.get(_SAMPLES, "0"))
         entry[1] += _number(r.get("Instructions Executed", "0"))
-    lines.append(f"{'opcode':<12} {'samples':>9} {'%':>6} {'executed':>14}")
-    for op, (samples, executed) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:15]:
-        lines.append(f"{op:<12} {samples:9.0f} {100 * samples / total:5.1f}% {executed:14.0f}")
+        for c in reasons:
+            entry[2][c[6:]] = entry[2].get(c[6:], 0.0) + _number(r[c])
+    lines.append(f"{'opcode':<12} {'samples':>9} {'%':>6} {'executed':>14}  largest reasons")
+    for op, (samples, executed, why) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:15]:
+        worst = sorted(((v, name) for name, v in why.items()), reverse=True)[:3]
+        reasons_text = " ".join(f"{name}:{v:.0f}" for v, name in worst if v)
+        lines.append(f"{op:<12} {samples:9.0f} {100 * samples / total:5.1f}% {executed:14.0f}"
+                     f"  {reasons_text}")
     lines.append(f"top {top} instructions by stall samples:")
     for r in sorted(rows, key=lambda r: -_number(r.get(_SAMPLES, "0")))[:top]:
         samples = _number(r.get(_SAMPLES, "0"))

@@ -133,6 +133,8 @@ def test_ncu_source_hotspots_from_a_recorded_source_page():
     assert "FFMA" in hot[0] and "short_sb:88" in hot[0] and "90.0%" in hot[0]
     assert len(hot) == 2
     assert "BRA" in text  # predicated instructions counted under their opcode
+    ffma = next(l for l in text.splitlines() if l.startswith("FFMA"))
+    assert ffma.split()[1] == "90" and ffma.endswith("short_sb:88 wait:2")  # by opcode
     assert "(Not Issued)" not in text
 
 
