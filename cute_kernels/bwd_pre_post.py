@@ -40,7 +40,7 @@ from cutlass.memory import SmemAllocator
 from . import dq_accum, wgmma
 from .bwd_sm90 import dq_gemm_shape, dq_tiled_mma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
-from .kernel_base import SMEM_ALIGN, permute, tma_views
+from .kernel_base import SMEM_ALIGN, permute, tma_store_tile
 
 LOG2_E = math.log2(math.e)
 LANES_PER_ROW = 8
@@ -192,9 +192,8 @@ class BackwardPostprocess:
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         if tid < 32:  # TMA clips the rows past seqlen_q
-            g_tile = cute.local_tile(mdQ[None, None, head, batch], (tile_m, d), (m_block, 0))
-            s_view, g_view = tma_views(tma_dq, sdQ, g_tile, staged=False)
-            cute.copy(tma_dq, s_view, g_view)
+            tma_store_tile(tma_dq, sdQ, cute.local_tile(mdQ[None, None, head, batch],
+                                                        (tile_m, d), (m_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 

@@ -52,7 +52,8 @@ from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
-from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, permute, tma_views
+from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, tma_store_tile,
+                          tma_views)
 from .mask import QueryBlockRange, apply_mask_transposed
 from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
                        producer_state)
@@ -638,10 +639,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                           number_of_threads=self.consumer_threads)
         if tid < 32:
             for atom, s, m_out in ((tma_dk, sK, mdK), (tma_dv, sV, mdV)):
-                g_tile = cute.local_tile(m_out[None, None, head_kv, batch],
-                                         (self.tile_n, self.head_dim), (n_block, 0))
-                s_view, g_view = tma_views(atom, s, g_tile, staged=False)
-                cute.copy(atom, s_view, g_view)
+                tma_store_tile(atom, s, cute.local_tile(m_out[None, None, head_kv, batch],
+                                                        (self.tile_n, self.head_dim),
+                                                        (n_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
             # shared memory must outlive the stores' reads of it
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -37,7 +37,7 @@ from cutlass.memory import SmemAllocator
 from . import wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
-                          tma_views)
+                          tma_store_tile, tma_views)
 from .mask import BlockRange, apply_mask
 from .pipeline import NamedBarrier, PingPong, consumer_state, make_tma_pipeline, producer_state
 from .scheduler import TileScheduler
@@ -463,8 +463,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             if row_block * WGMMA_M < seqlen_q:  # TMA clips the rows past seqlen_q
                 gO = cute.local_tile(mO[None, None, head, batch], (WGMMA_M, self.head_dim),
                                      (row_block, 0))
-                tOs, tOg = tma_views(tma_o, slab, gO, staged=False)
-                cute.copy(tma_o, tOs, tOg)
+                tma_store_tile(tma_o, slab, gO)
             cute.arch.cp_async_bulk_commit_group()
         else:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,

@@ -26,6 +26,13 @@ def tma_views(atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
                                  cute.group_modes(s, 0, s_rank), cute.group_modes(g, 0, g_rank))
 
 
+def tma_store_tile(atom, s: cute.Tensor, g: cute.Tensor) -> None:
+    """Issue one TMA store of the shared-memory tile s to the global tile g
+    (one thread's worth: call it from a single warp)."""
+    s_view, g_view = tma_views(atom, s, g, staged=False)
+    cute.copy(atom, s_view, g_view)
+
+
 def mma_operand_view(mem_range, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
     """A SharedStorage field as a swizzled tensor for WGMMA operands, its base
     address made opaque to LLVM (passed through make_warp_uniform's shuffle).

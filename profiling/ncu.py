@@ -202,6 +202,12 @@ def source_kernels(csv_text: str) -> dict[str, list[dict]]:
 _SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
+def _largest(samples_by_reason) -> str:
+    """The three largest of (reason, samples) pairs as "reason:samples ..."."""
+    worst = sorted(((v, name) for name, v in samples_by_reason), reverse=True)[:3]
+    return " ".join(f"{name}:{v:.0f}" for v, name in worst if v)
+
+
 def source_hotspots(rows: list[dict], top: int = 25) -> str:
     """Where a kernel's warps wait: stall samples by reason, by opcode, and the
     `top` instructions with the most samples, each with its three largest
@@ -228,15 +234,12 @@ def source_hotspots(rows: list[dict], top: int = 25) -> str:
             entry[2][c[6:]] = entry[2].get(c[6:], 0.0) + _number(r[c])
     lines.append(f"{'opcode':<12} {'samples':>9} {'%':>6} {'executed':>14}  largest reasons")
     for op, (samples, executed, why) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:15]:
-        worst = sorted(((v, name) for name, v in why.items()), reverse=True)[:3]
-        reasons_text = " ".join(f"{name}:{v:.0f}" for v, name in worst if v)
         lines.append(f"{op:<12} {samples:9.0f} {100 * samples / total:5.1f}% {executed:14.0f}"
-                     f"  {reasons_text}")
+                     f"  {_largest(why.items())}")
     lines.append(f"top {top} instructions by stall samples:")
     for r in sorted(rows, key=lambda r: -_number(r.get(_SAMPLES, "0")))[:top]:
         samples = _number(r.get(_SAMPLES, "0"))
-        worst = sorted(((_number(r[c]), c[6:]) for c in reasons), reverse=True)[:3]
-        why = " ".join(f"{name}:{v:.0f}" for v, name in worst if v)
+        why = _largest((c[6:], _number(r[c])) for c in reasons)
         lines.append(f"  {r.get('Address', '?'):>16} {samples:7.0f} {100 * samples / total:5.1f}%  "
                      f"{r.get('Source', '').strip()[:64]:<64} {why}")
     return "\n".join(lines) + "\n"
