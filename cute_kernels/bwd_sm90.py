@@ -23,8 +23,9 @@ keys on WGMMA's M axis, so Pᵀ and dSᵀ come out in the register layout the
 next WGMMA takes as its A operand):
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          SS-WGMMA, both in flight
     Pᵀ = exp2(Sᵀ·scale_log2 − LSE₂)    LSE₂ = LSE·log2(e), from the preprocess
-    dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers (issued after
-                                       dSᵀ instead unless cfg.dv_under_ds)
+    dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers: issued here
+                                       (cfg.dv_under_ds), after dSᵀ, or after
+                                       dSᵀ → smem (cfg.dv_at_ds_barrier)
     dSᵀ = Pᵀ ∘ (dPᵀ − D)               D = rowsum(dO ∘ O), from the preprocess;
                                        Pᵀ fp32, or 16-bit (cfg.ds_from_16bit_p)
     dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers (issued after
@@ -489,8 +490,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
                 p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2_j, fastmath=True)
         dsum = self.column_stats(sD, coords, do_state.index)
+        # the 16-bit Pᵀ (dV's A operand) is made once dV or dSᵀ needs it
+        p_16bit_early = self.cfg.ds_from_16bit_p or self.cfg.dv_under_ds
+        if cutlass.const_expr(p_16bit_early):
+            wgmma.convert_to_16bit(acc_s, frags["Pt"])
         if cutlass.const_expr(self.cfg.dv_under_ds):
-            self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
+            self.issue_dv(frags, acc_dv, mma_dkv, do_state)
             warpgroup.wait_group(1)  # dPᵀ has landed (dV may still run)
         else:
             warpgroup.wait_group(0)  # dPᵀ has landed
@@ -503,8 +508,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 else:
                     p_rj = p[r, j]
                 ds[r, j] = p_rj * (ds[r, j] - dsum_j)
-        if cutlass.const_expr(not self.cfg.dv_under_ds):
-            self.issue_dv(frags, acc_s, acc_dv, mma_dkv, do_state)
+        if cutlass.const_expr(not p_16bit_early):
+            wgmma.convert_to_16bit(acc_s, frags["Pt"])
+        dv_after_ds = not self.cfg.dv_under_ds and not self.cfg.dv_at_ds_barrier
+        if cutlass.const_expr(dv_after_ds):
+            self.issue_dv(frags, acc_dv, mma_dkv, do_state)
         wgmma.convert_to_16bit(acc_dp, frags["dSt"])
         under_dk = self.cfg.dq_store_under_dk
         if cutlass.const_expr(not under_dk):
@@ -515,6 +523,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         ds_16bit = cute.make_tensor(frags["dSt"].iterator, cute.make_layout(acc_dp.shape))
         slab = cute.local_tile(sdSt[None, None, ds_buffer], (WGMMA_M, tile_m), (wg, 0))
         wgmma.stmatrix_store(self.dtype, ds_16bit, slab, tid % WARPGROUP_THREADS)
+        if cutlass.const_expr(self.cfg.dv_at_ds_barrier):
+            # the tensor core runs dV while this warpgroup waits for the others
+            self.issue_dv(frags, acc_dv, mma_dkv, do_state)
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
@@ -546,9 +557,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                    zero_init=False, wait_groups=-1)
 
     @cute.jit
-    def issue_dv(self, frags, acc_p, acc_dv, mma_dkv, do_state):
-        """dV += Pᵀ·dO, Pᵀ converted to 16 bits into the A fragment, left in flight."""
-        wgmma.convert_to_16bit(acc_p, frags["Pt"])
+    def issue_dv(self, frags, acc_dv, mma_dkv, do_state):
+        """dV += Pᵀ·dO, the 16-bit Pᵀ from registers, left in flight."""
         wgmma.gemm(mma_dkv, acc_dv, frags["Pt"], frags["dOt"][None, None, None, do_state.index],
                    zero_init=False, wait_groups=-1)
 

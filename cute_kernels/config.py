@@ -244,10 +244,21 @@ class BwdConfig(_KernelConfig):
         under the elementwise work; Pᵀ is then live in fp32 and 16 bits at
         once (tile_m / 4 more registers). Off: the FlashAttention-3 order, dSᵀ
         first, then dV and dK back to back.
-    ds_from_16bit_p: with dv_under_ds, compute dSᵀ from the 16-bit Pᵀ that
-        dV reads instead of the fp32 one, which is then dead before dPᵀ lands
-        (tile_m / 2 registers fewer per thread: what lets tile_m=128 run
-        without ptxas serialising the WGMMAs), for one conversion per element
+    dv_at_ds_barrier: with dv_under_ds off, issue dV after dSᵀ is written
+        to shared memory, just before the barrier where the warpgroups meet
+        for dQ (fa4's order), so a warpgroup that arrives first has its dV
+        GEMM running while it waits; off, right after dSᵀ is computed.
+        On the H100 (bf16, TFLOP/s, dV before dSᵀ / after dSᵀ / at the
+        barrier, dSᵀ from the 16-bit Pᵀ): d64 8k 557.1 / 574.3 / 594.9,
+        causal 16k 563.2 / 576.5 / 592.9, 2k 477.3 / 489.8 / 505.6; d96 8k
+        593.9 / 595.6 / 604.8; but d128 8k 673.1 / 680.7 / 660.2, causal
+        16k 655.2 / 668.6 / 650.5, 2k 564.7 / 570.9 / 555.7, so d128
+        issues dV right after dSᵀ (why 128 differs is not profiled yet).
+    ds_from_16bit_p: compute dSᵀ from the 16-bit Pᵀ that dV reads (made
+        right after the exp2s) instead of the fp32 one, which is then dead
+        before dPᵀ lands (tile_m / 2 registers fewer per thread: what lets
+        tile_m=128 run without ptxas serialising the WGMMAs), for one
+        conversion per element
         (wgmma.read_16bit_as_f32: one whole-word operation per value; the
         DSL's own conversion extracted halves with merging PRMTs that kept
         11 registers live across the loop at d=64: 86 live at the loop head
@@ -316,6 +327,7 @@ class BwdConfig(_KernelConfig):
     qdo_stages: int = 2
     deterministic: bool = False
     dv_under_ds: bool = True
+    dv_at_ds_barrier: bool = False
     ds_from_16bit_p: bool = False
     dq_store_under_dk: bool = True
     stats_early: bool = False
@@ -381,9 +393,8 @@ class BwdConfig(_KernelConfig):
                                     f"({WGMMA_M * self.consumer_warpgroups}), or 64 with "
                                     f"head_dim split evenly in multiples of 8 across "
                                     f"{self.consumer_warpgroups} warpgroups")
-        if self.ds_from_16bit_p and not self.dv_under_ds:
-            raise bad("ds_from_16bit_p", "False unless dv_under_ds (the 16-bit Pᵀ exists "
-                                         "before dSᵀ only when dV is issued first)")
+        if self.dv_at_ds_barrier and self.dv_under_ds:
+            raise bad("dv_at_ds_barrier", "False when dv_under_ds (one place to issue dV)")
         if self.stats_shuffle and self.stats_early:
             raise bad("stats_shuffle", "False when stats_early (one way to read the "
                                        "statistics)")
@@ -430,8 +441,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
       queries and the fp32 Pᵀ ptxas runs out of registers and serialises the
       WGMMAs (463.6 even in the FlashAttention-3 order);
     - head dim 96/128: 64 queries per step (128 would need 256 accumulator
-      registers per thread), dSᵀ from the fp32 Pᵀ at 96 (at 128 it was
-      608.1 vs 598.7 before the TMA-stored dK/dV);
+      registers per thread), dSᵀ from the 16-bit Pᵀ (d96 8k with dV at the
+      dQ barrier: 604.8 vs 591.1 from the fp32 one);
     - head dim 128 non-causal: 80 queries per step with dSᵀ from the 16-bit
       Pᵀ (dQ transposed; 680.8 vs 662.1 with 64, 16k 689.8 vs 653.7, 2k
       565.9 vs 556.9); 64 rows with the 16-bit Pᵀ beat the fp32 one by
@@ -445,8 +456,11 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     - dK and dV stored through the K and V buffers with TMA (dkv_tma_store,
       a field default: d128 2k 534.6 vs 509.9, causal 414.3 vs 391.9, 8k
       641.3 vs 633.4; d64 2k 467.8 vs 456.5);
-    - dV issued before dSᵀ is computed (d128 608.1 vs 608.5, even), which is
-      what lets d64 drop the fp32 Pᵀ; qdo_stages 3 gains nothing (616.0 vs 618.3).
+    - dV issued where the warpgroups meet for dQ at d64 and d96, right
+      after dSᵀ is computed at d128, with dSᵀ from the 16-bit Pᵀ everywhere
+      (BwdConfig.dv_at_ds_barrier: d64 8k 594.9 vs 557.1 with dV under
+      dSᵀ, d96 604.8 vs 578.9, d128 16k 698.3 vs 672.4, causal 8k 625.9
+      vs 614.1); qdo_stages 3 gains nothing (616.0 vs 618.3).
     - causal key blocks longest-first in 16 MB L2 sections (d128 causal 4k
       batch 4: 499.3 vs 485.4 with 4 MB and 319.6 with one global order;
       d64 causal 8k: 501.0 vs 489.4 and 357.3);
@@ -460,15 +474,17 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     """
     if head_dim <= 64:
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
-                         ds_from_16bit_p=True, split_gqa=split_gqa)
+                         dv_under_ds=False, dv_at_ds_barrier=True, ds_from_16bit_p=True,
+                         split_gqa=split_gqa)
     if head_dim == 128:
         # 80 rows: the mask (causal) or split_gqa's fp32 partial stores make
-        # ptxas spill 16 bytes; they keep 64 (causal on an H200, 64 vs 80
-        # rows: 2k 466.9 vs 450.8, 16k 669.5 vs 673.3)
+        # ptxas spill 16 bytes; they keep 64 (causal on an H100, 64 vs 80
+        # rows: 4k 550.1 vs 526.5, 16k 668.1 vs 658.3)
         return BwdConfig(tile_m=64 if causal or split_gqa else 80, tile_n=128, qdo_stages=2,
-                         deterministic=deterministic, ds_from_16bit_p=True,
+                         deterministic=deterministic, dv_under_ds=False, ds_from_16bit_p=True,
                          stats_early=True, split_gqa=split_gqa)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
+                     dv_under_ds=False, dv_at_ds_barrier=True, ds_from_16bit_p=True,
                      stats_early=True, split_gqa=split_gqa)
 
 

@@ -204,8 +204,15 @@ def test_backward_kernel_ptx(tmp_path, dtype, head_dim, causal):
     assert info.warpgroups == 3  # one consumer warpgroup per 64 keys
     # the bulk fp32 reduce-add of dQ partials, one per consumer warpgroup slab
     assert info.counts["dq_reduce"] == config.consumer_warpgroups
-    # registers: the tile_m / dv_under_ds choice of default_bwd_config fits without spills
-    assert info.stack_bytes == 0 and info.sass["local_memory"] == 0
+    # registers: the tile_m / dV-order choice of default_bwd_config fits
+    # without spills, except fp16 at d=128 non-causal (80 rows, dV after dSᵀ,
+    # LSE₂ read early), where ptxas keeps one register in local memory: one
+    # STL and one LDL per step, around the mask branch. It is still the
+    # fastest there (H100, fp16: 8k 657.8 vs 653.9 TFLOP/s with dV under dSᵀ,
+    # 16k 672.4 vs 665.5; 670.5 vs 636.0 without the early LSE₂).
+    known_spill = dtype == torch.float16 and head_dim == 128 and not causal
+    assert info.stack_bytes == (8 if known_spill else 0)
+    assert info.sass["local_memory"] == (2 if known_spill else 0)
     for helper in ("preprocess", "postprocess"):
         assert dumped_kernel_info(str(tmp_path / helper)).counts["local_memory"] == 0
     # the postprocess writes dQ through shared memory and a TMA store (one

@@ -46,7 +46,7 @@ def test_backward_defaults_validate_and_fit():
     (dict(tile_m=128, tile_n=192), "tile_m"), (dict(qdo_stages=0), "qdo_stages"),
     (dict(qdo_stages=4), "qdo_stages"), (dict(consumer_regs=252), "consumer_regs"),
     (dict(tile_n=192, consumer_regs=240, tile_m=192), "consumer_regs"),
-    (dict(dv_under_ds=False, ds_from_16bit_p=True), "ds_from_16bit_p"),
+    (dict(dv_under_ds=True, dv_at_ds_barrier=True), "dv_at_ds_barrier"),
     (dict(stats_early=True, stats_shuffle=True), "stats_shuffle"),
     (dict(tile_m=72), "tile_m"), (dict(tile_m=80, tile_n=192, consumer_regs=160), "tile_m"),
     (dict(tile_m=80, stats_shuffle=True), "stats_shuffle"),
