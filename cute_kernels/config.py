@@ -114,6 +114,20 @@ class FwdConfig(_KernelConfig):
         (always true: sums of exp2 are >= 0 or NaN), and the wait follows
         their exp2s: 1 leaves the other row's exp2s to fill the gaps of the O
         rescale and the P conversion behind the wait, 2 puts every exp2 first.
+    rederive_epilogue_coords: the epilogue derives its coordinates itself
+        (the tile from an opaque copy of the tile index, the stmatrix
+        addresses and LSE rows from an opaque copy of the thread index)
+        instead of using values that LLVM hoists out of the persistent tile
+        loop, which then stay live through every main-loop step. d64
+        non-causal: the step enters with 82 live registers instead of 88
+        (fa4: 75) and peaks at 147 of 160 instead of 153; 405 SASS
+        instructions instead of 413. On the H100 (bf16, 16k tokens, ratio
+        to fa4 within one bench each, off -> on): d64 2k 0.985 -> 1.002, 4k
+        0.976 -> 0.990, 8k 0.974 -> 0.986, 16k 0.972 -> 0.982; d128 even
+        (2k 1.010 -> 1.001, 16k 0.991 -> 0.988); causal loses (d64 8k 0.982
+        -> 0.949, d128 2k 1.003 -> 0.976): with registers to spare ptxas
+        puts d64 causal's P·V wait behind 15 exp2s, a late wait like the one
+        pv_wait_after_rows showed to lose. On for d64 non-causal only.
     """
 
     tile_m: int = 128
@@ -128,6 +142,7 @@ class FwdConfig(_KernelConfig):
     l2_section_mb: int = 16
     lean_consumer_sync: bool = True
     pv_wait_after_rows: int = 0
+    rederive_epilogue_coords: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -190,7 +205,8 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     """
     if head_dim <= 64:
         return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
-                         producer_regs=32, consumer_regs=160, lean_consumer_sync=not causal)
+                         producer_regs=32, consumer_regs=160, lean_consumer_sync=not causal,
+                         rederive_epilogue_coords=not causal)
     if head_dim <= 96:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=not causal)
     if causal:

@@ -11,6 +11,15 @@ def test_defaults_validate_for_every_head_dim():
             default_fwd_config(head_dim, causal).validate(head_dim)
 
 
+def test_epilogue_coords_rederived_where_timed_faster():
+    # FwdConfig.rederive_epilogue_coords: won at d64 non-causal on the H100,
+    # even at d128, lost under the causal mask
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            expected = head_dim == 64 and not causal
+            assert default_fwd_config(head_dim, causal).rederive_epilogue_coords is expected
+
+
 @pytest.mark.parametrize("changes, field", [
     (dict(tile_m=96), "tile_m"), (dict(tile_m=256), "tile_m"), (dict(tile_n=20), "tile_n"),
     (dict(kv_stages=0), "kv_stages"), (dict(kv_stages=1), "kv_stages"),
