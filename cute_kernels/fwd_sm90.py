@@ -236,10 +236,6 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                       Float32)
         s_coords = tiled_mma_qk.get_slice(tid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        o_coords = None  # FwdConfig.rederive_epilogue_coords: made in the epilogue
-        if cutlass.const_expr(not self.cfg.rederive_epilogue_coords):
-            o_coords = tiled_mma_pv.get_slice(tid).partition_C(
-                cute.make_identity_tensor((self.tile_m, self.head_dim)))
         softmax = OnlineSoftmax.create(softmax_scale_log2,
                                        cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]),
                                        self.cfg.rescale_threshold)
@@ -273,8 +269,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 # from an opaque copy of the index, so that the main loop's
                 # coordinates need not stay live through it
                 m_block, head, batch = scheduler.decode(cute.arch.make_warp_uniform(tile))
-            self.epilogue(acc_o, lse, tiled_mma_pv, o_coords, mO, mLSE, sO, tma_o, wg, tid,
-                          m_block, head, batch, seqlen_q)
+            self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_o, wg, tid, m_block,
+                          head, batch, seqlen_q)
             round_idx += 1
             tile = scheduler.tile_at(round_idx)
         if tid % WARPGROUP_THREADS < 32:
@@ -434,9 +430,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     # -------------------------------------------------------------- epilogue
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                 o_coords, mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor,
-                 tma_o: cute.CopyAtom, wg: Int32, tid: Int32, m_block: Int32, head: Int32,
-                 batch: Int32, seqlen_q: Int32):
+                 mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
+                 wg: Int32, tid: Int32, m_block: Int32, head: Int32, batch: Int32,
+                 seqlen_q: Int32):
         """O (registers) -> this warpgroup's smem slab -> TMA store; LSE -> global.
 
         The slab's previous store is awaited here, not right after issuing it,
@@ -461,9 +457,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         cute.arch.fence_view_async_shared()
 
         # LSE: the thread holding column 0 of a row writes it.
-        if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
-            o_coords = tiled_mma_pv.get_slice(tid).partition_C(
-                cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        o_coords = tiled_mma_pv.get_slice(tid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.head_dim)))
         rows = wgmma.acc_rows_cols(o_coords)
         if rows[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
