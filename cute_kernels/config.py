@@ -100,8 +100,11 @@ class FwdConfig(_KernelConfig):
         On the H100 (bf16, 16k tokens, TFLOP/s off vs on): d128 16k 727.3
         vs 743.7, d128 causal 8k 674.3 vs 690.5, d96 8k 599.5 vs 614.2, d64
         8k 570.1 vs 581.6; but d64 causal loses (16k one CTA per tile 571.8
-        vs 537.6, 8k 532.3 vs 508.3, 4k 462.6 vs 444.9), so the op keeps it
-        off there (default_fwd_config).
+        vs 537.6, 8k 532.3 vs 508.3, 4k 462.6 vs 444.9): its data-free
+        arrive let ptxas lift the P·V wait above every exp2. Held behind one
+        with pv_wait_after_exp2=2 it wins there too (2k 401.1 vs 395.7, 8k
+        540.9 vs 536.7, 16k 571.7 vs 569.2 against the DSL pipeline's wait
+        and release), so every default has it.
     pv_wait_after_rows: with intra_wg_overlap, hold the wait for the previous
         block's P·V until the exponentials of this many of the thread's two
         rows are issued (0: where ptxas puts it). ptxas keeps mbarrier arrives
@@ -114,6 +117,20 @@ class FwdConfig(_KernelConfig):
         (always true: sums of exp2 are >= 0 or NaN), and the wait follows
         their exp2s: 1 leaves the other row's exp2s to fill the gaps of the O
         rescale and the P conversion behind the wait, 2 puts every exp2 first.
+    pv_wait_after_exp2: with intra_wg_overlap, hold the K stage's release
+        until row 0's exp2 of this column (1-based; 0: no hold) is computed,
+        with an arrive predicated on that probability (pipeline.py's
+        ConsumerSync.release_after): the P·V wait, which ptxas keeps behind
+        the release, then comes after the first exp2s instead of before
+        them, as in fa4's loop, at no extra instruction (d128 128x128: the
+        wait follows 15 exp2s, 455 instructions per step instead of 456;
+        pv_wait_after_rows' vote and branch cost 17, and its release after a
+        whole row's exp2s lost). On the H100 (bf16, 16k tokens, TFLOP/s 0 vs
+        the default): d128 8k 729.9 vs 732.6 (8), 16k with tile_n 160 752.4
+        vs 762.6 (8), causal 16k 735.8 vs 742.5 (8); d96 8k 621.0 vs 639.3,
+        causal 555.6 vs 596.4 (8); d64 16k 598.3 vs 607.7 (4; 8 and 16 lost
+        at 8k: 578.4, 582.0 vs 587.3); d64 causal with lean_consumer_sync,
+        above.
     rederive_epilogue_coords: the epilogue derives its coordinates itself
         (the tile from an opaque copy of the tile index, the stmatrix
         addresses and LSE rows from an opaque copy of the thread index)
@@ -142,6 +159,7 @@ class FwdConfig(_KernelConfig):
     l2_section_mb: int = 16
     lean_consumer_sync: bool = True
     pv_wait_after_rows: int = 0
+    pv_wait_after_exp2: int = 0
     rederive_epilogue_coords: bool = False
 
     @property
@@ -177,6 +195,12 @@ class FwdConfig(_KernelConfig):
         if self.pv_wait_after_rows not in (0, 1, 2):
             raise bad("pv_wait_after_rows", "0, 1 or 2 (a thread holds two rows of each "
                                             "64-row warpgroup tile)")
+        if not 0 <= self.pv_wait_after_exp2 <= self.tile_n // 4:
+            raise bad("pv_wait_after_exp2", f"a column of a thread's row in [0, tile_n / 4 = "
+                                            f"{self.tile_n // 4}]")
+        if self.pv_wait_after_exp2 and (self.pv_wait_after_rows or not self.intra_wg_overlap):
+            raise bad("pv_wait_after_exp2", "0 unless intra_wg_overlap, and 0 with "
+                                            "pv_wait_after_rows (both hold the same release)")
         if self.pv_wait_after_rows and not self.intra_wg_overlap:
             raise bad("pv_wait_after_rows", "0 unless intra_wg_overlap (without it no P·V is "
                                             "in flight during the softmax)")
@@ -197,21 +221,27 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
       persistent); for head dim 64 the 192-row tiles are short enough that the
       persistent prologue/epilogue overlap wins (1k: 259 vs 228, 4k: 447 vs 415;
       above 4k keys fwd_config_for_problem turns it off);
-    - head dim 128 non-causal: tile_n 160 (16k: 697 vs 681 with 128); causal
-      keeps 128 (2k: 507 vs 441), fewer masked columns on the diagonal;
+    - head dim 128 non-causal: tile_n 160 (with pv_wait_after_exp2=8, vs
+      128: 2k 686.6 vs 686.4, 8k 746.1 vs 742.1, 16k 762.3 vs 749.9; without
+      it 128 won below 16k, the last partial 160-key block costing more than
+      the longer step saves); causal keeps 128 (2k: 507 vs 441), fewer
+      masked columns on the diagonal;
     - causal L2 sections of 16 MB (hdim 128, 1k: 373 vs 362 with 32 MB; 4k, 16k even);
     - head dim 64: three consumer warpgroups (192 rows amortise each K/V tile:
       8k 577 vs 444 with 128 rows) and three K/V stages (4k: 530 vs 494).
     """
     if head_dim <= 64:
         return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
-                         producer_regs=32, consumer_regs=160, lean_consumer_sync=not causal,
-                         rederive_epilogue_coords=not causal)
+                         producer_regs=32, consumer_regs=160,
+                         rederive_epilogue_coords=not causal,
+                         pv_wait_after_exp2=2 if causal else 4)
     if head_dim <= 96:
-        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=not causal)
+        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=not causal,
+                         pv_wait_after_exp2=8)
     if causal:
-        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=False)
-    return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True)
+        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=False,
+                         pv_wait_after_exp2=8)
+    return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, pv_wait_after_exp2=8)
 
 
 # Head dim 64, causal: above this many keys the tiles are long enough that

@@ -366,11 +366,15 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                    zero_init=False, wait_groups=-1)
         pingpong.pass_turn(wg)
         warpgroup.wait_group(1)  # S_j has landed; P·V may still run
-        if cutlass.const_expr(self.cfg.pv_wait_after_rows == 0):
+        if cutlass.const_expr(self.cfg.pv_wait_after_rows == 0
+                              and self.cfg.pv_wait_after_exp2 == 0):
             self.sync.release(pipe_k, kv_state)
         if cutlass.const_expr(apply_causal):
             self._mask(acc_s, mask, n_block)
         rescale, moved = softmax.update(acc_s, is_first=False)
+        if cutlass.const_expr(self.cfg.pv_wait_after_exp2 > 0):
+            self.sync.release_after(pipe_k, kv_state, wgmma.acc_rows_cols(acc_s)[
+                0, self.cfg.pv_wait_after_exp2 - 1])
         if cutlass.const_expr(self.cfg.pv_wait_after_rows > 0):
             self._release_after_exponentials(softmax, pipe_k, kv_state,
                                              self.cfg.pv_wait_after_rows)

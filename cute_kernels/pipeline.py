@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cpipeline
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .config import WARPGROUP_THREADS
 from .dsl_struct import DslStruct
@@ -85,6 +88,37 @@ class ConsumerSync(DslStruct):
             cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index))
         else:
             pipe.consumer_release(state)
+
+    @cute.jit
+    def release_after(self, pipe, state, value: Float32):
+        """release, ordered after the instruction that computes `value`:
+        the arrive is predicated on `value >= 0 or NaN`, which the caller
+        knows to hold (an exp2), so every thread that would arrive still
+        does. ptxas hoists a data-free arrive as far up as the last wait
+        before it (and the waits behind it with it); this one cannot rise
+        above `value`."""
+        lane = Int32(0)
+        if cutlass.const_expr(not self.lean):
+            lane = cute.arch.lane_idx()
+        _arrive_unless(pipe.sync_object_empty.get_barrier(state.index), value, lane)
+
+
+@dsl_user_op
+def _arrive_unless(barrier: cute.Pointer, value: Float32, lane: Int32, *, loc=None,
+                   ip=None) -> None:
+    """mbarrier arrive unless value < 0 or lane != 0, predicated in PTX (no
+    branch, no warp vote)."""
+    llvm.inline_asm(
+        None,
+        [barrier.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         Float32(value).ir_value(loc=loc, ip=ip), Int32(lane).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred skip, other_lane;\n"
+        "setp.ne.u32 other_lane, $2, 0;\n"
+        "setp.lt.or.f32 skip, $1, 0f00000000, other_lane;\n"
+        "@!skip mbarrier.arrive.shared::cta.b64 _, [$0];\n}",
+        "r,f,r,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
 
 
 def producer_state(stages: int):

@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config
+from cute_kernels.config import (FwdConfig, default_bwd_config, default_fwd_config,
+                                 fwd_config_for_problem)
 from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
 from profiling.kernel_info import dumped_kernel_info, opcode
 
@@ -147,20 +148,43 @@ def test_forward_pv_wait_after_the_exponentials(tmp_path, head_dim, causal, rows
     # row's probabilities and its O rescale factor; with 1, ptxas may still
     # schedule the other row's first: d=128 does); at 0 ptxas lifts it above
     # the first one.
-    from profiling.kernel_info import main_loop_mix
-    from profiling.sass_loop import hgmmas_per_step, ours
-
-    config = default_fwd_config(head_dim, causal).replace(pv_wait_after_rows=rows)
-    sass, _ = ours("fwd", head_dim, causal, config, str(tmp_path))
-    mix, body = main_loop_mix(sass, hgmmas_per_step("fwd", head_dim, config.tile_m,
-                                                    config.tile_n))
-    pv_wait = next(i for i, inst in enumerate(body) if "DEPBAR.LE gsb0, 0x0" in inst)
-    exp2_before_wait = sum("MUFU.EX2" in inst for inst in body[:pv_wait])
+    config = default_fwd_config(head_dim, causal).replace(pv_wait_after_rows=rows,
+                                                          pv_wait_after_exp2=0)
+    mix, body = _step("fwd", head_dim, causal, config, tmp_path)
+    exp2_before_wait = _exp2_before_pv_wait(body)
     if rows == 0:
         assert exp2_before_wait == 0
     else:
         assert rows * mix["MUFU"] // 2 <= exp2_before_wait <= mix["MUFU"]
     assert not any("LDL" in inst or "STL" in inst for inst in body)
+
+
+def _exp2_before_pv_wait(body) -> int:
+    """MUFU.EX2s of a forward step ahead of the wait for the previous block's
+    P·V (WARPGROUP.DEPBAR ... 0x0)."""
+    pv_wait = next(i for i, inst in enumerate(body) if "DEPBAR.LE gsb0, 0x0" in inst)
+    return sum("MUFU.EX2" in inst for inst in body[:pv_wait])
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (96, False),
+                                             (128, False), (128, True)])
+def test_forward_pv_wait_follows_early_exp2s(tmp_path, head_dim, causal):
+    # FwdConfig.pv_wait_after_exp2 (on in every default): the K stage's
+    # release is an arrive predicated on one of row 0's probabilities, so
+    # ptxas can no longer lift it, and the P·V wait it keeps behind it,
+    # above the exponentials; at 0 it does. The wait then follows a few
+    # exp2s (d64: 4-5, d96/d128: 16-19) for at most one instruction more per
+    # step (no branch, no vote).
+    config = fwd_config_for_problem(head_dim, causal, 8192)
+    assert config.pv_wait_after_exp2 > 0
+    on, on_body = _step("fwd", head_dim, causal, config, tmp_path / "on")
+    off, off_body = _step("fwd", head_dim, causal, config.replace(pv_wait_after_exp2=0),
+                          tmp_path / "off")
+    assert _exp2_before_pv_wait(off_body) == 0
+    assert _exp2_before_pv_wait(on_body) >= 4
+    assert on["HGMMA"] == off["HGMMA"] and on["MUFU"] == off["MUFU"]
+    assert sum(on.values()) <= sum(off.values()) + 1
+    assert not any("LDL" in inst or "STL" in inst for inst in on_body)
 
 
 @pytest.mark.parametrize("rescale_threshold", [0, 8])

@@ -20,6 +20,18 @@ def test_epilogue_coords_rederived_where_timed_faster():
             assert default_fwd_config(head_dim, causal).rederive_epilogue_coords is expected
 
 
+def test_pv_wait_held_behind_early_exp2s_where_timed_faster():
+    # FwdConfig.pv_wait_after_exp2: won at every head dim, causal or not, on
+    # the H100; d64 at fewer columns (8 lost there), and causal d64 only
+    # together with lean_consumer_sync, which lost without it
+    expected = {(64, False): 4, (64, True): 2, (96, False): 8, (96, True): 8,
+                (128, False): 8, (128, True): 8}
+    for (head_dim, causal), columns in expected.items():
+        config = default_fwd_config(head_dim, causal)
+        assert config.pv_wait_after_exp2 == columns
+        assert config.lean_consumer_sync
+
+
 @pytest.mark.parametrize("changes, field", [
     (dict(tile_m=96), "tile_m"), (dict(tile_m=256), "tile_m"), (dict(tile_n=20), "tile_n"),
     (dict(kv_stages=0), "kv_stages"), (dict(kv_stages=1), "kv_stages"),
@@ -27,6 +39,10 @@ def test_epilogue_coords_rederived_where_timed_faster():
     (dict(tile_m=192, consumer_regs=240), "consumer_regs"), (dict(kv_stages=4), "kv_stages"),
     (dict(pv_wait_after_rows=1, intra_wg_overlap=False), "pv_wait_after_rows"),
     (dict(pv_wait_after_rows=3), "pv_wait_after_rows"),
+    (dict(pv_wait_after_exp2=33), "pv_wait_after_exp2"),  # tile_n 128: 32 columns a row
+    (dict(pv_wait_after_exp2=-1), "pv_wait_after_exp2"),
+    (dict(pv_wait_after_exp2=1, intra_wg_overlap=False), "pv_wait_after_exp2"),
+    (dict(pv_wait_after_exp2=1, pv_wait_after_rows=1), "pv_wait_after_exp2"),
 ])
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"FwdConfig\.{field}: expected"):
