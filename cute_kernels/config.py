@@ -100,11 +100,11 @@ class FwdConfig(_KernelConfig):
         On the H100 (bf16, 16k tokens, TFLOP/s off vs on): d128 16k 727.3
         vs 743.7, d128 causal 8k 674.3 vs 690.5, d96 8k 599.5 vs 614.2, d64
         8k 570.1 vs 581.6; but d64 causal loses (16k one CTA per tile 571.8
-        vs 537.6, 8k 532.3 vs 508.3, 4k 462.6 vs 444.9): its data-free
-        arrive let ptxas lift the P·V wait above every exp2. Held behind one
-        with pv_wait_after_exp2=2 it wins there too (2k 401.1 vs 395.7, 8k
-        540.9 vs 536.7, 16k 571.7 vs 569.2 against the DSL pipeline's wait
-        and release), so every default has it.
+        vs 537.6, 8k 532.3 vs 508.3, 4k 462.6 vs 444.9). Together with
+        pv_wait_after_exp2=2 it wins there too (2k 401.1 vs 395.7, 8k 540.9
+        vs 536.7, 16k 571.7 vs 569.2 against the DSL pipeline's wait and
+        release without the hold, whose P·V wait also sits above every
+        exp2), so every default has it.
     pv_wait_after_rows: with intra_wg_overlap, hold the wait for the previous
         block's P·V until the exponentials of this many of the thread's two
         rows are issued (0: where ptxas puts it). ptxas keeps mbarrier arrives
