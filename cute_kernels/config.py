@@ -131,6 +131,19 @@ class FwdConfig(_KernelConfig):
         causal 555.6 vs 596.4 (8); d64 16k 598.3 vs 607.7 (4; 8 and 16 lost
         at 8k: 578.4, 582.0 vs 587.3); d64 causal with lean_consumer_sync,
         above.
+    rescale_o_before_pv: with intra_wg_overlap, O's rescale by the new row
+        maxima is applied at the next step, after S = Q·Kᵀ is issued and
+        before P·V adds to O, instead of after the softmax: its FMULs leave
+        the end of the softmax, where they follow the last exp2 (ptxas
+        schedules them there whatever the source order), and run while S
+        occupies the tensor cores (fa4's rescale_O_before_gemm, which it uses
+        above head dim 128). Needs rescale_threshold 0. SASS only, not yet
+        timed: every default config keeps its instruction count (d64 406,
+        d128 536-537 per step) with no FMUL after the last exp2, no spill
+        and no serialised WGMMA; at d128 ptxas puts the FMULs among the S
+        GEMM's first HGMMAs. Off until a sweep decides (ncu had our d64
+        exp2s stalled on mio_throttle more than fa4's, whose loop spaces them
+        with these FMULs).
     rederive_epilogue_coords: the epilogue derives its coordinates itself
         (the tile from an opaque copy of the tile index, the stmatrix
         addresses and LSE rows from an opaque copy of the thread index)
@@ -160,6 +173,7 @@ class FwdConfig(_KernelConfig):
     lean_consumer_sync: bool = True
     pv_wait_after_rows: int = 0
     pv_wait_after_exp2: int = 0
+    rescale_o_before_pv: bool = False
     rederive_epilogue_coords: bool = False
 
     @property
@@ -201,6 +215,9 @@ class FwdConfig(_KernelConfig):
         if self.pv_wait_after_exp2 and (self.pv_wait_after_rows or not self.intra_wg_overlap):
             raise bad("pv_wait_after_exp2", "0 unless intra_wg_overlap, and 0 with "
                                             "pv_wait_after_rows (both hold the same release)")
+        if self.rescale_o_before_pv and (self.rescale_threshold or not self.intra_wg_overlap):
+            raise bad("rescale_o_before_pv", "False unless intra_wg_overlap, and False with "
+                                             "lazy rescaling (rescale_threshold > 0)")
         if self.pv_wait_after_rows and not self.intra_wg_overlap:
             raise bad("pv_wait_after_rows", "0 unless intra_wg_overlap (without it no P·V is "
                                             "in flight during the softmax)")

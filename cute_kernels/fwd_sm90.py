@@ -306,16 +306,22 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             self._mask(acc_s, mask, n_max - 1)
             softmax.update(acc_s, is_first=True)
             wgmma.convert_to_16bit(acc_s, tOrP)
+            pending = None  # O's rescale owed by the last softmax (rescale_o_before_pv)
+            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+                pending = cute.make_rmem_tensor(softmax.rows, Float32)
+                pending.fill(1.0)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
                 kv_state = self._overlapped_step(
-                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
+                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pending, pingpong, wg,
                     pipe_k, pipe_v, kv_state, mask, n_max - 2 - i, apply_causal=True)
             for n_block in cutlass.range(n_masked_end - 1, -1, -1, unroll=1):
                 kv_state = self._overlapped_step(
-                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pingpong, wg,
+                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pending, pingpong, wg,
                     pipe_k, pipe_v, kv_state, mask, n_block, apply_causal=False)
             self.sync.release(pipe_q, q_state)
             # Last P·V.
+            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+                softmax.rescale_o(acc_o, pending)
             self.sync.wait(pipe_v, kv_state)
             wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
                        zero_init=False, wait_groups=0)
@@ -348,10 +354,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def _overlapped_step(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o,
-                         softmax: OnlineSoftmax, pingpong: PingPong, wg: Int32, pipe_k, pipe_v,
-                         kv_state, mask, n_block: Int32, apply_causal: cutlass.Constexpr[bool]):
+                         softmax: OnlineSoftmax, pending, pingpong: PingPong,
+                         wg: Int32, pipe_k, pipe_v, kv_state, mask, n_block: Int32,
+                         apply_causal: cutlass.Constexpr[bool]):
         """S_j = Q·K_jᵀ and O += P_{j+1}·V_{j+1} in flight together; softmax of S_j
-        runs while P·V completes. kv_state enters at block j+1, leaves at j."""
+        runs while P·V completes. kv_state enters at block j+1, leaves at j.
+        pending: with rescale_o_before_pv, the O rescale the last softmax left
+        owed; applied while S_j runs, before P·V_{j+1} adds to O."""
         tSrQ, tSrK, tOrP, tOrVt = frags
         v_state = kv_state.clone()
         kv_state.advance()
@@ -361,6 +370,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         pingpong.wait_turn(wg)
         wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
                    zero_init=True, wait_groups=-1)
+        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+            softmax.rescale_o(acc_o, pending)
         self.sync.wait(pipe_v, v_state)
         wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index],
                    zero_init=False, wait_groups=-1)
@@ -380,7 +391,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                              self.cfg.pv_wait_after_rows)
         warpgroup.wait_group(0)  # P·V done: tOrP and the V stage are free
         self.sync.release(pipe_v, v_state)
-        if moved:
+        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+            pending.store(rescale.load())
+        elif moved:
             softmax.rescale_o(acc_o, rescale)
         wgmma.convert_to_16bit(acc_s, tOrP)
         return kv_state

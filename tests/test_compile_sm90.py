@@ -187,6 +187,27 @@ def test_forward_pv_wait_follows_early_exp2s(tmp_path, head_dim, causal):
     assert not any("LDL" in inst or "STL" in inst for inst in on_body)
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, False), (128, True)])
+def test_forward_o_rescale_moves_before_the_pv_gemm(tmp_path, head_dim, causal):
+    # FwdConfig.rescale_o_before_pv: the O rescale's FMULs leave the end of
+    # the softmax (where ptxas puts them after the last exp2) for the next
+    # step, before P·V; the step keeps its instructions and its FMULs.
+    config = fwd_config_for_problem(head_dim, causal, 8192)
+    on, on_body = _step("fwd", head_dim, causal, config.replace(rescale_o_before_pv=True),
+                        tmp_path / "on")
+    off, off_body = _step("fwd", head_dim, causal, config, tmp_path / "off")
+
+    def fmul_after_last_exp2(body):
+        last = max(i for i, inst in enumerate(body) if "MUFU.EX2" in inst)
+        return sum(opcode(inst) == "FMUL" for inst in body[last:])
+
+    assert fmul_after_last_exp2(off_body) >= head_dim // 2
+    assert fmul_after_last_exp2(on_body) == 0
+    assert on["FMUL"] == off["FMUL"] and on["HGMMA"] == off["HGMMA"]
+    assert sum(on.values()) <= sum(off.values())
+    assert not any("LDL" in inst or "STL" in inst for inst in on_body)
+
+
 @pytest.mark.parametrize("rescale_threshold", [0, 8])
 def test_lazy_rescale_compiles_to_a_warp_vote(tmp_path, rescale_threshold):
     config = default_fwd_config(64, True).replace(rescale_threshold=rescale_threshold)

@@ -43,6 +43,8 @@ def test_pv_wait_held_behind_early_exp2s_where_timed_faster():
     (dict(pv_wait_after_exp2=-1), "pv_wait_after_exp2"),
     (dict(pv_wait_after_exp2=1, intra_wg_overlap=False), "pv_wait_after_exp2"),
     (dict(pv_wait_after_exp2=1, pv_wait_after_rows=1), "pv_wait_after_exp2"),
+    (dict(rescale_o_before_pv=True, rescale_threshold=8), "rescale_o_before_pv"),
+    (dict(rescale_o_before_pv=True, intra_wg_overlap=False), "rescale_o_before_pv"),
 ])
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"FwdConfig\.{field}: expected"):

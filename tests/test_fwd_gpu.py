@@ -75,6 +75,8 @@ def test_forward_random_shapes(trial):
     dict(pv_wait_after_exp2=8), dict(pv_wait_after_exp2=32, rescale_threshold=8),
     dict(pv_wait_after_exp2=1, lean_consumer_sync=False, tile_m=192, producer_regs=32,
          consumer_regs=160),
+    dict(rescale_o_before_pv=True), dict(rescale_o_before_pv=True, pv_wait_after_exp2=4,
+                                         tile_m=192, producer_regs=32, consumer_regs=160),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_config_variants(overrides, causal):
