@@ -152,8 +152,10 @@ struct Plan {
   int64_t consumer_warpgroups = 0;  // bwd: semaphore slots per query tile
   bool split_gqa = false;
   bool deterministic = false;
+  bool zeroed_tile_counter = false;  // fwd: dynamic_tiles, a fresh zero counter per call
   std::string nvtx_name;
-  at::Tensor unused_semaphore;  // read by the kernel in deterministic mode only
+  at::Tensor unused_semaphore;  // stands in for the bwd semaphore outside deterministic mode
+                                // and for the fwd tile counter without dynamic_tiles
   PyObject* keepalive = nullptr;  // the compiled kernels; never released (see state)
 };
 
@@ -199,6 +201,7 @@ Plan make_plan(PyObject* planner, py::tuple args) {
   plan.nvtx_name = r[6].cast<std::string>();
   plan.keepalive = r[7].ptr();
   Py_INCREF(plan.keepalive);
+  plan.zeroed_tile_counter = r[8].cast<bool>();
   return plan;
 }
 
@@ -276,9 +279,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const at::Tensor qr = tma_ready(q), kr = tma_ready(k), vr = tma_ready(v);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
+  // A counter shared between calls would be raced by launches on other streams.
+  at::Tensor tile_counter =
+      plan.zeroed_tile_counter
+          ? at::zeros({1, 1, 1}, at::TensorOptions().dtype(at::kInt).device(q.device()))
+          : plan.unused_semaphore;
   NvtxRange range(plan.nvtx_name);
   EnvStream stream(q);
-  launch(plan.kernels[0], {&qr, &kr, &vr, &out, &lse},
+  launch(plan.kernels[0], {&qr, &kr, &vr, &out, &lse, &tile_counter},
          {any_float(softmax_scale * kLog2E), any_int(plan.num_sms)});
   return {out, lse};
 }

@@ -78,6 +78,26 @@ class FwdConfig(_KernelConfig):
         the softmax of block j is consumed by O += P_j·V_j.
     persistent: grid = number of SMs, each CTA loops over tiles; otherwise
         one CTA per tile.
+    dynamic_tiles: with persistent, a CTA takes round 0 by its index and
+        each further tile from a global counter (scheduler.TileQueue: the
+        producer warp claims it when the current tile's loads are issued,
+        just in time; the op passes a fresh zeroed counter per call) instead
+        of the fixed snake deal. Causal tiles differ in length: the fixed
+        deal lost to one CTA per tile (the hardware's dispatch balances them)
+        from 8k keys on, one CTA per tile lost the persistent loop's overlap
+        of one tile's epilogue with the next one's loads. Claimed tiles keep
+        both. On the H100 (bf16, 16k tokens, TFLOP/s dynamic vs one CTA per
+        tile vs the fixed deal): d128 causal 2k 574.0 vs 531.5 vs 394.8, 8k
+        717.9 vs 698.7 vs 457.2, 16k 747.7 vs 738.6 vs 468.1; d96 causal 2k
+        506.7 vs 461.3 vs 495.9, 8k 605.1 vs 592.7 vs 559.7, 16k 631.0 vs
+        623.8; d64 causal 2k 398.3 vs - vs 394.3, 4k 474.3 vs - vs 460.8,
+        8k 549.4 vs 542.7 vs 516.1, 16k 580.0 vs 575.3 vs 541.3. Claiming
+        tile r+1 when tile r starts (the atomic's latency hidden further)
+        lost at d128 causal 16k (734.8 vs 748.8 one CTA per tile): a tile
+        claimed a whole tile early goes to a CTA that is not the next one
+        free. Non-causal tiles are even, and it ties there (d64 16k 603.3 vs
+        605.4 fixed, d128 16k 760.6 vs 760.2, d96 8k 633.2 vs 632.2, d128 2k
+        676.9 vs 683.6): off, which spares the counter's memset.
     rescale_threshold: lazy O rescaling (softmax.py): a warp moves its rows'
         softmax reference maxima only when one grew by more than
         2^rescale_threshold, so most steps skip the O rescale; 0 rescales
@@ -137,13 +157,12 @@ class FwdConfig(_KernelConfig):
         the end of the softmax, where they follow the last exp2 (ptxas
         schedules them there whatever the source order), and run while S
         occupies the tensor cores (fa4's rescale_O_before_gemm, which it uses
-        above head dim 128). Needs rescale_threshold 0. SASS only, not yet
-        timed: every default config keeps its instruction count (d64 406,
-        d128 536-537 per step) with no FMUL after the last exp2, no spill
-        and no serialised WGMMA; at d128 ptxas puts the FMULs among the S
-        GEMM's first HGMMAs. Off until a sweep decides (ncu had our d64
-        exp2s stalled on mio_throttle more than fa4's, whose loop spaces them
-        with these FMULs).
+        above head dim 128). Needs rescale_threshold 0. Every default config
+        keeps its instruction count (d64 406, d128 536-537 per step) with no
+        FMUL after the last exp2. Off: on the H100 (bf16, 16k tokens,
+        TFLOP/s off vs on) it lost at d64 causal 8k 539.0 vs 523.7, 16k
+        574.7 vs 556.2, d64 16k 603.9 vs 600.4 and d128 causal 16k 735.6 vs
+        716.9, and won only at d128 8k (740.4 vs 745.2), already above fa4.
     rederive_epilogue_coords: the epilogue derives its coordinates itself
         (the tile from an opaque copy of the tile index, the stmatrix
         addresses and LSE rows from an opaque copy of the thread index)
@@ -175,6 +194,7 @@ class FwdConfig(_KernelConfig):
     pv_wait_after_exp2: int = 0
     rescale_o_before_pv: bool = False
     rederive_epilogue_coords: bool = False
+    dynamic_tiles: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -215,6 +235,9 @@ class FwdConfig(_KernelConfig):
         if self.pv_wait_after_exp2 and (self.pv_wait_after_rows or not self.intra_wg_overlap):
             raise bad("pv_wait_after_exp2", "0 unless intra_wg_overlap, and 0 with "
                                             "pv_wait_after_rows (both hold the same release)")
+        if self.dynamic_tiles and not self.persistent:
+            raise bad("dynamic_tiles", "False unless persistent (one CTA per tile has no "
+                                       "next tile to claim)")
         if self.rescale_o_before_pv and (self.rescale_threshold or not self.intra_wg_overlap):
             raise bad("rescale_o_before_pv", "False unless intra_wg_overlap, and False with "
                                              "lazy rescaling (rescale_threshold > 0)")
@@ -233,11 +256,8 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     """The op's choice per problem, picked with `profiling.sweep` on an H100
     (bf16, 16k tokens; TFLOP/s of the choice vs the runner-up):
 
-    - causal tiles differ in length. For head dim 128 one CTA per tile lets
-      the hardware's dynamic CTA dispatch balance them (16k: 695 vs 558
-      persistent); for head dim 64 the 192-row tiles are short enough that the
-      persistent prologue/epilogue overlap wins (1k: 259 vs 228, 4k: 447 vs 415;
-      above 4k keys fwd_config_for_problem turns it off);
+    - causal: persistent with dynamic_tiles at every head dim and length
+      (figures there); non-causal: persistent with the fixed deal;
     - head dim 128 non-causal: tile_n 160 (with pv_wait_after_exp2=8, vs
       128: 2k 686.6 vs 686.4, 8k 746.1 vs 742.1, 16k 762.3 vs 749.9; without
       it 128 won below 16k, the last partial 160-key block costing more than
@@ -249,36 +269,13 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     """
     if head_dim <= 64:
         return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
-                         producer_regs=32, consumer_regs=160,
+                         dynamic_tiles=causal, producer_regs=32, consumer_regs=160,
                          rederive_epilogue_coords=not causal,
                          pv_wait_after_exp2=2 if causal else 4)
-    if head_dim <= 96:
-        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=not causal,
-                         pv_wait_after_exp2=8)
-    if causal:
-        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=False,
-                         pv_wait_after_exp2=8)
+    if head_dim <= 96 or causal:
+        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True,
+                         dynamic_tiles=causal, pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, pv_wait_after_exp2=8)
-
-
-# Head dim 64, causal: above this many keys the tiles are long enough that
-# the hardware's CTA dispatch balances them better than the persistent loop
-# (bf16, 16k tokens, tile_n 128: 8k 483.2 vs 468.5 TFLOP/s non-persistent vs
-# persistent; 2k 340.2 vs 362.6, so the persistent default stays below).
-PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K = 4096
-
-
-def fwd_config_for_problem(head_dim: int, causal: bool, seqlen_k: int) -> FwdConfig:
-    """The op's forward config for one problem: default_fwd_config, one CTA
-    per tile for long causal head-dim-64 problems."""
-    return _fwd_config(head_dim, causal,
-                       causal and head_dim <= 64 and seqlen_k > PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K)
-
-
-@functools.lru_cache(maxsize=None)
-def _fwd_config(head_dim: int, causal: bool, one_cta_per_tile: bool) -> FwdConfig:
-    config = default_fwd_config(head_dim, causal)
-    return config.replace(persistent=False) if one_cta_per_tile else config
 
 
 @dataclass(frozen=True)

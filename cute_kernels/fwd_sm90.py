@@ -3,7 +3,9 @@
 Roles (threads = 128 · (1 + consumer_warpgroups)):
   warpgroup 0   producer: gives registers back (setmaxnreg.dec); its warp 0
                 issues every TMA load: Q once per tile, then K and V blocks
-                from the last one down, into `kv_stages`-deep rings.
+                from the last one down, into `kv_stages`-deep rings; with
+                dynamic_tiles it also claims the CTA's next tile and hands
+                it to the consumers with that tile's Q (scheduler.TileQueue).
   warpgroups 1+ consumers (setmaxnreg.inc), 64 query rows each: WGMMA
                 S = Q·Kᵀ (smem × smem), online softmax in registers,
                 WGMMA O += P·V with P in registers, then the epilogue
@@ -40,7 +42,7 @@ from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, per
                           tma_store_tile, tma_views)
 from .mask import BlockRange, apply_mask
 from .pipeline import NamedBarrier, PingPong, consumer_state, make_tma_pipeline, producer_state
-from .scheduler import TileScheduler
+from .scheduler import TileQueue, TileScheduler
 from .softmax import OnlineSoftmax
 
 class FlashAttentionForwardSm90(Sm90AttentionKernel):
@@ -49,10 +51,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale_log2: Float32, num_sms: Int32,
-                 stream: cuda.CUstream):
+                 mLSE: cute.Tensor, mTileCounter: cute.Tensor, softmax_scale_log2: Float32,
+                 num_sms: Int32, stream: cuda.CUstream):
         """Tensors in torch order: Q, O (b, s_q, h, d); K, V (b, s_k, h_kv, d);
-        LSE (b, h, s_q) fp32."""
+        LSE (b, h, s_q) fp32; the tile counter int32 (1, 1, 1), zero at launch
+        with dynamic_tiles (not read otherwise)."""
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute(mLSE, [2, 1, 0])
@@ -81,6 +84,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
+            tile_slots: cute.struct.MemRange[Int32, 2]  # TileQueue (dynamic_tiles)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
                                   SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
@@ -92,17 +96,18 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
         num_tiles = (cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3])
         grid = TileScheduler.grid(num_tiles, num_sms, self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
-                    sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
-                    SharedStorage).launch(
+        self.kernel(tQ, tK, tV, tO, mLSE, mTileCounter, tma_q, tma_k, tma_v, tma_o,
+                    softmax_scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
+                    tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- kernel
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
-               tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, softmax_scale_log2: Float32,
+               mLSE: cute.Tensor, mTileCounter: cute.Tensor, tma_q: cute.CopyAtom,
+               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
+               softmax_scale_log2: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -133,12 +138,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
             mQ.shape[2] // mK.shape[2], 2 * self.head_dim * self.dtype.width // 8,
             self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
+        queue = TileQueue(mTileCounter, storage.tile_slots.get_tensor(cute.make_layout(2)))
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, tma_q, tma_k, tma_v, smem, pipes, scheduler)
+                self.produce(mQ, mK, mV, tma_q, tma_k, tma_v, smem, pipes, scheduler, queue)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
@@ -146,13 +152,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                         mma_operand_view(storage.sK, sK_layout, self.dtype),
                         mma_operand_view(storage.sV, sV_layout, self.dtype), smem[3])
             self.consume(mO, mLSE, tma_o, mK.shape[0], softmax_scale_log2, mma_smem, pipes,
-                         scheduler, tiled_mma_qk, tiled_mma_pv)
+                         scheduler, queue, tiled_mma_qk, tiled_mma_pv)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                 tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                smem, pipes, scheduler: TileScheduler):
+                smem, pipes, scheduler: TileScheduler, queue: TileQueue):
         sQ, sK, sV, _ = smem
         pipe_q, pipe_k, pipe_v = pipes
         blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
@@ -160,9 +166,12 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
         kv_state = producer_state(self.cfg.kv_stages)
+        dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
         round_idx = Int32(0)
         tile = scheduler.tile_at(round_idx)
         while tile < scheduler.num_tiles():
+            if dynamic:
+                queue.publish(round_idx, tile)
             m_block, head, batch = scheduler.decode(tile)
             head_kv = head // q_per_kv
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim),
@@ -203,7 +212,17 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                                     n_max - 2 - i)
                         kv_state.advance()
             round_idx += 1
-            tile = scheduler.tile_at(round_idx)
+            if dynamic:
+                tile = queue.claim()
+            else:
+                tile = scheduler.tile_at(round_idx)
+        if dynamic:
+            # The end, published like a tile: Q's full barrier completes on
+            # this arrive alone (no load), once Q's last round is released.
+            queue.publish(round_idx, tile)
+            pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
 
     @cute.jit
     def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
@@ -216,7 +235,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_o: cute.CopyAtom,
                 seqlen_k: Int32, softmax_scale_log2: Float32, smem, pipes,
-                scheduler: TileScheduler, tiled_mma_qk: cute.TiledMma,
+                scheduler: TileScheduler, queue: TileQueue, tiled_mma_qk: cute.TiledMma,
                 tiled_mma_pv: cute.TiledMma):
         sQ, sK, sV, sO = smem
         pipe_q, pipe_k, pipe_v = pipes
@@ -246,15 +265,20 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         seqlen_q = mO.shape[0]
         q_state = consumer_state(1)
         kv_state = consumer_state(self.cfg.kv_stages)
+        dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
         round_idx = Int32(0)
         tile = scheduler.tile_at(round_idx)
+        if dynamic:  # the tile comes with its Q (TileQueue)
+            self.sync.wait(pipe_q, q_state)
+            tile = queue.read(round_idx)
         while tile < scheduler.num_tiles():
             m_block, head, batch = scheduler.decode(tile)
             n_max = blocks.n_block_max(m_block, seqlen_q, seqlen_k)
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)
-            self.sync.wait(pipe_q, q_state)
+            if not dynamic:
+                self.sync.wait(pipe_q, q_state)
             if n_max > 0:
                 kv_state = self.mainloop(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords, softmax, pingpong, wg,
@@ -272,7 +296,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_o, wg, tid, m_block,
                           head, batch, seqlen_q)
             round_idx += 1
-            tile = scheduler.tile_at(round_idx)
+            if dynamic:
+                self.sync.wait(pipe_q, q_state)
+                tile = queue.read(round_idx)
+            else:
+                tile = scheduler.tile_at(round_idx)
         if tid % WARPGROUP_THREADS < 32:
             # The last O stores must finish reading shared memory before the CTA exits.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -10,7 +10,11 @@ takes tile r·grid + c when r is even and r·grid + grid-1-c when r is odd, so
 with longest-first orders each CTA's sum of tile lengths stays even (a plain
 round-robin hands CTA 0 the longest tile of every round). Non-persistent mode
 launches one CTA per tile (round 0 only) and the hardware's CTA dispatch does
-the balancing. The order:
+the balancing. With dynamic_tiles (FwdConfig) the persistent CTAs take round 0 by their
+index, then claim each further tile from a global counter (atomic add, zero at
+launch) instead of the snake: a CTA that drew short tiles comes back sooner
+and takes the next longest one, which the fixed deal cannot do. TileQueue
+carries the claimed index from the producer warp to the consumers. The order:
 - non-causal: block fastest, so CTAs running at once share the K/V (forward)
   or Q, dO and the dQ accumulator (backward) of a head through L2;
 - causal: longest first (LPT) inside L2-sized sections of heads. In the
@@ -98,3 +102,49 @@ class TileScheduler(DslStruct):
             rest = tile // self.num_blocks
         uniform = cute.arch.make_warp_uniform
         return uniform(block), uniform(rest % self.num_heads), uniform(rest // self.num_heads)
+
+
+@dataclass
+class TileQueue(DslStruct):
+    """The tiles of a persistent CTA with dynamic_tiles, from the producer
+    warp (which claims them) to the consumer warpgroups (which read them).
+
+    The producer claims tile r+1 once tile r's loads are issued: the
+    consumers are then still kv_stages blocks behind, which hides the
+    atomic's round trip, and the tile goes to the CTA about to be free
+    (claiming it when tile r starts lost 1.9 % at d128 causal 16k: a whole
+    tile early, the claim often went to a CTA that was not the next one
+    free). It writes tile r into slot r % 2 before
+    its arrive on Q's full barrier for round r, and the consumers read the
+    slot after waiting on that barrier, whose phase completes only after the
+    arrive (release/acquire through the mbarrier). The slot is free again:
+    its previous tile (r - 2) was read before the consumers released Q of
+    round r - 2, which the producer's acquire of round r - 1 waited for. A
+    tile index >= num_tiles ends the loop: for it the producer arrives on Q's
+    barrier without a load."""
+
+    counter: cute.Tensor  # global Int32 (1,), zero at launch
+    slots: cute.Tensor  # shared Int32 (2,)
+
+    @cute.jit
+    def claim(self) -> Int32:
+        """The next tile for this CTA (the whole producer warp calls; one
+        lane adds)."""
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(self.counter.iterator, Int32(1), sem="relaxed",
+                                           scope="gpu")
+        claimed = cute.arch.shuffle_sync(claimed, 0)
+        return cute.arch.make_warp_uniform(claimed + Int32(cute.arch.grid_dim()[0]))
+
+    @cute.jit
+    def publish(self, round_idx: Int32, tile: Int32):
+        """Before the producer's arrive on Q's full barrier of this round."""
+        if cute.arch.lane_idx() == 0:
+            self.slots[round_idx % 2] = tile
+        cute.arch.sync_warp()  # ordered before the arrive, whichever lane makes it
+
+    @cute.jit
+    def read(self, round_idx: Int32) -> Int32:
+        """After the consumers' wait on Q's full barrier of this round."""
+        return cute.arch.make_warp_uniform(self.slots[round_idx % 2])

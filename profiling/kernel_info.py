@@ -35,6 +35,7 @@ PTX_PATTERNS = {
     "acquire_load": r"ld\.acquire\.gpu",
     "release_add": r"red\.release\.gpu",
     "vote_any": r"vote\.sync\.any",
+    "atomic_add": r"\batom\.(\w+\.)*add\b",
 }
 SASS_PATTERNS = {
     "hgmma": r"\bHGMMA\.",

@@ -176,14 +176,13 @@ def _measure(label, sass, ptx, steps, columns, bodies, unmasked, liveness, want_
 
 
 def main(argv=None) -> dict:
-    from cute_kernels.config import default_bwd_config, fwd_config_for_problem
+    from cute_kernels.config import default_bwd_config, default_fwd_config
 
     p = argparse.ArgumentParser(prog="python -m profiling.sass_loop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", choices=["no", "yes"], default="no")
-    p.add_argument("--seqlen", type=int, default=8192, help="for the op's per-problem config")
     p.add_argument("--vary", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="config fields to set (one value each)")
     p.add_argument("--fa4", action="store_true", help="flash-attn-4's loop beside ours")
@@ -193,8 +192,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     causal = args.causal == "yes"
     kind = args.kernel
-    config = (fwd_config_for_problem(args.head_dim, causal, args.seqlen) if kind == "fwd"
-              else default_bwd_config(args.head_dim, causal))
+    config = (default_fwd_config if kind == "fwd" else default_bwd_config)(args.head_dim, causal)
     for field, values in parse_vary(args.vary, kind).items():
         if len(values) != 1:
             p.error(f"--vary {field}: expected one value, got {values}")

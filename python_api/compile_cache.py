@@ -86,7 +86,7 @@ def _compile(kernel, *args, dump_dir: str | None = None):
 
 @dataclass
 class CompiledKernel:
-    fn: object  # the TVM-FFI callable: fn(q, k, v, out, lse, scale_log2, num_sms)
+    fn: object  # the TVM-FFI callable: fn(q, k, v, out, lse, tile_counter, scale_log2, num_sms)
     compile_seconds: float
 
 
@@ -105,8 +105,9 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
     o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
     lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
+    tile_counter = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, 1)
     start = time.perf_counter()
-    fn = _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1),
+    fn = _compile(kernel, q, k, v, o, lse, tile_counter, cutlass.Float32(1.0), cutlass.Int32(1),
                   dump_dir=dump_dir)
     return CompiledKernel(fn, time.perf_counter() - start)
 

@@ -79,9 +79,9 @@ def _fwd_plan(q, k, causal):
     from . import ops
     from . import nvtx as nvtx_ranges
 
-    kernel, device_index = ops.fwd_kernel_for(q, k, causal)
+    kernel, config, device_index = ops.fwd_kernel_for(q, k, causal)
     return ((_ffi_handle(kernel.fn),), ops._num_sms(device_index), 0, 0, False, False,
-            nvtx_ranges.range_name("fwd", q, k, causal), kernel)
+            nvtx_ranges.range_name("fwd", q, k, causal), kernel, config.dynamic_tiles)
 
 
 def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
@@ -95,7 +95,7 @@ def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
         fns += (kernels.group_sum,)
     return (tuple(_ffi_handle(f) for f in fns), ops._num_sms(device_index), config.tile_m,
             config.consumer_warpgroups, config.split_gqa, config.deterministic,
-            nvtx_ranges.range_name("bwd", q, k, causal), kernels)
+            nvtx_ranges.range_name("bwd", q, k, causal), kernels, False)
 
 
 @functools.lru_cache(maxsize=None)

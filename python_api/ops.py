@@ -27,7 +27,7 @@ import math
 import torch
 
 from cute_kernels.config import (BwdConfig, FwdConfig, bwd_config_for_problem,
-                                 fwd_config_for_problem)
+                                 default_fwd_config)
 
 from . import native
 from . import nvtx as nvtx_ranges
@@ -56,9 +56,18 @@ def _device_index(t: torch.Tensor) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _unused_semaphore(device_index: int) -> torch.Tensor:
-    # The kernel reads the semaphore only in deterministic mode; one tiny
-    # tensor per device stands in for it otherwise.
+    # The backward reads its semaphore only in deterministic mode, the
+    # forward its tile counter only with dynamic_tiles; one tiny tensor per
+    # device stands in for them otherwise.
     return torch.empty((1, 1, 1), dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
+def fwd_tile_counter(config: FwdConfig, device_index: int) -> torch.Tensor:
+    """The forward's tile counter: zero at launch with dynamic_tiles, one
+    fresh per call (a shared one would be raced by launches on other streams)."""
+    if config.dynamic_tiles:
+        return torch.zeros((1, 1, 1), dtype=torch.int32, device=torch.device("cuda", device_index))
+    return _unused_semaphore(device_index)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -89,13 +98,13 @@ def _kernels():
 
 def fwd_kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool,
                    config: FwdConfig | None = None):
-    """(compiled forward, device index) for a problem: the device checked,
-    `config` or the per-problem default. Also the C++ kernels' planner
-    (native.py) uses it, once per problem."""
+    """(compiled forward, its config, device index) for a problem: the device
+    checked, `config` or the per-problem default. Also the C++ kernels'
+    planner (native.py) uses it, once per problem."""
     device_index = _device_index(q)
     head_dim = q.shape[3]
-    config = config or fwd_config_for_problem(head_dim, causal, k.shape[1])
-    return _kernels().get_fwd(q.dtype, head_dim, causal, config), device_index
+    config = config or default_fwd_config(head_dim, causal)
+    return _kernels().get_fwd(q.dtype, head_dim, causal, config), config, device_index
 
 
 def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,
@@ -119,14 +128,15 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
                  causal: bool, config: FwdConfig | None = None):
     """Run the DSL forward kernel; `config` overrides the per-problem default
     (this is how profiling.sweep A/Bs kernel variants)."""
-    kernel, device_index = fwd_kernel_for(q, k, causal, config)
+    kernel, config, device_index = fwd_kernel_for(q, k, causal, config)
     batch, seqlen_q, heads, head_dim = q.shape
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     nvtx_ranges.push(nvtx_ranges.range_name("fwd", q, k, causal))
     try:
-        kernel.fn(q, k, v, out, lse, softmax_scale * LOG2_E, _num_sms(device_index))
+        kernel.fn(q, k, v, out, lse, fwd_tile_counter(config, device_index),
+                  softmax_scale * LOG2_E, _num_sms(device_index))
     finally:
         nvtx_ranges.pop()
     return out, lse

@@ -6,8 +6,7 @@ import re
 import pytest
 import torch
 
-from cute_kernels.config import (FwdConfig, default_bwd_config, default_fwd_config,
-                                 fwd_config_for_problem)
+from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config
 from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
 from profiling.kernel_info import dumped_kernel_info, opcode
 
@@ -64,6 +63,25 @@ def test_head_dim_128_launches_three_warpgroups(tmp_path):
     info = dumped_kernel_info(str(tmp_path))
     assert info.threads == 384 and info.warpgroups == 3
     assert info.counts["ex2"] > 0 and info.counts["stmatrix"] > 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_forward_claims_its_tiles(tmp_path, head_dim):
+    # FwdConfig.dynamic_tiles (on in the causal defaults): the producer warp
+    # claims each further tile with one atomic add on the counter; the main
+    # loop is the fixed deal's (ptxas may trade an IMAD for a MOV).
+    config = default_fwd_config(head_dim, True)
+    assert config.dynamic_tiles
+    infos, steps = {}, {}
+    for dynamic in (True, False):
+        cfg = config.replace(dynamic_tiles=dynamic)
+        compile_fwd(torch.bfloat16, head_dim, True, cfg, dump_dir=str(tmp_path / str(dynamic)))
+        infos[dynamic] = dumped_kernel_info(str(tmp_path / str(dynamic)))
+        steps[dynamic] = _step_mix("fwd", head_dim, True, cfg, tmp_path / f"step{dynamic}")
+    assert infos[True].counts["atomic_add"] == 1 and infos[False].counts["atomic_add"] == 0
+    assert abs(sum(steps[True].values()) - sum(steps[False].values())) <= 1
+    for op in ("HGMMA", "MUFU", "FFMA", "SYNCS", "BAR"):
+        assert steps[True][op] == steps[False][op]
 
 
 @pytest.mark.parametrize("overrides", [dict(intra_wg_overlap=False), dict(pingpong=False),
@@ -175,7 +193,7 @@ def test_forward_pv_wait_follows_early_exp2s(tmp_path, head_dim, causal):
     # above the exponentials; at 0 it does. The wait then follows a few
     # exp2s (d64: 4-5, d96/d128: 16-19) for at most one instruction more per
     # step (no branch, no vote).
-    config = fwd_config_for_problem(head_dim, causal, 8192)
+    config = default_fwd_config(head_dim, causal)
     assert config.pv_wait_after_exp2 > 0
     on, on_body = _step("fwd", head_dim, causal, config, tmp_path / "on")
     off, off_body = _step("fwd", head_dim, causal, config.replace(pv_wait_after_exp2=0),
@@ -192,7 +210,7 @@ def test_forward_o_rescale_moves_before_the_pv_gemm(tmp_path, head_dim, causal):
     # FwdConfig.rescale_o_before_pv: the O rescale's FMULs leave the end of
     # the softmax (where ptxas puts them after the last exp2) for the next
     # step, before P·V; the step keeps its instructions and its FMULs.
-    config = fwd_config_for_problem(head_dim, causal, 8192)
+    config = default_fwd_config(head_dim, causal)
     on, on_body = _step("fwd", head_dim, causal, config.replace(rescale_o_before_pv=True),
                         tmp_path / "on")
     off, off_body = _step("fwd", head_dim, causal, config, tmp_path / "off")

@@ -1,8 +1,7 @@
 import pytest
 
-from cute_kernels.config import (PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K, FwdConfig,
-                                 bwd_config_for_problem, default_bwd_config, default_fwd_config,
-                                 fwd_config_for_problem, split_gqa_pays)
+from cute_kernels.config import (FwdConfig, bwd_config_for_problem, default_bwd_config,
+                                 default_fwd_config, split_gqa_pays)
 
 
 def test_defaults_validate_for_every_head_dim():
@@ -45,6 +44,7 @@ def test_pv_wait_held_behind_early_exp2s_where_timed_faster():
     (dict(pv_wait_after_exp2=1, pv_wait_after_rows=1), "pv_wait_after_exp2"),
     (dict(rescale_o_before_pv=True, rescale_threshold=8), "rescale_o_before_pv"),
     (dict(rescale_o_before_pv=True, intra_wg_overlap=False), "rescale_o_before_pv"),
+    (dict(dynamic_tiles=True, persistent=False), "dynamic_tiles"),
 ])
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"FwdConfig\.{field}: expected"):
@@ -149,12 +149,12 @@ def test_bwd_config_for_problem_splits_small_gqa_grids():
         default_bwd_config(64, False, True)
 
 
-def test_fwd_config_for_problem_drops_persistence_only_for_long_causal_d64():
-    long_keys = PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K + 1
-    assert default_fwd_config(64, True).persistent
-    assert not fwd_config_for_problem(64, True, long_keys).persistent
-    assert fwd_config_for_problem(64, True, long_keys) == \
-        default_fwd_config(64, True).replace(persistent=False)
-    assert fwd_config_for_problem(64, True, PERSISTENT_CAUSAL_D64_MAX_SEQLEN_K).persistent
-    assert fwd_config_for_problem(64, False, long_keys) == default_fwd_config(64, False)
-    assert fwd_config_for_problem(128, False, long_keys) == default_fwd_config(128, False)
+def test_causal_forward_claims_tiles_dynamically():
+    # FwdConfig.dynamic_tiles: won at every causal head dim and length on the
+    # H100 (against both one CTA per tile and the fixed deal); tied
+    # non-causal, where it is off and no counter is zeroed per call
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            config = default_fwd_config(head_dim, causal)
+            assert config.persistent
+            assert config.dynamic_tiles is causal

@@ -9,7 +9,7 @@ import torch
 from python_api import flash_attn_func
 from python_api.ops import forward_cuda
 from python_api.reference import attention_reference, default_scale
-from cute_kernels.config import FwdConfig
+from cute_kernels.config import FwdConfig, default_fwd_config
 from shapes import random_problem
 
 pytestmark = pytest.mark.gpu
@@ -77,6 +77,9 @@ def test_forward_random_shapes(trial):
          consumer_regs=160),
     dict(rescale_o_before_pv=True), dict(rescale_o_before_pv=True, pv_wait_after_exp2=4,
                                          tile_m=192, producer_regs=32, consumer_regs=160),
+    dict(dynamic_tiles=True), dict(dynamic_tiles=True, intra_wg_overlap=False, pingpong=False),
+    dict(dynamic_tiles=True, lean_consumer_sync=False, tile_m=192, producer_regs=32,
+         consumer_regs=160),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_config_variants(overrides, causal):
@@ -92,9 +95,26 @@ def test_causal_multi_section_schedule(heads, heads_kv, batch):
     # sections, the last one partial, each walked longest-first.
     config = FwdConfig(l2_section_mb=1, persistent=False)
     q, k, v = _inputs(batch, 1000, 1000, heads, heads_kv, 64, torch.bfloat16, seed=heads)
-    for cfg in (config, config.replace(persistent=True)):
+    for cfg in (config, config.replace(persistent=True),
+                config.replace(persistent=True, dynamic_tiles=True)):
         out, lse = forward_cuda(q, k, v, default_scale(64), True, cfg)
         _check(q, k, v, True, out, lse)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_claimed_tiles_match_the_fixed_deal(head_dim):
+    # dynamic_tiles changes which CTA computes a tile, not how: with many
+    # more tiles than SMs (so most are claimed, some by CTAs that drew short
+    # ones) the output and LSE are bit-identical to the fixed deal's, call
+    # after call (each call gets a fresh counter).
+    q, k, v = _inputs(4, 2048, 2048, 16, 4, head_dim, torch.bfloat16, seed=head_dim)
+    fixed = default_fwd_config(head_dim, True).replace(dynamic_tiles=False)
+    ref_out, ref_lse = forward_cuda(q, k, v, default_scale(head_dim), True, fixed)
+    for _ in range(3):
+        out, lse = forward_cuda(q, k, v, default_scale(head_dim), True,
+                                fixed.replace(dynamic_tiles=True))
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _check(q, k, v, True, ref_out, ref_lse)
 
 
 def test_no_visible_key_rows_are_zero():
