@@ -152,7 +152,7 @@ struct Plan {
   int64_t consumer_warpgroups = 0;  // bwd: semaphore slots per query tile
   bool split_gqa = false;
   bool deterministic = false;
-  bool zeroed_tile_counter = false;  // fwd: dynamic_tiles, a fresh zero counter per call
+  bool dynamic_tiles = false;  // the config's: a tile counter of the call's own
   std::string nvtx_name;
   at::Tensor unused_semaphore;  // stands in for the bwd semaphore outside deterministic mode
                                 // and for the fwd tile counter without dynamic_tiles
@@ -201,7 +201,7 @@ Plan make_plan(PyObject* planner, py::tuple args) {
   plan.nvtx_name = r[6].cast<std::string>();
   plan.keepalive = r[7].ptr();
   Py_INCREF(plan.keepalive);
-  plan.zeroed_tile_counter = r[8].cast<bool>();
+  plan.dynamic_tiles = r[8].cast<bool>();
   return plan;
 }
 
@@ -281,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
   // A counter shared between calls would be raced by launches on other streams.
   at::Tensor tile_counter =
-      plan.zeroed_tile_counter
+      plan.dynamic_tiles
           ? at::zeros({1, 1, 1}, at::TensorOptions().dtype(at::kInt).device(q.device()))
           : plan.unused_semaphore;
   NvtxRange range(plan.nvtx_name);
@@ -332,11 +332,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   at::Tensor lse2 = at::empty({b, h, padded_q}, f32);
   at::Tensor dsum = at::empty({b, h, padded_q}, f32);
   at::Tensor dq_accum = at::empty({b, h, padded_q * d}, f32);
+  // With dynamic_tiles its first element is the tile counter, zeroed by the
+  // preprocess: one per call, as a shared one would be raced across streams.
   at::Tensor semaphore =
       plan.deterministic
           ? at::zeros({b, h, padded_q / plan.tile_m * plan.consumer_warpgroups},
                       q.options().dtype(at::kInt))
-          : plan.unused_semaphore;
+      : plan.dynamic_tiles ? at::empty({1, 1, 1}, q.options().dtype(at::kInt))
+                           : plan.unused_semaphore;
   at::Tensor grad_q = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
@@ -347,10 +350,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   }
   NvtxRange range(plan.nvtx_name);
   EnvStream stream(q);
-  launch(plan.kernels[0], {&outr, &dor, &lse_c, &dlse, &lse2, &dsum, &dq_accum}, {});
+  launch(plan.kernels[0], {&outr, &dor, &lse_c, &dlse, &lse2, &dsum, &dq_accum, &semaphore},
+         {});
   launch(plan.kernels[1],
          {&qr, &kr, &vr, &dor, &lse2, &dsum, &dq_accum, &dk_main, &dv_main, &semaphore},
-         {any_float(scale * kLog2E), any_float(scale)});
+         {any_float(scale * kLog2E), any_float(scale), any_int(plan.num_sms)});
   launch(plan.kernels[2], {&dq_accum, &grad_q}, {any_float(scale)});
   if (plan.split_gqa) launch(plan.kernels[3], {&dk_main, &dv_main, &dk, &dv}, {});
   return {grad_q, dk, dv};

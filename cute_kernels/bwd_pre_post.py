@@ -8,6 +8,8 @@ lane, half a sector per instruction; fa4's 0.081):
     LSE₂ = LSE · log2(e)             (+inf for rows with no visible key and for padding,
                                       so exp2(s·scale_log2 − LSE₂) is 0 there, never NaN)
     dQ accumulator rows zeroed
+    the main kernel's tile counter zeroed (BwdConfig.dynamic_tiles: the
+    semaphore's first element; harmless otherwise)
 Both per-row vectors are padded to whole query tiles, so the main kernel's
 TMA loads of them never leave the buffer.
 
@@ -57,21 +59,25 @@ class BackwardPreprocess:
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mdLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
-                 mdQaccum: cute.Tensor, stream: cuda.CUstream):
+                 mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, stream: cuda.CUstream):
         """O, dO (b, s, h, d); LSE, dLSE (b, h, s) fp32 (dLSE ignored unless
-        has_grad_lse); LSE₂, D (b, h, s_pad) fp32; dQ accumulator (b, h, s_pad·d)."""
+        has_grad_lse); LSE₂, D (b, h, s_pad) fp32; dQ accumulator (b, h, s_pad·d);
+        the main kernel's semaphore, int32 (its first element is zeroed)."""
         grid = (cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mLSE2.shape[1], mLSE2.shape[0])
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore).launch(
             grid=list(grid), block=[PRE_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
-               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor):
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
+               mSemaphore: cute.Tensor):
         # A main kernel launched with BwdConfig.early_launch may start its
         # CTAs now; it waits for this grid to finish before reading its output.
         cute.arch.griddepcontrol_launch_dependents()
         tid = cute.arch.thread_idx()[0]
         row_block, head, batch = cute.arch.block_idx()
+        if (row_block | head | batch | tid) == 0:
+            mSemaphore[0, 0, 0] = cutlass.Int32(0)  # the tile counter (dynamic_tiles)
         row = row_block * ROWS_PER_CTA + tid // LANES_PER_ROW
         lane = tid % LANES_PER_ROW
         seqlen, padded = mO.shape[1], mLSE2.shape[2]

@@ -1,14 +1,17 @@
 """FlashAttention-3 backward for Hopper (sm_90a), in the CuTe DSL.
 
 One CTA per (key block, KV head, batch), or per (key block, query head, batch)
-with cfg.split_gqa, causal key blocks longest-first (scheduler.py);
-threads = 128 · (1 + consumer_warpgroups).
+with cfg.split_gqa, causal key blocks longest-first (scheduler.py); with
+cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
+(scheduler.TileQueue); threads = 128 · (1 + consumer_warpgroups).
   warpgroup 0   producer (setmaxnreg.dec). Warp 0 issues every TMA load:
                 K and V of the CTA's key block once (on the first Q and dO
                 stages with cfg.kv_with_first_block), then, for each query head
                 it walks (all of the KV group's, or its own with split_gqa)
                 and each query block that sees these keys,
-                Q + LSE₂ into the Q ring and dO + D into the dO ring.
+                Q + LSE₂ into the Q ring and dO + D into the dO ring;
+                with cfg.dynamic_tiles it claims the next key block and
+                publishes it with that block's K/V barrier.
                 Warp 1 is the dQ writer: it adds each consumer warpgroup's dQ
                 partial from shared memory into the fp32 accumulator (one bulk
                 reduce-add each), so consumers never wait on global memory.
@@ -43,6 +46,8 @@ postprocess kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -53,12 +58,13 @@ from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
+from .dsl_struct import DslStruct
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, tma_store_tile,
                           tma_views)
 from .mask import QueryBlockRange, apply_mask_transposed
 from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
                        producer_state)
-from .scheduler import TileScheduler
+from .scheduler import TileQueue, TileScheduler
 
 class _ColumnStats:
     """BwdConfig.stats_early off: column j's statistic, read from shared
@@ -99,6 +105,30 @@ class _ShuffledColumnStats:
         return cute.arch.shuffle_sync(self.held[(chunk % self.per_lane) * 2 + e], source)
 
 
+@dataclass
+class _Tiles(DslStruct):
+    """The key blocks (tiles) of a CTA: its own (one CTA per tile), or with
+    BwdConfig.dynamic_tiles its index's, then the ones the producer claims
+    (scheduler.TileQueue)."""
+
+    scheduler: TileScheduler
+    q_per_kv: Int32
+    queue: TileQueue
+    split_gqa: bool  # scheduler heads are query heads, else KV heads
+
+    def first(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    def decode(self, tile: Int32):
+        """(key block, scheduler head, batch, heads): heads = (KV head, first
+        query head, query heads walked)."""
+        n_block, cta_head, batch = self.scheduler.decode(tile)
+        heads = (cta_head, cta_head * self.q_per_kv, self.q_per_kv)
+        if cutlass.const_expr(self.split_gqa):
+            heads = (cta_head // self.q_per_kv, cta_head, Int32(1))
+        return n_block, cta_head, batch, heads
+
+
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     """dQ = dS·K with dS (tile_m x tile_n) and Kᵀ read MN-major from shared
     memory, or with BwdConfig.dq_transposed dQᵀ = Kᵀ·dSᵀ (head_dim x tile_m),
@@ -128,12 +158,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor,
-                 softmax_scale_log2: Float32, softmax_scale: Float32, stream: cuda.CUstream):
+                 softmax_scale_log2: Float32, softmax_scale: Float32, num_sms: Int32,
+                 stream: cuda.CUstream):
         """Torch order: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d); dK, dV
         (b, s_k, h_kv, d), or with split_gqa fp32 (b, s_k, h, d);
         LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
         · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
-        (read only in deterministic mode)."""
+        (read only in deterministic mode; with dynamic_tiles its first
+        element is the tile counter, which the preprocess zeroes)."""
         mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum, mSemaphore = [permute(t, [2, 1, 0])
@@ -173,6 +205,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         @cute.struct
         class SharedStorage:
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            tile_slots: cute.struct.MemRange[Int32, 2]  # TileQueue (dynamic_tiles)
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
@@ -189,7 +222,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                     SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * d], 128]
 
-        grid = (self._scheduler(mQ, mK).num_tiles(), 1, 1)
+        grid = (TileScheduler.grid(self._scheduler(mQ, mK).num_tiles(), num_sms,
+                                   self.cfg.dynamic_tiles), 1, 1)
         self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, mdK, mdV, mSemaphore,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
                     softmax_scale_log2, softmax_scale, sQ_layout, sK_layout, sdSt_layout,
@@ -221,7 +255,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         qdo_bytes = self.tile_m * self.head_dim * elem
         pipe_kv = None  # with kv_with_first_block K and V ride on the Q and dO rings
         if cutlass.const_expr(not self.cfg.kv_with_first_block):
-            pipe_kv = make_tma_pipeline(storage.kv_barriers.data_ptr(), 1, arrivals,
+            # With dynamic_tiles the dQ writer also frees K/V (one arrive per
+            # tile, once it has read the tile's index: TileQueue's slots).
+            pipe_kv = make_tma_pipeline(storage.kv_barriers.data_ptr(), 1,
+                                        arrivals + (1 if self.cfg.dynamic_tiles else 0),
                                         2 * self.tile_n * self.head_dim * elem)
         pipes = (
             pipe_kv,
@@ -241,24 +278,24 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
         )
-        n_block, cta_head, batch = self._scheduler(mQ, mK).decode(
-            Int32(cute.arch.block_idx()[0]))
-        heads = self._query_heads(cta_head, mQ.shape[2] // mK.shape[2])
+        tiles = _Tiles(self._scheduler(mQ, mK), mQ.shape[2] // mK.shape[2],
+                       TileQueue(mSemaphore, storage.tile_slots.get_tensor(cute.make_layout(2))),
+                       self.cfg.split_gqa)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
-                             tma_lse, tma_d, smem, pipes, n_block, heads, batch)
+                             tma_lse, tma_d, smem, pipes, tiles)
             if warp_idx == 1:
                 self.write_dq(mdQaccum, mSemaphore, smem[7], mQ.shape[0], mK.shape[0],
-                              n_block, heads, batch)
+                              pipes[0], tiles)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(mdK, mdV, tma_dk, tma_dv, mQ.shape[0], mK.shape[0],
                          softmax_scale_log2, softmax_scale, smem, pipes, mma_sdp, mma_dkv,
-                         mma_dq, n_block, cta_head, heads, batch)
+                         mma_dq, tiles)
 
     def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
         """One CTA per (key block, KV head or with split_gqa query head, batch),
@@ -274,13 +311,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             mK.shape[3], query_rows, 1, row_bytes, self.cfg.l2_section_mb * 1024 * 1024,
             longest_first=self.causal, first_block_longest=True)
 
-    def _query_heads(self, cta_head: Int32, q_per_kv: Int32):
-        """(KV head, first query head, query heads walked) of the CTA whose
-        scheduler head is cta_head: a KV head, or with split_gqa a query head."""
-        if cutlass.const_expr(self.cfg.split_gqa):
-            return cta_head // q_per_kv, cta_head, Int32(1)
-        return cta_head, cta_head * q_per_kv, q_per_kv
-
     def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """(first query block, count) that see this key block: the walk that the
         producer, the consumers and the dQ writer all take, in step."""
@@ -291,11 +321,42 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse,
-                tma_d, smem, pipes, n_block: Int32, heads, batch: Int32):
+                tma_d, smem, pipes, tiles: "_Tiles"):
+        """Warp 0: the CTA's key block (one CTA per tile), or with
+        dynamic_tiles each tile it claims and, past the last, the end
+        (TileQueue)."""
+        pipe_kv = pipes[0]
+        q_state = producer_state(self.cfg.qdo_stages)
+        do_state = producer_state(self.cfg.qdo_stages)
+        kv_state = producer_state(1)
+        if cutlass.const_expr(self.cfg.dynamic_tiles):
+            round_idx = Int32(0)
+            tile = tiles.first()
+            while tile < tiles.scheduler.num_tiles():
+                tiles.queue.publish(round_idx, tile)
+                q_state, do_state = self._produce_tile(
+                    mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d,
+                    smem, pipes, tiles.decode(tile), q_state, do_state, kv_state)
+                kv_state.advance()
+                round_idx += 1
+                tile = tiles.queue.claim()
+            tiles.queue.publish(round_idx, tile)
+            pipe_kv.sync_object_empty.wait(kv_state.index, kv_state.phase)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive(pipe_kv.producer_get_barrier(kv_state))
+        else:
+            self._produce_tile(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
+                               tma_lse, tma_d, smem, pipes, tiles.decode(tiles.first()),
+                               q_state, do_state, kv_state)
+
+    @cute.jit
+    def _produce_tile(self, mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse,
+                      tma_d, smem, pipes, tile, q_state, do_state, kv_state):
         sK, sV, sQ, sdO, sLSE2, sD, _, _ = smem
         pipe_kv, pipe_q, pipe_do = pipes
         d = self.head_dim
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        n_block, _, batch, heads = tile
         head_kv, first_head, head_count = heads
 
         tKs, tKg = tma_views(tma_k, sK, cute.local_tile(
@@ -304,7 +365,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
         kv_first = self.cfg.kv_with_first_block
         if cutlass.const_expr(not kv_first):
-            kv_state = producer_state(1)
             pipe_kv.producer_acquire(kv_state)
             kv_bar = pipe_kv.producer_get_barrier(kv_state)
             cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
@@ -313,8 +373,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cute.arch.griddepcontrol_wait()  # LSE₂ and D come from the preprocess
 
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
-        q_state = producer_state(self.cfg.qdo_stages)
-        do_state = producer_state(self.cfg.qdo_stages)
         for h in cutlass.range(head_count, unroll=1):
             head = first_head + h
             tQs, tQg = tma_views(tma_q, sQ, cute.local_tile(
@@ -347,6 +405,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 cute.copy(tma_d, tDg[None, m_block], tDs[None, do_state.index],
                           tma_bar_ptr=do_bar)
                 do_state.advance()
+        return q_state, do_state
 
     @cute.jit
     def _load_on(self, atom, g_view, s_view, barrier):
@@ -364,9 +423,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     def consume(self, mdK, mdV, tma_dk, tma_dv, seqlen_q: Int32, seqlen_k: Int32,
                 softmax_scale_log2: Float32, softmax_scale: Float32, smem, pipes,
                 mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-                n_block: Int32, cta_head: Int32, heads, batch: Int32):
+                tiles: "_Tiles"):
         sK, sV, sQ, sdO, sLSE2, sD, sdSt, sdQ = smem
-        pipe_kv, pipe_q, pipe_do = pipes
+        pipe_kv = pipes[0]
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
@@ -395,19 +454,50 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             frags["Kt"] = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dv = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
+        st_coords = mma_sdp.get_slice(tid).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+        q_state = consumer_state(self.cfg.qdo_stages)
+        do_state = consumer_state(self.cfg.qdo_stages)
+        step = Int32(0)
+        work = (frags, acc_dk, acc_dv, st_coords, wg, tid, mma_sdp, mma_dkv, mma_dq, smem, pipes,
+                mdK, mdV, tma_dk, tma_dv, seqlen_q, seqlen_k, softmax_scale_log2,
+                softmax_scale)
+        if cutlass.const_expr(self.cfg.dynamic_tiles):
+            kv_state = consumer_state(1)
+            round_idx = Int32(0)
+            self.sync.wait(pipe_kv, kv_state)  # the tile comes with its K and V
+            tile = tiles.queue.read(round_idx)
+            while tile < tiles.scheduler.num_tiles():
+                q_state, do_state, step = self._consume_tile(work, tiles.decode(tile),
+                                                             q_state, do_state, step)
+                # K and V are read (the dK/dV stores' reads of them waited for
+                # in store_dkv_via_smem): the next tile may load over them.
+                self.sync.release(pipe_kv, kv_state)
+                kv_state.advance()
+                round_idx += 1
+                self.sync.wait(pipe_kv, kv_state)
+                tile = tiles.queue.read(round_idx)
+        else:
+            if cutlass.const_expr(not self.cfg.kv_with_first_block):
+                self.sync.wait(pipe_kv, consumer_state(1))
+            self._consume_tile(work, tiles.decode(tiles.first()), q_state, do_state, step)
+
+    @cute.jit
+    def _consume_tile(self, work, tile, q_state, do_state, step: Int32):
+        """One key block: every query block that sees it, then dK and dV out.
+        Returns the Q/dO ring states and the step count (dSᵀ buffer parity)."""
+        (frags, acc_dk, acc_dv, st_coords, wg, tid, mma_sdp, mma_dkv, mma_dq, smem, pipes,
+         mdK, mdV, tma_dk, tma_dv, seqlen_q, seqlen_k, softmax_scale_log2,
+         softmax_scale) = work
+        sK, sV, sQ, sdO, sLSE2, sD, sdSt, sdQ = smem
+        _, pipe_q, pipe_do = pipes
+        tile_m, tile_n = self.tile_m, self.tile_n
+        n_block, cta_head, batch, heads = tile
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        st_coords = mma_sdp.get_slice(tid).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
-
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         m_unmasked = QueryBlockRange(tile_m, tile_n, self.causal).m_block_min_unmasked(
             n_block, seqlen_q, seqlen_k)
         seqlen_edge = (n_block + 1) * tile_n > seqlen_k
-        q_state = consumer_state(self.cfg.qdo_stages)
-        do_state = consumer_state(self.cfg.qdo_stages)
-        if cutlass.const_expr(not self.cfg.kv_with_first_block):
-            self.sync.wait(pipe_kv, consumer_state(1))
-        step = Int32(0)
         _, _, head_count = heads
         for h in cutlass.range(head_count, unroll=1):
             for i in cutlass.range(m_count, unroll=1):
@@ -429,6 +519,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         else:
             self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, n_block, cta_head, batch,
                            seqlen_k)
+        return q_state, do_state, step
 
     @cute.jit
     def issue_s(self, frags, acc_s, mma_sdp, q_state):
@@ -577,7 +668,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                 seqlen_q: Int32, seqlen_k: Int32, n_block: Int32, heads, batch: Int32):
+                 seqlen_q: Int32, seqlen_k: Int32, pipe_kv, tiles: "_Tiles"):
         """The dQ writer warp: per query block and consumer warpgroup, one bulk
         reduce-add of the slab into the accumulator (lane 0 issues it). In
         deterministic mode it first waits until the key blocks before this one
@@ -590,6 +681,35 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         for w in cutlass.range_constexpr(wgs):  # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                      number_of_threads=DQ_HANDOFF_THREADS)
+        if cutlass.const_expr(self.cfg.dynamic_tiles):
+            kv_state = consumer_state(1)
+            round_idx = Int32(0)
+            self.sync.wait(pipe_kv, kv_state)  # the tile's index is published with K/V
+            tile = tiles.queue.read(round_idx)
+            while tile < tiles.scheduler.num_tiles():
+                # The index is read: the producer may reuse its slot (and,
+                # when no query block sees this key block, this warp cannot
+                # fall two tiles behind the K/V barrier's phase).
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(pipe_kv.sync_object_empty.get_barrier(
+                        kv_state.index))
+                self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
+                                    tiles.decode(tile))
+                kv_state.advance()
+                round_idx += 1
+                self.sync.wait(pipe_kv, kv_state)
+                tile = tiles.queue.read(round_idx)
+        else:
+            self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
+                                tiles.decode(tiles.first()))
+
+    @cute.jit
+    def _write_dq_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
+                       seqlen_q: Int32, seqlen_k: Int32, tile):
+        tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
+        region = dq_accum.warpgroup_region(tile_m, d, wgs)
+        lane = cute.arch.lane_idx()
+        n_block, _, batch, heads = tile
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         _, first_head, head_count = heads
         for h in cutlass.range(head_count, unroll=1):

@@ -380,6 +380,22 @@ class BwdConfig(_KernelConfig):
         reading LSE₂ and D or adding into the dQ accumulator it zeroes.
         On the H100 even (bf16 2k, TFLOP/s off vs on: d128 545.8 vs 545.7,
         d64 causal 376.4 vs 377.3), so off.
+    dynamic_tiles: a persistent grid (one CTA per SM) whose CTAs take
+        round 0 by their index and claim each further key block from a
+        global counter, as FwdConfig.dynamic_tiles (scheduler.TileQueue: the
+        producer claims a tile once the current one's loads are issued and
+        hands it to the consumers and the dQ writer with that tile's K and V
+        barrier). The next tile's Q and dO stream in under the current
+        tile's dK/dV epilogue, and no CTA is launched or torn down per key
+        block. The preprocess zeroes the counter (the semaphore's first
+        element). Not with deterministic (its semaphore counts turns),
+        kv_with_first_block (the tile travels with the K/V barrier) or
+        early_launch (the preprocess zeroes the counter). On the H100 (bf16,
+        16k tokens, TFLOP/s on vs one CTA per key block): causal d64 1k
+        282.8 vs 276.2, 2k 398.0 vs 390.3, 8k 555.8 vs 553.9; d128 2k 444.3
+        vs 442.1, 8k 626.6 vs 618.5, 16k 667.7 vs 655.2; non-causal even
+        (d64 2k 501.2 vs 505.6 / 500.2, d128 2k 573.5 vs 575.0 / 572.9), so
+        on for causal only.
     """
 
     tile_m: int = 64
@@ -400,6 +416,7 @@ class BwdConfig(_KernelConfig):
     kv_with_first_block: bool = False
     dkv_tma_store: bool = True
     early_launch: bool = False
+    dynamic_tiles: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -460,6 +477,10 @@ class BwdConfig(_KernelConfig):
                                        "statistics)")
         if not 1 <= self.qdo_stages <= 4:
             raise bad("qdo_stages", "an integer in [1, 4]")
+        if self.dynamic_tiles and (self.deterministic or self.kv_with_first_block
+                                   or self.early_launch):
+            raise bad("dynamic_tiles", "False with deterministic, kv_with_first_block or "
+                                       "early_launch")
         _check_shared_fields(self, bad)
         if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
             raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
@@ -524,6 +545,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     - causal key blocks longest-first in 16 MB L2 sections (d128 causal 4k
       batch 4: 499.3 vs 485.4 with 4 MB and 319.6 with one global order;
       d64 causal 8k: 501.0 vs 489.4 and 357.3);
+    - causal: persistent with claimed key blocks (dynamic_tiles), unless
+      deterministic;
     - split_gqa (chosen per problem by the op, split_gqa_pays): at the
       model shape of issue 5 (d128 causal 4k, batch 1, 8 query / 4 KV heads:
       128 CTAs) 0.225 vs 0.305 ms; d64 causal 4k, 16 / 4 heads 0.240 vs
@@ -532,20 +555,21 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
       (non-causal model shape: 0.356 vs 0.314 ms).
     Each pair comes from one sweep run; runs differ by a few % (see RESULTS.md).
     """
+    dynamic_tiles = causal and not deterministic
     if head_dim <= 64:
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
                          dv_under_ds=False, dv_at_ds_barrier=True, ds_from_16bit_p=True,
-                         split_gqa=split_gqa)
+                         split_gqa=split_gqa, dynamic_tiles=dynamic_tiles)
     if head_dim == 128:
         # 80 rows: the mask (causal) or split_gqa's fp32 partial stores make
         # ptxas spill 16 bytes; they keep 64 (causal on an H100, 64 vs 80
         # rows: 4k 550.1 vs 526.5, 16k 668.1 vs 658.3)
         return BwdConfig(tile_m=64 if causal or split_gqa else 80, tile_n=128, qdo_stages=2,
                          deterministic=deterministic, dv_under_ds=False, ds_from_16bit_p=True,
-                         stats_early=True, split_gqa=split_gqa)
+                         stats_early=True, split_gqa=split_gqa, dynamic_tiles=dynamic_tiles)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
                      dv_under_ds=False, dv_at_ds_barrier=True, ds_from_16bit_p=True,
-                     stats_early=True, split_gqa=split_gqa)
+                     stats_early=True, split_gqa=split_gqa, dynamic_tiles=dynamic_tiles)
 
 
 KERNEL_CONFIGS = {"fwd": FwdConfig, "bwd": BwdConfig}

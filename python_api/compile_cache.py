@@ -115,8 +115,8 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
 @dataclass
 class CompiledBackward:
     """The launches of one backward, in order:
-    preprocess(o, do, lse, dlse, lse2, dsum, dq_accum)
-    main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale)
+    preprocess(o, do, lse, dlse, lse2, dsum, dq_accum, semaphore)
+    main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale, num_sms)
     postprocess(dq_accum, dq, scale)
     group_sum(dk_partials, dv_partials, dk, dv)   (split_gqa configs only, else None)"""
     preprocess: object
@@ -153,9 +153,10 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     start = time.perf_counter()
     fns = (
         _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse), q, do, lse, dlse, lse2,
-                 dsum, dq_accum, dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
+                 dsum, dq_accum, semaphore,
+                 dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
         _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, f32(1.0), f32(1.0),
-                 dump_dir=dump_dir and os.path.join(dump_dir, "main")),
+                 cutlass.Int32(1), dump_dir=dump_dir and os.path.join(dump_dir, "main")),
         _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
                  dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
     )

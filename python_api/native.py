@@ -95,7 +95,7 @@ def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
         fns += (kernels.group_sum,)
     return (tuple(_ffi_handle(f) for f in fns), ops._num_sms(device_index), config.tile_m,
             config.consumer_warpgroups, config.split_gqa, config.deterministic,
-            nvtx_ranges.range_name("bwd", q, k, causal), kernels, False)
+            nvtx_ranges.range_name("bwd", q, k, causal), kernels, config.dynamic_tiles)
 
 
 @functools.lru_cache(maxsize=None)

@@ -166,6 +166,8 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if config.deterministic:
         semaphore = torch.zeros((batch, heads, padded_q // config.tile_m
                                  * config.consumer_warpgroups), dtype=torch.int32, device=device)
+    elif config.dynamic_tiles:  # the tile counter, zeroed by the preprocess; one per call
+        semaphore = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
     else:
         semaphore = _unused_semaphore(device_index)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -179,9 +181,9 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         dk_main, dv_main = dk, dv
     nvtx_ranges.push(nvtx_ranges.range_name("bwd", q, k, causal))
     try:
-        kernels.preprocess(out, grad_out, lse, grad_lse, lse2, dsum, dq_accum)
+        kernels.preprocess(out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore)
         kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore,
-                     softmax_scale * LOG2_E, softmax_scale)
+                     softmax_scale * LOG2_E, softmax_scale, _num_sms(device_index))
         kernels.postprocess(dq_accum, grad_q, softmax_scale)
         if config.split_gqa:
             kernels.group_sum(dk_main, dv_main, dk, dv)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from cute_kernels.config import BwdConfig
+from cute_kernels.config import BwdConfig, default_bwd_config
 from shapes import random_problem
 from python_api import flash_attn_func
 from python_api.ops import backward_cuda
@@ -135,7 +135,12 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                             dv_at_ds_barrier=True, dq_store_under_dk=False),
                                        dict(early_launch=True),
                                        dict(early_launch=True, kv_with_first_block=True,
-                                            deterministic=True)])
+                                            deterministic=True),
+                                       dict(dynamic_tiles=True),
+                                       dict(dynamic_tiles=True, split_gqa=True),
+                                       dict(dynamic_tiles=True, dkv_tma_store=False),
+                                       dict(dynamic_tiles=True, lean_consumer_sync=False,
+                                            tile_m=64, head_dim=128, stats_early=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)
@@ -150,6 +155,30 @@ def test_backward_config_variants(overrides):
         err = (g.float() - r.float()).abs().max().item()
         low_err = (lo.float() - r.float()).abs().max().item()
         assert err <= 2 * low_err + 1e-4, f"{config}: {name} error {err:.3e} vs {low_err:.3e}"
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False)])
+def test_claimed_key_blocks_match_one_cta_per_block(head_dim, causal):
+    # BwdConfig.dynamic_tiles: with many more key blocks than SMs most are
+    # claimed, by CTAs that drew short or long ones; dK and dV (each from
+    # one tile) are bit-identical to one CTA per key block's, call after
+    # call (each call's counter is zeroed by its preprocess), and dQ (added
+    # across tiles in no fixed order) matches the reference.
+    q, k, v, grad_out = _inputs(4, 2048, 2048, 16, 8, head_dim, torch.bfloat16, seed=head_dim)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    fixed = default_bwd_config(head_dim, causal).replace(dynamic_tiles=False)
+    scale = default_scale(head_dim)
+    _, dk_ref, dv_ref = backward_cuda(grad_out, q, k, v, out, lse, scale, causal, config=fixed)
+    for _ in range(3):
+        dq, dk, dv = backward_cuda(grad_out, q, k, v, out, lse, scale, causal,
+                                   config=fixed.replace(dynamic_tiles=True))
+        assert torch.equal(dk, dk_ref) and torch.equal(dv, dv_ref)
+    ref = _reference_grads(q, k, v, grad_out, causal, torch.float32)
+    low = _reference_grads(q, k, v, grad_out, causal, None)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, low):
+        err = (g.float() - r.float()).abs().max().item()
+        low_err = (lo.float() - r.float()).abs().max().item()
+        assert err <= 2 * low_err + 1e-4, f"{name}: max error {err:.3e} vs {low_err:.3e}"
 
 
 def test_backward_under_torch_compile():

@@ -65,20 +65,30 @@ def test_head_dim_128_launches_three_warpgroups(tmp_path):
     assert info.counts["ex2"] > 0 and info.counts["stmatrix"] > 0
 
 
+def _claimed_and_fixed(kind: str, head_dim: int, tmp_path):
+    """({dynamic: kernel info}, {dynamic: step mix}) of the causal default
+    (claimed tiles) and of the same config with the fixed order; checks that
+    only the former claims (one atomic add)."""
+    config = (default_fwd_config if kind == "fwd" else default_bwd_config)(head_dim, True)
+    assert config.dynamic_tiles
+    infos, steps = {}, {}
+    for dynamic in (True, False):
+        cfg = config.replace(dynamic_tiles=dynamic)
+        where = tmp_path / str(dynamic)
+        compile_fn = compile_fwd if kind == "fwd" else compile_bwd
+        compile_fn(torch.bfloat16, head_dim, True, cfg, dump_dir=str(where))
+        infos[dynamic] = dumped_kernel_info(str(where if kind == "fwd" else where / "main"))
+        steps[dynamic] = _step_mix(kind, head_dim, True, cfg, tmp_path / f"step{dynamic}")
+    assert infos[True].counts["atomic_add"] == 1 and infos[False].counts["atomic_add"] == 0
+    return infos, steps
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_causal_forward_claims_its_tiles(tmp_path, head_dim):
     # FwdConfig.dynamic_tiles (on in the causal defaults): the producer warp
     # claims each further tile with one atomic add on the counter; the main
     # loop is the fixed deal's (ptxas may trade an IMAD for a MOV).
-    config = default_fwd_config(head_dim, True)
-    assert config.dynamic_tiles
-    infos, steps = {}, {}
-    for dynamic in (True, False):
-        cfg = config.replace(dynamic_tiles=dynamic)
-        compile_fwd(torch.bfloat16, head_dim, True, cfg, dump_dir=str(tmp_path / str(dynamic)))
-        infos[dynamic] = dumped_kernel_info(str(tmp_path / str(dynamic)))
-        steps[dynamic] = _step_mix("fwd", head_dim, True, cfg, tmp_path / f"step{dynamic}")
-    assert infos[True].counts["atomic_add"] == 1 and infos[False].counts["atomic_add"] == 0
+    infos, steps = _claimed_and_fixed("fwd", head_dim, tmp_path)
     assert abs(sum(steps[True].values()) - sum(steps[False].values())) <= 1
     for op in ("HGMMA", "MUFU", "FFMA", "SYNCS", "BAR"):
         assert steps[True][op] == steps[False][op]
@@ -354,8 +364,11 @@ def test_backward_kv_with_first_block_and_dkv_tma_store(tmp_path, head_dim, caus
     def expect_tx(ptx):
         return len(re.findall(r"mbarrier\.expect_tx", ptx))
 
+    # one CTA per key block: dynamic_tiles (the causal default) excludes
+    # kv_with_first_block
     base = default_bwd_config(head_dim, causal).replace(kv_with_first_block=False,
-                                                         dkv_tma_store=False)
+                                                         dkv_tma_store=False,
+                                                         dynamic_tiles=False)
     info, ptx = ptx_of(base, tmp_path / "base")
     assert info.counts["tma_store"] == 0 and re.search(r"st\.global\.b32\s", ptx)
     info_new, ptx_new = ptx_of(base.replace(kv_with_first_block=True, dkv_tma_store=True),
@@ -368,6 +381,20 @@ def test_backward_kv_with_first_block_and_dkv_tma_store(tmp_path, head_dim, caus
     _, ptx_split = ptx_of(base.replace(dkv_tma_store=True, split_gqa=True), tmp_path / "split")
     assert re.search(r"st\.global\.v2\.b32\s", ptx_split)
     assert "cp.async.bulk.tensor.2d.global" not in ptx_split
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_backward_claims_its_key_blocks(tmp_path, head_dim):
+    # BwdConfig.dynamic_tiles (on in the causal defaults): the producer claims
+    # key blocks with one atomic add, the preprocess zeroes the counter, and
+    # the persistent loop around the tiles leaves the query-block step as it
+    # was (ptxas: a few instructions either way), without spills.
+    infos, steps = _claimed_and_fixed("bwd", head_dim, tmp_path)
+    assert infos[True].stack_bytes == 0 and infos[True].sass["local_memory"] == 0
+    assert not infos[True].wgmma_serialized
+    assert steps[True]["HGMMA"] == steps[False]["HGMMA"]
+    assert steps[True]["MUFU"] == steps[False]["MUFU"]
+    assert sum(steps[True].values()) <= sum(steps[False].values()) + 4
 
 
 def test_backward_transposed_dq_with_80_query_rows(tmp_path):

@@ -77,6 +77,9 @@ def test_backward_defaults_validate_and_fit():
     (dict(stats_early=True, stats_shuffle=True), "stats_shuffle"),
     (dict(tile_m=72), "tile_m"), (dict(tile_m=80, tile_n=192, consumer_regs=160), "tile_m"),
     (dict(tile_m=80, stats_shuffle=True), "stats_shuffle"),
+    (dict(dynamic_tiles=True, deterministic=True), "dynamic_tiles"),
+    (dict(dynamic_tiles=True, kv_with_first_block=True), "dynamic_tiles"),
+    (dict(dynamic_tiles=True, early_launch=True), "dynamic_tiles"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
     from cute_kernels.config import BwdConfig
@@ -112,6 +115,19 @@ def test_backward_statistics_stages_start_128_byte_aligned():
     assert default_bwd_config(128, False).tile_m == 80          # timed on the H100
     assert default_bwd_config(128, True).tile_m == 64
     assert default_bwd_config(128, False, split_gqa=True).tile_m == 64  # 80 spills there
+
+
+def test_causal_backward_claims_key_blocks_unless_deterministic():
+    # BwdConfig.dynamic_tiles: won at every causal head dim and length timed
+    # on the H100, even non-causal; the deterministic semaphore counts turns
+    from cute_kernels.config import default_bwd_config
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            for deterministic in (False, True):
+                for split_gqa in (False, True):
+                    config = default_bwd_config(head_dim, causal, deterministic, split_gqa)
+                    assert config.dynamic_tiles is (causal and not deterministic)
+                    config.validate(head_dim)
 
 
 def test_parse_field_per_kernel():
