@@ -10,11 +10,12 @@ takes tile r·grid + c when r is even and r·grid + grid-1-c when r is odd, so
 with longest-first orders each CTA's sum of tile lengths stays even (a plain
 round-robin hands CTA 0 the longest tile of every round). Non-persistent mode
 launches one CTA per tile (round 0 only) and the hardware's CTA dispatch does
-the balancing. With dynamic_tiles (FwdConfig) the persistent CTAs take round 0 by their
-index, then claim each further tile from a global counter (atomic add, zero at
-launch) instead of the snake: a CTA that drew short tiles comes back sooner
-and takes the next longest one, which the fixed deal cannot do. TileQueue
-carries the claimed index from the producer warp to the consumers. The order:
+the balancing. With dynamic_tiles (FwdConfig, BwdConfig) the persistent CTAs
+take round 0 by their index, then claim each further tile from a global
+counter (atomic add, zero at launch) instead of the snake: a CTA that drew
+short tiles comes back sooner and takes the next longest one, which the fixed
+deal cannot do. TileQueue carries the claimed index from the producer warp to
+the other roles. The order:
 - non-causal: block fastest, so CTAs running at once share the K/V (forward)
   or Q, dO and the dQ accumulator (backward) of a head through L2;
 - causal: longest first (LPT) inside L2-sized sections of heads. In the
@@ -107,7 +108,10 @@ class TileScheduler(DslStruct):
 @dataclass
 class TileQueue(DslStruct):
     """The tiles of a persistent CTA with dynamic_tiles, from the producer
-    warp (which claims them) to the consumer warpgroups (which read them).
+    warp (which claims them) to the roles that read them: the consumer
+    warpgroups, and in the backward the dQ writer warp. The tile's first
+    barrier carries it: Q's in the forward, K/V's in the backward (below,
+    "Q").
 
     The producer claims tile r+1 once tile r's loads are issued: the
     consumers are then still kv_stages blocks behind, which hides the
