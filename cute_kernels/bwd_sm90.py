@@ -340,10 +340,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.queue.claim()
-            tiles.queue.publish(round_idx, tile)
-            pipe_kv.sync_object_empty.wait(kv_state.index, kv_state.phase)
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive(pipe_kv.producer_get_barrier(kv_state))
+            tiles.queue.finish(round_idx, tile, pipe_kv, kv_state)
         else:
             self._produce_tile(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
                                tma_lse, tma_d, smem, pipes, tiles.decode(tiles.first()),
@@ -464,8 +461,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             kv_state = consumer_state(1)
             round_idx = Int32(0)
-            self.sync.wait(pipe_kv, kv_state)  # the tile comes with its K and V
-            tile = tiles.queue.read(round_idx)
+            # the tile comes with its K and V
+            tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
             while tile < tiles.scheduler.num_tiles():
                 q_state, do_state, step = self._consume_tile(work, tiles.decode(tile),
                                                              q_state, do_state, step)
@@ -474,8 +471,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 self.sync.release(pipe_kv, kv_state)
                 kv_state.advance()
                 round_idx += 1
-                self.sync.wait(pipe_kv, kv_state)
-                tile = tiles.queue.read(round_idx)
+                tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
         else:
             if cutlass.const_expr(not self.cfg.kv_with_first_block):
                 self.sync.wait(pipe_kv, consumer_state(1))
@@ -684,8 +680,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             kv_state = consumer_state(1)
             round_idx = Int32(0)
-            self.sync.wait(pipe_kv, kv_state)  # the tile's index is published with K/V
-            tile = tiles.queue.read(round_idx)
+            # the tile's index is published with K/V
+            tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
             while tile < tiles.scheduler.num_tiles():
                 # The index is read: the producer may reuse its slot (and,
                 # when no query block sees this key block, this warp cannot
@@ -697,8 +693,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                     tiles.decode(tile))
                 kv_state.advance()
                 round_idx += 1
-                self.sync.wait(pipe_kv, kv_state)
-                tile = tiles.queue.read(round_idx)
+                tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
         else:
             self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
                                 tiles.decode(tiles.first()))

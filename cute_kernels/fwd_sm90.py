@@ -217,12 +217,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             else:
                 tile = scheduler.tile_at(round_idx)
         if dynamic:
-            # The end, published like a tile: Q's full barrier completes on
-            # this arrive alone (no load), once Q's last round is released.
-            queue.publish(round_idx, tile)
-            pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
+            queue.finish(round_idx, tile, pipe_q, q_state)
 
     @cute.jit
     def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
@@ -269,8 +264,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         round_idx = Int32(0)
         tile = scheduler.tile_at(round_idx)
         if dynamic:  # the tile comes with its Q (TileQueue)
-            self.sync.wait(pipe_q, q_state)
-            tile = queue.read(round_idx)
+            tile = queue.receive(self.sync, pipe_q, q_state, round_idx)
         while tile < scheduler.num_tiles():
             m_block, head, batch = scheduler.decode(tile)
             n_max = blocks.n_block_max(m_block, seqlen_q, seqlen_k)
@@ -297,8 +291,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                           head, batch, seqlen_q)
             round_idx += 1
             if dynamic:
-                self.sync.wait(pipe_q, q_state)
-                tile = queue.read(round_idx)
+                tile = queue.receive(self.sync, pipe_q, q_state, round_idx)
             else:
                 tile = scheduler.tile_at(round_idx)
         if tid % WARPGROUP_THREADS < 32:

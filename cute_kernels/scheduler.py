@@ -149,6 +149,18 @@ class TileQueue(DslStruct):
         cute.arch.sync_warp()  # ordered before the arrive, whichever lane makes it
 
     @cute.jit
-    def read(self, round_idx: Int32) -> Int32:
-        """After the consumers' wait on Q's full barrier of this round."""
+    def finish(self, round_idx: Int32, end: Int32, pipe, state):
+        """The producer, past its last tile: publishes `end` (>= num_tiles)
+        like a tile. The barrier's phase completes on this arrive alone (no
+        load), once the consumers have released the previous round."""
+        self.publish(round_idx, end)
+        pipe.sync_object_empty.wait(state.index, state.phase)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def receive(self, sync, pipe, state, round_idx: Int32) -> Int32:
+        """A reader's tile of this round: its wait (ConsumerSync `sync`) on
+        the barrier that carries it, then the slot."""
+        sync.wait(pipe, state)
         return cute.arch.make_warp_uniform(self.slots[round_idx % 2])

@@ -62,11 +62,12 @@ def _unused_semaphore(device_index: int) -> torch.Tensor:
     return torch.empty((1, 1, 1), dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
-def fwd_tile_counter(config: FwdConfig, device_index: int) -> torch.Tensor:
+def fwd_tile_counter(config: FwdConfig, device: torch.device,
+                     device_index: int) -> torch.Tensor:
     """The forward's tile counter: zero at launch with dynamic_tiles, one
     fresh per call (a shared one would be raced by launches on other streams)."""
     if config.dynamic_tiles:
-        return torch.zeros((1, 1, 1), dtype=torch.int32, device=torch.device("cuda", device_index))
+        return torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
     return _unused_semaphore(device_index)
 
 
@@ -135,7 +136,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     nvtx_ranges.push(nvtx_ranges.range_name("fwd", q, k, causal))
     try:
-        kernel.fn(q, k, v, out, lse, fwd_tile_counter(config, device_index),
+        kernel.fn(q, k, v, out, lse, fwd_tile_counter(config, q.device, device_index),
                   softmax_scale * LOG2_E, _num_sms(device_index))
     finally:
         nvtx_ranges.pop()
