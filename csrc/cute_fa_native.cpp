@@ -153,9 +153,16 @@ struct Plan {
   bool split_gqa = false;
   bool deterministic = false;
   bool dynamic_tiles = false;  // the config's: a tile counter of the call's own
+  // fwd: the zeroed counters (tile counter, split tiles') and the split tail's
+  // fp32 workspace one call reads (ops.fwd_workspace_sizes); 0: none.
+  int64_t fwd_counters = 0;
+  std::array<int64_t, 3> fwd_partials{0, 0, 0};
+  int64_t full_tiles = 0;  // fwd: the tail plan (cute_kernels/tail_split.py)
+  int64_t tail_parts = 1;
   std::string nvtx_name;
   at::Tensor unused_semaphore;  // stands in for the bwd semaphore outside deterministic mode
-                                // and for the fwd tile counter without dynamic_tiles
+                                // and for the fwd counters where none are read
+  at::Tensor unused_partials;   // and for the fwd workspace without a split tail
   PyObject* keepalive = nullptr;  // the compiled kernels; never released (see state)
 };
 
@@ -202,6 +209,11 @@ Plan make_plan(PyObject* planner, py::tuple args) {
   plan.keepalive = r[7].ptr();
   Py_INCREF(plan.keepalive);
   plan.dynamic_tiles = r[8].cast<bool>();
+  plan.fwd_counters = r[9].cast<int64_t>();
+  py::tuple partials = r[10].cast<py::tuple>();
+  for (size_t i = 0; i < 3; ++i) plan.fwd_partials[i] = partials[i].cast<int64_t>();
+  plan.full_tiles = r[11].cast<int64_t>();
+  plan.tail_parts = r[12].cast<int64_t>();
   return plan;
 }
 
@@ -222,6 +234,8 @@ const Plan& plan_for(const PlanKey& key, bool backward, const at::Device& device
     plan = make_plan(backward ? s.bwd_planner : s.fwd_planner, args());
   }
   plan.unused_semaphore = at::empty({1, 1, 1}, at::TensorOptions().dtype(at::kInt).device(device));
+  plan.unused_partials =
+      at::empty({1, 1, 1}, at::TensorOptions().dtype(at::kFloat).device(device));
   std::lock_guard<std::mutex> lock(s.mutex);
   return s.plans.emplace(key, std::move(plan)).first->second;  // keeps a racing thread's
 }
@@ -279,15 +293,19 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const at::Tensor qr = tma_ready(q), kr = tma_ready(k), vr = tma_ready(v);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
-  // A counter shared between calls would be raced by launches on other streams.
-  at::Tensor tile_counter =
-      plan.dynamic_tiles
-          ? at::zeros({1, 1, 1}, at::TensorOptions().dtype(at::kInt).device(q.device()))
-          : plan.unused_semaphore;
+  // Counters and workspace shared between calls would be raced by launches
+  // on other streams.
+  at::Tensor counters =
+      plan.fwd_counters ? at::zeros({1, 1, plan.fwd_counters}, q.options().dtype(at::kInt))
+                        : plan.unused_semaphore;
+  at::Tensor partials = plan.fwd_partials[0]
+                            ? at::empty(plan.fwd_partials, q.options().dtype(at::kFloat))
+                            : plan.unused_partials;
   NvtxRange range(plan.nvtx_name);
   EnvStream stream(q);
-  launch(plan.kernels[0], {&qr, &kr, &vr, &out, &lse, &tile_counter},
-         {any_float(softmax_scale * kLog2E), any_int(plan.num_sms)});
+  launch(plan.kernels[0], {&qr, &kr, &vr, &out, &lse, &counters, &partials},
+         {any_float(softmax_scale * kLog2E), any_int(plan.num_sms), any_int(plan.full_tiles),
+          any_int(plan.tail_parts)});
   return {out, lse};
 }
 

@@ -177,6 +177,18 @@ class FwdConfig(_KernelConfig):
         -> 0.949, d128 2k 1.003 -> 0.976): with registers to spare ptxas
         puts d64 causal's P·V wait behind 15 exp2s, a late wait like the one
         pv_wait_after_rows showed to lose. On for d64 non-causal only.
+    split_tail: non-causal, persistent: when the tile count is not a
+        multiple of the grid, the tiles of the last, partial round are cut
+        into key ranges that every SM shares, and the last part of each
+        merges the others' rows (tail_split.py; the op picks the number of
+        parts per problem from a cost model, or none). The partial round cost
+        1.7-2.1 % on the H100 (d128 16k, 16 heads: 761.4 TFLOP/s against
+        774.7 with 33 heads, whose 4224 tiles fill every round; 8k: 746.4
+        against 762.2). Unsplit -> split (bf16, 16k tokens, TFLOP/s, forced
+        plans in one process): d128 8k 743.7 -> 748.2, 16k 762.0 -> 769.3,
+        d96 8k 636.5 -> 646.8, d64 2k 511.9 -> 523.0, 4k 546.2 -> 566.1; d128
+        4k (720.2 -> 719.3) and shorter keys lose, d64 8k/16k (112 of 132
+        SMs busy in the last round) cannot gain: there the plan is no split.
     """
 
     tile_m: int = 128
@@ -195,6 +207,7 @@ class FwdConfig(_KernelConfig):
     rescale_o_before_pv: bool = False
     rederive_epilogue_coords: bool = False
     dynamic_tiles: bool = False
+    split_tail: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -238,6 +251,9 @@ class FwdConfig(_KernelConfig):
         if self.dynamic_tiles and not self.persistent:
             raise bad("dynamic_tiles", "False unless persistent (one CTA per tile has no "
                                        "next tile to claim)")
+        if self.split_tail and (self.dynamic_tiles or not self.persistent):
+            raise bad("split_tail", "False unless persistent, and False with dynamic_tiles (a "
+                                    "claimed order has no fixed last round to split)")
         if self.rescale_o_before_pv and (self.rescale_threshold or not self.intra_wg_overlap):
             raise bad("rescale_o_before_pv", "False unless intra_wg_overlap, and False with "
                                              "lazy rescaling (rescale_threshold > 0)")
@@ -257,7 +273,8 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     (bf16, 16k tokens; TFLOP/s of the choice vs the runner-up):
 
     - causal: persistent with dynamic_tiles at every head dim and length
-      (figures there); non-causal: persistent with the fixed deal;
+      (figures there); non-causal: persistent with the fixed deal and
+      split_tail (the plan splits only where its cost model gains);
     - head dim 128 non-causal: tile_n 160 (with pv_wait_after_exp2=8, vs
       128: 2k 686.6 vs 686.4, 8k 746.1 vs 742.1, 16k 762.3 vs 749.9; without
       it 128 won below 16k, the last partial 160-key block costing more than
@@ -269,13 +286,14 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     """
     if head_dim <= 64:
         return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
-                         dynamic_tiles=causal, producer_regs=32, consumer_regs=160,
-                         rederive_epilogue_coords=not causal,
+                         dynamic_tiles=causal, split_tail=not causal, producer_regs=32,
+                         consumer_regs=160, rederive_epilogue_coords=not causal,
                          pv_wait_after_exp2=2 if causal else 4)
     if head_dim <= 96 or causal:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True,
-                         dynamic_tiles=causal, pv_wait_after_exp2=8)
-    return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, pv_wait_after_exp2=8)
+                         dynamic_tiles=causal, split_tail=not causal, pv_wait_after_exp2=8)
+    return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, split_tail=True,
+                     pv_wait_after_exp2=8)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
   warpgroups 1+ consumers (setmaxnreg.inc), 64 query rows each: WGMMA
                 S = Q·Kᵀ (smem × smem), online softmax in registers,
                 WGMMA O += P·V with P in registers, then the epilogue
-                (O → smem → TMA store, LSE → global).
+                (O → smem → TMA store, LSE → global). With split_tail the
+                last round's tiles come in key ranges: a warpgroup ending
+                one publishes its rows, and the last to count in merges
+                them before the epilogue (tail_split.py).
 Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-warp
 mbarrier rings (pipeline.py); ping-pong named barriers between consumer
 warpgroups; epilogue named barriers.
@@ -44,18 +47,30 @@ from .mask import BlockRange, apply_mask
 from .pipeline import NamedBarrier, PingPong, consumer_state, make_tma_pipeline, producer_state
 from .scheduler import TileQueue, TileScheduler
 from .softmax import OnlineSoftmax
+from .tail_split import TailSplit
 
 class FlashAttentionForwardSm90(Sm90AttentionKernel):
     """One compiled kernel per (dtype, head_dim, causal, config: FwdConfig)."""
 
+    def __init__(self, dtype, head_dim: int, causal: bool, config):
+        super().__init__(dtype, head_dim, causal, config)
+        if causal and config.split_tail:
+            raise ValueError(f"FwdConfig.split_tail: expected False for a causal kernel (causal "
+                             f"tiles differ in length; dynamic_tiles balances them), got True "
+                             f"(head_dim={head_dim}, config={config})")
+
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mTileCounter: cute.Tensor, softmax_scale_log2: Float32,
-                 num_sms: Int32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
+                 softmax_scale_log2: Float32, num_sms: Int32, full_tiles: Int32,
+                 tail_parts: Int32, stream: cuda.CUstream):
         """Tensors in torch order: Q, O (b, s_q, h, d); K, V (b, s_k, h_kv, d);
-        LSE (b, h, s_q) fp32; the tile counter int32 (1, 1, 1), zero at launch
-        with dynamic_tiles (not read otherwise)."""
+        LSE (b, h, s_q) fp32. Read only by some configs: the counters, int32
+        (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
+        0; split_tail: the split tiles' counters after it), and with
+        split_tail the fp32 partials workspace and the tail plan, full_tiles
+        and tail_parts (tail_split.py)."""
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute(mLSE, [2, 1, 0])
@@ -85,6 +100,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
             tile_slots: cute.struct.MemRange[Int32, 2]  # TileQueue (dynamic_tiles)
+            split_arrivals: cute.struct.MemRange[Int32, 4]  # per consumer warpgroup (split_tail)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
                                   SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
@@ -95,8 +111,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                   SMEM_ALIGN]
 
         num_tiles = (cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3])
-        grid = TileScheduler.grid(num_tiles, num_sms, self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mLSE, mTileCounter, tma_q, tma_k, tma_v, tma_o,
+        # Built whatever the config; only split_tail kernels read it.
+        tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
+        num_units = tail.num_units(num_tiles) if self.cfg.split_tail else num_tiles
+        grid = TileScheduler.grid(num_units, num_sms, self.cfg.persistent)
+        self.kernel(tQ, tK, tV, tO, mLSE, mCounters, tail, tma_q, tma_k, tma_v, tma_o,
                     softmax_scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
@@ -105,7 +124,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     # ---------------------------------------------------------------- kernel
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mTileCounter: cute.Tensor, tma_q: cute.CopyAtom,
+               mLSE: cute.Tensor, mCounters: cute.Tensor, tail: TailSplit,
+               tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale_log2: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -138,13 +158,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
             mQ.shape[2] // mK.shape[2], 2 * self.head_dim * self.dtype.width // 8,
             self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
-        queue = TileQueue(mTileCounter, storage.tile_slots.get_tensor(cute.make_layout(2)))
+        queue = TileQueue(mCounters, storage.tile_slots.get_tensor(cute.make_layout(2)))
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, tma_q, tma_k, tma_v, smem, pipes, scheduler, queue)
+                self.produce(mQ, mK, mV, tma_q, tma_k, tma_v, smem, pipes, scheduler, queue,
+                             tail)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
@@ -152,13 +173,15 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                         mma_operand_view(storage.sK, sK_layout, self.dtype),
                         mma_operand_view(storage.sV, sV_layout, self.dtype), smem[3])
             self.consume(mO, mLSE, tma_o, mK.shape[0], softmax_scale_log2, mma_smem, pipes,
-                         scheduler, queue, tiled_mma_qk, tiled_mma_pv)
+                         scheduler, queue, tail,
+                         storage.split_arrivals.get_tensor(cute.make_layout(4)),
+                         tiled_mma_qk, tiled_mma_pv)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                 tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                smem, pipes, scheduler: TileScheduler, queue: TileQueue):
+                smem, pipes, scheduler: TileScheduler, queue: TileQueue, tail: TailSplit):
         sQ, sK, sV, _ = smem
         pipe_q, pipe_k, pipe_v = pipes
         blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
@@ -167,12 +190,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         q_state = producer_state(1)
         kv_state = producer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
+        num_units = self._num_units(scheduler, tail)
         round_idx = Int32(0)
         tile = scheduler.tile_at(round_idx)
-        while tile < scheduler.num_tiles():
+        while tile < num_units:
             if dynamic:
                 queue.publish(round_idx, tile)
-            m_block, head, batch = scheduler.decode(tile)
+            m_block, head, batch, n_lo, n_max, _ = self._locate(scheduler, tail, blocks, tile,
+                                                                seqlen_q, seqlen_k)
             head_kv = head // q_per_kv
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim),
                                  (m_block, 0))
@@ -188,24 +213,23 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
 
-            n_max = blocks.n_block_max(m_block, seqlen_q, seqlen_k)
-            if n_max > 0:
+            if n_max > n_lo:
                 kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state, n_max - 1)
                 if cutlass.const_expr(self.cfg.intra_wg_overlap):
                     # V_j trails K_{j-1} by one step, the order the consumers use them.
-                    for i in cutlass.range(n_max - 1, unroll=1):
+                    for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
                         v_state = kv_state.clone()
                         kv_state.advance()
                         kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state,
                                                     n_max - 2 - i)
                         v_state = self._load_block(tma_v, tVg, tVs, pipe_v, v_state,
                                                    n_max - 1 - i)
-                    kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state, 0)
+                    kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state, n_lo)
                     kv_state.advance()
                 else:
                     kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state, n_max - 1)
                     kv_state.advance()
-                    for i in cutlass.range(n_max - 1, unroll=1):
+                    for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
                         kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state,
                                                     n_max - 2 - i)
                         kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state,
@@ -219,6 +243,27 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if dynamic:
             queue.finish(round_idx, tile, pipe_q, q_state)
 
+    def _num_units(self, scheduler: TileScheduler, tail: TailSplit) -> Int32:
+        if cutlass.const_expr(self.cfg.split_tail):
+            return tail.num_units(scheduler.num_tiles())
+        return scheduler.num_tiles()
+
+    @cute.jit
+    def _locate(self, scheduler: TileScheduler, tail: TailSplit, blocks: BlockRange,
+                unit: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """A unit of work -> (m_block, head, batch, first K/V block, one past the
+        last, parts of its tile). Without split_tail a unit is a tile, and the
+        first block and the parts are Python constants (the loops' bounds
+        stay as they were)."""
+        tile, part, parts = unit, 0, 1
+        if cutlass.const_expr(self.cfg.split_tail):
+            tile, part, parts = tail.locate(unit)
+        m_block, head, batch = scheduler.decode(tile)
+        n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
+        if cutlass.const_expr(self.cfg.split_tail):
+            n_lo, n_max = TailSplit.key_range(part, parts, n_max)
+        return m_block, head, batch, n_lo, n_max, parts
+
     @cute.jit
     def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
         pipe.producer_acquire(state)
@@ -230,7 +275,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_o: cute.CopyAtom,
                 seqlen_k: Int32, softmax_scale_log2: Float32, smem, pipes,
-                scheduler: TileScheduler, queue: TileQueue, tiled_mma_qk: cute.TiledMma,
+                scheduler: TileScheduler, queue: TileQueue, tail: TailSplit,
+                split_arrivals: cute.Tensor, tiled_mma_qk: cute.TiledMma,
                 tiled_mma_pv: cute.TiledMma):
         sQ, sK, sV, sO = smem
         pipe_q, pipe_k, pipe_v = pipes
@@ -261,22 +307,23 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         q_state = consumer_state(1)
         kv_state = consumer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
+        num_units = self._num_units(scheduler, tail)
         round_idx = Int32(0)
         tile = scheduler.tile_at(round_idx)
         if dynamic:  # the tile comes with its Q (TileQueue)
             tile = queue.receive(self.sync, pipe_q, q_state, round_idx)
-        while tile < scheduler.num_tiles():
-            m_block, head, batch = scheduler.decode(tile)
-            n_max = blocks.n_block_max(m_block, seqlen_q, seqlen_k)
+        while tile < num_units:
+            m_block, head, batch, n_lo, n_max, parts = self._locate(scheduler, tail, blocks,
+                                                                    tile, seqlen_q, seqlen_k)
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)
             if not dynamic:
                 self.sync.wait(pipe_q, q_state)
-            if n_max > 0:
+            if n_max > n_lo:
                 kv_state = self.mainloop(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords, softmax, pingpong, wg,
-                    pipe_q, q_state, pipe_k, pipe_v, kv_state, m_block, n_max,
+                    pipe_q, q_state, pipe_k, pipe_v, kv_state, m_block, n_lo, n_max,
                     blocks.n_block_min_unmasked(m_block, seqlen_q, seqlen_k),
                     seqlen_q, seqlen_k)
             else:
@@ -286,9 +333,20 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
                 # from an opaque copy of the index, so that the main loop's
                 # coordinates need not stay live through it
-                m_block, head, batch = scheduler.decode(cute.arch.make_warp_uniform(tile))
-            self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_o, wg, tid, m_block,
-                          head, batch, seqlen_q)
+                m_block, head, batch, _, _, _ = self._locate(
+                    scheduler, tail, blocks, cute.arch.make_warp_uniform(tile), seqlen_q,
+                    seqlen_k)
+            if cutlass.const_expr(self.cfg.split_tail):
+                writes = cutlass.Boolean(True)
+                if parts > 1:
+                    writes = tail.merge(acc_o, lse, tile, wg, tid,
+                                        int(NamedBarrier.EPILOGUE_BASE) + wg, split_arrivals)
+                if writes:
+                    self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_o, wg, tid,
+                                  m_block, head, batch, seqlen_q)
+            else:
+                self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_o, wg, tid, m_block,
+                              head, batch, seqlen_q)
             round_idx += 1
             if dynamic:
                 tile = queue.receive(self.sync, pipe_q, q_state, round_idx)
@@ -301,9 +359,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def mainloop(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords,
                  softmax: OnlineSoftmax, pingpong: PingPong, wg: Int32, pipe_q, q_state,
-                 pipe_k, pipe_v, kv_state, m_block: Int32, n_max: Int32,
+                 pipe_k, pipe_v, kv_state, m_block: Int32, n_lo: Int32, n_max: Int32,
                  n_min_unmasked: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """All K/V blocks of one tile, last block first. Releases Q as soon as the
+        """K/V blocks [n_lo, n_max) of one tile, last block first. Releases Q as soon as the
         last Q·Kᵀ is done, so the next tile's Q loads under the last P·V and the
         epilogue. Returns the K/V ring state."""
         tSrQ, tSrK, tOrP, tOrVt = frags
@@ -335,7 +393,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 kv_state = self._overlapped_step(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pending, pingpong, wg,
                     pipe_k, pipe_v, kv_state, mask, n_max - 2 - i, apply_causal=True)
-            for n_block in cutlass.range(n_masked_end - 1, -1, -1, unroll=1):
+            for n_block in cutlass.range(n_masked_end - 1, n_lo - 1, -1, unroll=1):
                 kv_state = self._overlapped_step(
                     tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pending, pingpong, wg,
                     pipe_k, pipe_v, kv_state, mask, n_block, apply_causal=False)
@@ -358,7 +416,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                              pingpong, wg, pipe_k, pipe_v, kv_state, mask,
                                              n_max - 2 - i, apply_mask=self.causal,
                                              is_first=False)
-            for i in cutlass.range(n_masked_end, unroll=1):
+            for i in cutlass.range(n_masked_end - n_lo, unroll=1):
                 kv_state = self._serial_step(tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax,
                                              pingpong, wg, pipe_k, pipe_v, kv_state, mask,
                                              n_masked_end - 1 - i, apply_mask=False,

@@ -36,6 +36,7 @@ PTX_PATTERNS = {
     "release_add": r"red\.release\.gpu",
     "vote_any": r"vote\.sync\.any",
     "atomic_add": r"\batom\.(\w+\.)*add\b",
+    "fence_gpu": r"\bfence\.(acq_rel|sc)\.gpu",
 }
 SASS_PATTERNS = {
     "hgmma": r"\bHGMMA\.",

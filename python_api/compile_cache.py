@@ -86,7 +86,9 @@ def _compile(kernel, *args, dump_dir: str | None = None):
 
 @dataclass
 class CompiledKernel:
-    fn: object  # the TVM-FFI callable: fn(q, k, v, out, lse, tile_counter, scale_log2, num_sms)
+    # the TVM-FFI callable: fn(q, k, v, out, lse, counters, partials, scale_log2, num_sms,
+    # full_tiles, tail_parts)
+    fn: object
     compile_seconds: float
 
 
@@ -105,10 +107,11 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
     o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
     lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
-    tile_counter = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, 1)
+    counters = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, n)
+    partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
     start = time.perf_counter()
-    fn = _compile(kernel, q, k, v, o, lse, tile_counter, cutlass.Float32(1.0), cutlass.Int32(1),
-                  dump_dir=dump_dir)
+    fn = _compile(kernel, q, k, v, o, lse, counters, partials, cutlass.Float32(1.0),
+                  cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), dump_dir=dump_dir)
     return CompiledKernel(fn, time.perf_counter() - start)
 
 

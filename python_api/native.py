@@ -80,8 +80,12 @@ def _fwd_plan(q, k, causal):
     from . import nvtx as nvtx_ranges
 
     kernel, config, device_index = ops.fwd_kernel_for(q, k, causal)
-    return ((_ffi_handle(kernel.fn),), ops._num_sms(device_index), 0, 0, False, False,
-            nvtx_ranges.range_name("fwd", q, k, causal), kernel, config.dynamic_tiles)
+    num_sms = ops._num_sms(device_index)
+    tail = ops.fwd_tail_plan(config, q, k, num_sms)
+    counters, partials = ops.fwd_workspace_sizes(config, q, tail)
+    return ((_ffi_handle(kernel.fn),), num_sms, 0, 0, False, False,
+            nvtx_ranges.range_name("fwd", q, k, causal), kernel, config.dynamic_tiles,
+            counters, partials or (0, 0, 0), tail.full_tiles, tail.parts)
 
 
 def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
@@ -95,7 +99,8 @@ def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
         fns += (kernels.group_sum,)
     return (tuple(_ffi_handle(f) for f in fns), ops._num_sms(device_index), config.tile_m,
             config.consumer_warpgroups, config.split_gqa, config.deterministic,
-            nvtx_ranges.range_name("bwd", q, k, causal), kernels, config.dynamic_tiles)
+            nvtx_ranges.range_name("bwd", q, k, causal), kernels, config.dynamic_tiles,
+            0, (0, 0, 0), 0, 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,8 +26,9 @@ import math
 
 import torch
 
-from cute_kernels.config import (BwdConfig, FwdConfig, bwd_config_for_problem,
-                                 default_fwd_config)
+from cute_kernels import tail_plan
+from cute_kernels.config import (WARPGROUP_THREADS, BwdConfig, FwdConfig,
+                                 bwd_config_for_problem, default_fwd_config)
 
 from . import native
 from . import nvtx as nvtx_ranges
@@ -62,13 +63,50 @@ def _unused_semaphore(device_index: int) -> torch.Tensor:
     return torch.empty((1, 1, 1), dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
-def fwd_tile_counter(config: FwdConfig, device: torch.device,
-                     device_index: int) -> torch.Tensor:
-    """The forward's tile counter: zero at launch with dynamic_tiles, one
-    fresh per call (a shared one would be raced by launches on other streams)."""
-    if config.dynamic_tiles:
-        return torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
-    return _unused_semaphore(device_index)
+@functools.lru_cache(maxsize=None)
+def _unused_partials(device_index: int) -> torch.Tensor:
+    return torch.empty((1, 1, 1), dtype=torch.float32,
+                       device=torch.device("cuda", device_index))
+
+
+def fwd_tail_plan(config: FwdConfig, q: torch.Tensor, k: torch.Tensor,
+                  num_sms: int) -> tail_plan.TailPlan:
+    """How the forward splits its last round of tiles (split_tail), or not."""
+    if not config.split_tail:
+        return tail_plan.NO_SPLIT
+    batch, seqlen_q, heads, _ = q.shape
+    num_tiles = -(-seqlen_q // config.tile_m) * heads * batch
+    return tail_plan.plan(num_tiles, num_sms, -(-k.shape[1] // config.tile_n))
+
+
+def fwd_workspace_sizes(config: FwdConfig, q: torch.Tensor,
+                        tail: tail_plan.TailPlan) -> tuple[int, tuple[int, int, int] | None]:
+    """(counters, partials shape) that one forward call reads: the int32
+    counters, zero at launch (dynamic_tiles' tile counter, then one per split
+    tile and consumer warpgroup; 0: none read), and the fp32 workspace of a
+    split tail (None: none). Also the C++ kernels' planner (native.py) uses it."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    split_tiles = tail.split_tiles(-(-seqlen_q // config.tile_m) * heads * batch)
+    counters = 0
+    if config.dynamic_tiles or split_tiles:
+        counters = tail_plan.FIRST_COUNTER + split_tiles * config.consumer_warpgroups
+    partials = None
+    if split_tiles:
+        partials = (split_tiles * tail.parts, tail_plan.partial_floats(head_dim),
+                    WARPGROUP_THREADS * config.consumer_warpgroups)
+    return counters, partials
+
+
+def fwd_workspace(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailPlan,
+                  device_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counters, partials) of one forward call (fwd_workspace_sizes): fresh
+    per call where read (shared ones would be raced by launches on other
+    streams), tiny stand-ins otherwise."""
+    counters, partials = fwd_workspace_sizes(config, q, tail)
+    return (torch.zeros((1, 1, counters), dtype=torch.int32, device=q.device) if counters
+            else _unused_semaphore(device_index),
+            torch.empty(partials, dtype=torch.float32, device=q.device) if partials
+            else _unused_partials(device_index))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -126,18 +164,32 @@ def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministi
 # context managers, generators and repeated lookups (profiling/RESULTS.md).
 
 def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                 causal: bool, config: FwdConfig | None = None):
+                 causal: bool, config: FwdConfig | None = None,
+                 tail: tail_plan.TailPlan | None = None):
     """Run the DSL forward kernel; `config` overrides the per-problem default
-    (this is how profiling.sweep A/Bs kernel variants)."""
+    (this is how profiling.sweep A/Bs kernel variants), `tail` the split of
+    the last round that a split_tail config would choose."""
     kernel, config, device_index = fwd_kernel_for(q, k, causal, config)
+    num_sms = _num_sms(device_index)
+    if tail is None:
+        tail = fwd_tail_plan(config, q, k, num_sms)
+    elif tail.split:
+        num_tiles = -(-q.shape[1] // config.tile_m) * q.shape[2] * q.shape[0]
+        if (not config.split_tail or not 0 <= tail.full_tiles <= num_tiles
+                or tail.parts > tail_plan.MAX_PARTS):
+            raise ValueError(f"tail: expected a split of a split_tail config with full_tiles "
+                             f"in [0, {num_tiles}] and parts in [2, {tail_plan.MAX_PARTS}], "
+                             f"got {tail} (split_tail={config.split_tail})")
+    elif tail.parts != 1:
+        raise ValueError(f"tail: expected parts >= 1, got {tail}")
     batch, seqlen_q, heads, head_dim = q.shape
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     nvtx_ranges.push(nvtx_ranges.range_name("fwd", q, k, causal))
     try:
-        kernel.fn(q, k, v, out, lse, fwd_tile_counter(config, q.device, device_index),
-                  softmax_scale * LOG2_E, _num_sms(device_index))
+        kernel.fn(q, k, v, out, lse, *fwd_workspace(config, q, tail, device_index),
+                  softmax_scale * LOG2_E, num_sms, tail.full_tiles, tail.parts)
     finally:
         nvtx_ranges.pop()
     return out, lse

@@ -45,6 +45,8 @@ def test_pv_wait_held_behind_early_exp2s_where_timed_faster():
     (dict(rescale_o_before_pv=True, rescale_threshold=8), "rescale_o_before_pv"),
     (dict(rescale_o_before_pv=True, intra_wg_overlap=False), "rescale_o_before_pv"),
     (dict(dynamic_tiles=True, persistent=False), "dynamic_tiles"),
+    (dict(split_tail=True, persistent=False), "split_tail"),
+    (dict(split_tail=True, dynamic_tiles=True), "split_tail"),
 ])
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"FwdConfig\.{field}: expected"):

@@ -10,6 +10,7 @@ from python_api import flash_attn_func
 from python_api.ops import forward_cuda
 from python_api.reference import attention_reference, default_scale
 from cute_kernels.config import FwdConfig, default_fwd_config
+from cute_kernels.tail_plan import TailPlan
 from shapes import random_problem
 
 pytestmark = pytest.mark.gpu
@@ -80,9 +81,12 @@ def test_forward_random_shapes(trial):
     dict(dynamic_tiles=True), dict(dynamic_tiles=True, intra_wg_overlap=False, pingpong=False),
     dict(dynamic_tiles=True, lean_consumer_sync=False, tile_m=192, producer_regs=32,
          consumer_regs=160),
+    dict(split_tail=True), dict(split_tail=True, intra_wg_overlap=False, pingpong=False),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_config_variants(overrides, causal):
+    if causal and overrides.get("split_tail"):
+        pytest.skip("split_tail is for non-causal kernels (test_split_tail_* there)")
     config = FwdConfig().replace(**overrides)
     q, k, v = _inputs(2, 700, 900, 4, 1, 64, torch.bfloat16, seed=5)
     out, lse = forward_cuda(q, k, v, default_scale(64), causal, config)
@@ -115,6 +119,39 @@ def test_claimed_tiles_match_the_fixed_deal(head_dim):
                                 fixed.replace(dynamic_tiles=True))
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     _check(q, k, v, True, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("seqlens, parts", [((1000, 1000), 3), ((300, 4097), 8),
+                                            ((77, 203), 2), ((129, 17), 3)])
+def test_split_tail_matches_reference(head_dim, seqlens, parts):
+    # FwdConfig.split_tail with forced plans: every tile split, or the second
+    # half of them; ragged key ends inside the last part; parts with no K/V
+    # block at all (17 keys are one block) count in with an empty result.
+    # The parts are summed in part order: the same bits call after call.
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = _inputs(2, seqlen_q, seqlen_k, 6, 2, head_dim, torch.bfloat16, seed=parts)
+    config = default_fwd_config(head_dim, False)
+    assert config.split_tail
+    num_tiles = -(-seqlen_q // config.tile_m) * 6 * 2
+    for full_tiles in (0, num_tiles // 2):
+        tail = TailPlan(full_tiles=full_tiles, parts=parts)
+        out, lse = forward_cuda(q, k, v, default_scale(head_dim), False, config, tail)
+        _check(q, k, v, False, out, lse)
+        again, again_lse = forward_cuda(q, k, v, default_scale(head_dim), False, config, tail)
+        assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+def test_split_tail_refuses_a_plan_it_cannot_run():
+    q, k, v = _inputs(1, 256, 256, 2, 2, 128, torch.bfloat16, seed=0)
+    config = default_fwd_config(128, False)
+    with pytest.raises(ValueError, match="tail: expected"):
+        forward_cuda(q, k, v, 1.0, False, config.replace(split_tail=False), TailPlan(0, 2))
+    with pytest.raises(ValueError, match="tail: expected"):
+        forward_cuda(q, k, v, 1.0, False, config, TailPlan(full_tiles=5, parts=2))
+    for parts in (0, 9):  # the merge holds at most tail_plan.MAX_PARTS parts
+        with pytest.raises(ValueError, match="tail: expected"):
+            forward_cuda(q, k, v, 1.0, False, config, TailPlan(full_tiles=0, parts=parts))
 
 
 def test_no_visible_key_rows_are_zero():
