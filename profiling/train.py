@@ -3,7 +3,7 @@
     python -m profiling.train --backend cute --steps 1000 --seq 4096 --batch 1
     python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash,fa4 --steps 1000 --compile
     python -m profiling.train --backends cute,sdpa_cudnn --cuda-graph [--compile]
-    python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash --compile --interleave 50
+    python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash --compile --interleave 10
 
 AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast.
 --cuda-graph captures the whole training step (forward, backward, clipping,
