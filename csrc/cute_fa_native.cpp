@@ -157,7 +157,7 @@ struct Plan {
   // fp32 workspace one call reads (ops.fwd_workspace_sizes); 0: none.
   int64_t fwd_counters = 0;
   std::array<int64_t, 3> fwd_partials{0, 0, 0};
-  int64_t full_tiles = 0;  // fwd: the tail plan (cute_kernels/tail_split.py)
+  int64_t full_tiles = 0;  // fwd: the tail plan (cute_kernels/tail_plan.py)
   int64_t tail_parts = 1;
   std::string nvtx_name;
   at::Tensor unused_semaphore;  // stands in for the bwd semaphore outside deterministic mode

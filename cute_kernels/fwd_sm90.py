@@ -113,8 +113,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         num_tiles = (cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3])
         # Built whatever the config; only split_tail kernels read it.
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
-        num_units = tail.num_units(num_tiles) if self.cfg.split_tail else num_tiles
-        grid = TileScheduler.grid(num_units, num_sms, self.cfg.persistent)
+        grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
+                                  self.cfg.persistent)
         self.kernel(tQ, tK, tV, tO, mLSE, mCounters, tail, tma_q, tma_k, tma_v, tma_o,
                     softmax_scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
@@ -190,7 +190,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         q_state = producer_state(1)
         kv_state = producer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
-        num_units = self._num_units(scheduler, tail)
+        num_units = self._num_units(scheduler.num_tiles(), tail)
         round_idx = Int32(0)
         tile = scheduler.tile_at(round_idx)
         while tile < num_units:
@@ -243,10 +243,12 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if dynamic:
             queue.finish(round_idx, tile, pipe_q, q_state)
 
-    def _num_units(self, scheduler: TileScheduler, tail: TailSplit) -> Int32:
+    def _num_units(self, num_tiles: Int32, tail: TailSplit) -> Int32:
+        """The units of work the CTAs deal: the tiles, or with split_tail the
+        whole ones and the parts of the split ones."""
         if cutlass.const_expr(self.cfg.split_tail):
-            return tail.num_units(scheduler.num_tiles())
-        return scheduler.num_tiles()
+            return tail.num_units(num_tiles)
+        return num_tiles
 
     @cute.jit
     def _locate(self, scheduler: TileScheduler, tail: TailSplit, blocks: BlockRange,
@@ -307,7 +309,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         q_state = consumer_state(1)
         kv_state = consumer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
-        num_units = self._num_units(scheduler, tail)
+        num_units = self._num_units(scheduler.num_tiles(), tail)
         round_idx = Int32(0)
         tile = scheduler.tile_at(round_idx)
         if dynamic:  # the tile comes with its Q (TileQueue)

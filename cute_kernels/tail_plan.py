@@ -15,6 +15,7 @@ split helps (720.2; 3 parts 719.3), d128 8k 743.7 -> 748.2 (3), 16k 762.0
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # The merge (tail_split.TailSplit) holds this many parts' LSEs in registers.
@@ -59,6 +60,7 @@ def tail_cost(tail_tiles: int, num_sms: int, n_blocks: int, parts: int) -> float
     return rounds * (n_blocks / parts + UNIT_OVERHEAD_BLOCKS)
 
 
+@functools.lru_cache(maxsize=1024)  # the Python op path asks it at every call
 def plan(num_tiles: int, num_sms: int, n_blocks: int) -> TailPlan:
     """How to cut the tail of `num_tiles` equal tiles of `n_blocks` K/V
     blocks each on a persistent grid of `num_sms` CTAs."""

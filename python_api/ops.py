@@ -56,17 +56,17 @@ def _device_index(t: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _unused_semaphore(device_index: int) -> torch.Tensor:
+def _stand_in(device_index: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     # The backward reads its semaphore only in deterministic mode, the
-    # forward its tile counter only with dynamic_tiles; one tiny tensor per
-    # device stands in for them otherwise.
-    return torch.empty((1, 1, 1), dtype=torch.int32, device=torch.device("cuda", device_index))
+    # forward its counters only with dynamic_tiles or a split tail and its
+    # partials only with the latter; one tiny tensor per device and dtype
+    # stands in for them otherwise.
+    return torch.empty((1, 1, 1), dtype=dtype, device=torch.device("cuda", device_index))
 
 
-@functools.lru_cache(maxsize=None)
-def _unused_partials(device_index: int) -> torch.Tensor:
-    return torch.empty((1, 1, 1), dtype=torch.float32,
-                       device=torch.device("cuda", device_index))
+def _fwd_num_tiles(config: FwdConfig, q: torch.Tensor) -> int:
+    batch, seqlen_q, heads, _ = q.shape
+    return -(-seqlen_q // config.tile_m) * heads * batch
 
 
 def fwd_tail_plan(config: FwdConfig, q: torch.Tensor, k: torch.Tensor,
@@ -74,9 +74,7 @@ def fwd_tail_plan(config: FwdConfig, q: torch.Tensor, k: torch.Tensor,
     """How the forward splits its last round of tiles (split_tail), or not."""
     if not config.split_tail:
         return tail_plan.NO_SPLIT
-    batch, seqlen_q, heads, _ = q.shape
-    num_tiles = -(-seqlen_q // config.tile_m) * heads * batch
-    return tail_plan.plan(num_tiles, num_sms, -(-k.shape[1] // config.tile_n))
+    return tail_plan.plan(_fwd_num_tiles(config, q), num_sms, -(-k.shape[1] // config.tile_n))
 
 
 def fwd_workspace_sizes(config: FwdConfig, q: torch.Tensor,
@@ -85,14 +83,13 @@ def fwd_workspace_sizes(config: FwdConfig, q: torch.Tensor,
     counters, zero at launch (dynamic_tiles' tile counter, then one per split
     tile and consumer warpgroup; 0: none read), and the fp32 workspace of a
     split tail (None: none). Also the C++ kernels' planner (native.py) uses it."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    split_tiles = tail.split_tiles(-(-seqlen_q // config.tile_m) * heads * batch)
+    split_tiles = tail.split_tiles(_fwd_num_tiles(config, q))
     counters = 0
     if config.dynamic_tiles or split_tiles:
         counters = tail_plan.FIRST_COUNTER + split_tiles * config.consumer_warpgroups
     partials = None
     if split_tiles:
-        partials = (split_tiles * tail.parts, tail_plan.partial_floats(head_dim),
+        partials = (split_tiles * tail.parts, tail_plan.partial_floats(q.shape[3]),
                     WARPGROUP_THREADS * config.consumer_warpgroups)
     return counters, partials
 
@@ -104,9 +101,9 @@ def fwd_workspace(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailPlan,
     streams), tiny stand-ins otherwise."""
     counters, partials = fwd_workspace_sizes(config, q, tail)
     return (torch.zeros((1, 1, counters), dtype=torch.int32, device=q.device) if counters
-            else _unused_semaphore(device_index),
+            else _stand_in(device_index),
             torch.empty(partials, dtype=torch.float32, device=q.device) if partials
-            else _unused_partials(device_index))
+            else _stand_in(device_index, torch.float32))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -174,7 +171,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if tail is None:
         tail = fwd_tail_plan(config, q, k, num_sms)
     elif tail.split:
-        num_tiles = -(-q.shape[1] // config.tile_m) * q.shape[2] * q.shape[0]
+        num_tiles = _fwd_num_tiles(config, q)
         if (not config.split_tail or not 0 <= tail.full_tiles <= num_tiles
                 or tail.parts > tail_plan.MAX_PARTS):
             raise ValueError(f"tail: expected a split of a split_tail config with full_tiles "
@@ -222,7 +219,7 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     elif config.dynamic_tiles:  # the tile counter, zeroed by the preprocess; one per call
         semaphore = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
     else:
-        semaphore = _unused_semaphore(device_index)
+        semaphore = _stand_in(device_index)
     grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
