@@ -1,6 +1,6 @@
 """Attention backends the benchmarks compare, behind one calling convention.
 
-Each backend (python_api.attention_backends) is wrapped into a zero-argument
+Each backend (cute_fa.attention_backends) is wrapped into a zero-argument
 callable running one forward, backward or both on fixed inputs. A backend that
 cannot run here raises BackendUnavailable with the reason; the harness reports
 it in its row and goes on.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from python_api.attention_backends import BACKEND_NAMES, BackendUnavailable, attention  # noqa: F401  (re-exported)
+from cute_fa.attention_backends import BACKEND_NAMES, BackendUnavailable, attention  # noqa: F401  (re-exported)
 
 BACKENDS = tuple(b for b in BACKEND_NAMES if b != "sdpa")  # each pinned, plus ours and fa4
 OURS = "cute"

@@ -1,8 +1,8 @@
 """Side-by-side attention benchmark: ours against every peer, same inputs, one process.
 
-    python -m profiling.bench                                  # default grid
-    python -m profiling.bench --head-dims 128 --causal both --seqlens 2048,16384
-    python -m profiling.bench --backends cute,fa4,sdpa_cudnn --out bench_out/run1
+    python -m cute_fa.profiling.bench                                  # default grid
+    python -m cute_fa.profiling.bench --head-dims 128 --causal both --seqlens 2048,16384
+    python -m cute_fa.profiling.bench --backends cute,fa4,sdpa_cudnn --out bench_out/run1
 
 Writes <out>.json (every row and the environment) and <out>_tflops.png,
 <out>_memory.png; prints the table last.
@@ -25,7 +25,7 @@ DEFAULT_SEQLENS = "512,1024,2048,4096,8192,16384"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m profiling.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", type=csv_list(str), default=["bf16"])
     p.add_argument("--head-dims", type=csv_list(int), default=[64, 128])

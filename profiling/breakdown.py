@@ -1,7 +1,7 @@
 """Where one benchmark call's GPU time goes, kernel by kernel, per backend.
 
-    python -m profiling.breakdown --direction bwd --head-dim 128 --seqlen 8192
-    python -m profiling.breakdown --backends cute,fa4 --direction fwd_bwd --causal
+    python -m cute_fa.profiling.breakdown --direction bwd --head-dim 128 --seqlen 8192
+    python -m cute_fa.profiling.breakdown --backends cute,fa4 --direction fwd_bwd --causal
 
 The same callables as profiling.bench (same problem, same inputs), each run
 --repeats times under torch.profiler. For every backend: each CUDA kernel's
@@ -25,7 +25,7 @@ from .problem import DTYPES, make_qkv, problem_shape
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m profiling.breakdown", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.breakdown", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="cute,fa4,sdpa_cudnn")
     p.add_argument("--direction", default="bwd", choices=["fwd", "bwd", "fwd_bwd"])

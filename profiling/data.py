@@ -1,7 +1,7 @@
 """Training text that every machine has without a download: the Python standard
 library's own source files, tokenized at byte level (vocab 256).
 
-    python -m profiling.data --out data/stdlib.parquet
+    python -m cute_fa.profiling.data --out data/stdlib.parquet
 
 Prepared once into a parquet file (one row per file: path, split, tokens as
 bytes); the split is by file, decided by a hash of its relative path, so it
@@ -100,7 +100,7 @@ class TokenStream:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m profiling.data", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data/stdlib.parquet")
     args = p.parse_args(argv)

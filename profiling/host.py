@@ -1,7 +1,7 @@
 """Host time per attention call, every backend side by side.
 
-    python -m profiling.host                        # issue 5's model shape
-    python -m profiling.host --seqlen 8192 --heads 16 --heads-kv 16 --head-dim 64
+    python -m cute_fa.profiling.host                        # issue 5's model shape
+    python -m cute_fa.profiling.host --seqlen 8192 --heads 16 --heads-kv 16 --head-dim 64
 
 A training step that is not captured in a CUDA graph is paced by its host
 (profiling/RESULTS.md: ~51 ms of host work for ~30 ms of kernels per compiled
@@ -38,7 +38,7 @@ SPIN_CYCLES = 1_000_000_000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m profiling.host", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", type=csv_list(),
                    default=[OURS, "fa4", "sdpa_cudnn", "sdpa_flash"])

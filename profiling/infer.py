@@ -1,6 +1,6 @@
 """Forward (inference) latency of the model per attention backend.
 
-    python -m profiling.infer --backends cute,sdpa,sdpa_cudnn,fa4 --seq 4096 --batch 1
+    python -m cute_fa.profiling.infer --backends cute,sdpa,sdpa_cudnn,fa4 --seq 4096 --batch 1
 
 bf16 weights, eval mode, no autograd; the same weights and tokens for every
 backend; --warmup untimed forwards, then the mean and standard deviation of
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from python_api.attention_backends import BACKEND_NAMES
-from python_api.model import Transformer
+from cute_fa.attention_backends import BACKEND_NAMES
+from cute_fa.model import Transformer
 
 from .train import CONFIGS, model_config
 
@@ -46,7 +46,7 @@ def time_forward(model, tokens, steps: int, warmup: int) -> list[float]:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m profiling.infer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.infer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="cute,sdpa")
     p.add_argument("--config", choices=sorted(CONFIGS), default="default")

@@ -1,6 +1,6 @@
 """What a compiled kernel is, read from the PTX and cubin the DSL dumps.
 
-Used by the main job (`python -m profiling.main`) and the compile tests: the
+Used by the main job (`python -m cute_fa.profiling.main`) and the compile tests: the
 instruction counts prove TMA, WGMMA, setmaxnreg and mbarrier waits are in
 the kernel; the cubin's .nv.info attributes give registers and stack frame;
 its SASS (nvdisasm, from the nvidia-cuda-nvdisasm wheel) shows whether ptxas

@@ -1,6 +1,6 @@
 """The main job.
 
-    python -m profiling.main
+    python -m cute_fa.profiling.main
 
 Without a GPU: compiles every forward and backward kernel variant the ops serve
 (dtype × head dim × causal, default config) for sm_90a and prints what each one
@@ -18,8 +18,8 @@ import tempfile
 
 import torch
 
-from python_api.compile_cache import compile_bwd, compile_fwd
-from cute_kernels.config import default_bwd_config, default_fwd_config
+from cute_fa.compile_cache import compile_bwd, compile_fwd
+from cute_fa.kernels.config import default_bwd_config, default_fwd_config
 
 from .kernel_info import dumped_kernel_info
 from .problem import DTYPES
@@ -105,7 +105,7 @@ def print_kernels(kind: str, rows: list[dict]) -> None:
 
 
 def run_default_problem() -> None:
-    from python_api import flash_attn_func
+    from cute_fa import flash_attn_func
     from .flops import attention_flops, tflops
     from .timing import time_cuda
 
@@ -126,7 +126,7 @@ def run_default_problem() -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m profiling.main", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.main", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--head-dims", default="64,96,128")

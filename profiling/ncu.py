@@ -1,9 +1,9 @@
 """Nsight Compute on one attention problem: ours selected by NVTX range, a peer
 by kernel name.
 
-    python -m profiling.ncu --head-dim 128 --seqlen 8192 --causal
-    python -m profiling.ncu --backend fa4 --seqlen 8192 --out profiling_out/fa4
-    python -m profiling.ncu --direction bwd --causal --clocks none --source
+    python -m cute_fa.profiling.ncu --head-dim 128 --seqlen 8192 --causal
+    python -m cute_fa.profiling.ncu --backend fa4 --seqlen 8192 --out profiling_out/fa4
+    python -m cute_fa.profiling.ncu --direction bwd --causal --clocks none --source
 
 Writes <out>.ncu-rep and <out>.txt (the metrics that matter for attention:
 tensor-pipe utilisation, SM/DRAM throughput, warp stall reasons, shared-memory
@@ -56,7 +56,7 @@ PEER_KERNEL_REGEX = {"fa4": "regex:.*[Ff]lash.*", "sdpa_cudnn": "regex:.*(cudnn|
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m profiling.ncu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.ncu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="cute")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
@@ -85,7 +85,7 @@ def parse_args(argv=None):
 
 
 def parse_overrides(text: str, kind: str = "fwd") -> dict:
-    from cute_kernels.config import parse_field
+    from cute_fa.kernels.config import parse_field
 
     out = {}
     for item in filter(None, text.split(",")):
@@ -107,8 +107,8 @@ def run_workload(args) -> None:
                        args.head_dim, DTYPES[args.dtype])
     scale = args.head_dim ** -0.5
     if args.backend == "cute" and args.config:
-        from cute_kernels.config import default_config
-        from python_api.ops import backward_cuda, forward_cuda
+        from cute_fa.kernels.config import default_config
+        from cute_fa.ops import backward_cuda, forward_cuda
         config = default_config(args.direction, args.head_dim, args.causal).replace(
             **parse_overrides(args.config, args.direction))
         if args.direction == "fwd":
@@ -129,7 +129,7 @@ def run_workload(args) -> None:
 
 
 def ncu_command(args, report: str) -> list[str]:
-    child = [sys.executable, "-m", "profiling.ncu", "--child"] + [
+    child = [sys.executable, "-m", "cute_fa.profiling.ncu", "--child"] + [
         a for a in sys.argv[1:] if a != "--child"]
     cmd = ["ncu", "--profile-from-start", "off", "--target-processes", "all",
            "--clock-control", args.clocks, "-f", "-o", report]

@@ -1,9 +1,9 @@
 """A kernel's main loop in SASS: its instruction mix per step, and
 flash-attn-4's SM90 kernel's beside it where that package is importable.
 
-    python -m profiling.sass_loop --head-dim 128                 # the op's forward config
-    python -m profiling.sass_loop --head-dim 128 --vary tile_n=128 --fa4
-    python -m profiling.sass_loop --kernel bwd --head-dim 64 --fa4 --liveness
+    python -m cute_fa.profiling.sass_loop --head-dim 128                 # the op's forward config
+    python -m cute_fa.profiling.sass_loop --head-dim 128 --vary tile_n=128 --fa4
+    python -m cute_fa.profiling.sass_loop --kernel bwd --head-dim 64 --fa4 --liveness
 
 Runs on a machine without a GPU (kernels compiled for sm_90a, disassembled by
 nvdisasm). A forward step (one K/V block) issues head_dim/16 HGMMAs for
@@ -73,7 +73,7 @@ def ours(kind: str, head_dim: int, causal: bool, config, dump_dir: str):
     """(SASS, PTX path) of our forward, or of our backward's main kernel."""
     import torch
 
-    from python_api.compile_cache import compile_bwd, compile_fwd
+    from cute_fa.compile_cache import compile_bwd, compile_fwd
 
     if kind == "fwd":
         return _compiled(lambda d: compile_fwd(torch.bfloat16, head_dim, causal, config,
@@ -90,7 +90,7 @@ def fa4(kind: str, head_dim: int, causal: bool, dump_dir: str):
     import cutlass
     import cutlass.cute as cute
 
-    from python_api.compile_cache import _fake_bshd, _fake_rows, _sym
+    from cute_fa.compile_cache import _fake_bshd, _fake_rows, _sym
 
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     b, sq, sk, h = _sym(), _sym(), _sym(), _sym()
@@ -176,9 +176,9 @@ def _measure(label, sass, ptx, steps, columns, bodies, unmasked, liveness, want_
 
 
 def main(argv=None) -> dict:
-    from cute_kernels.config import default_bwd_config, default_fwd_config
+    from cute_fa.kernels.config import default_bwd_config, default_fwd_config
 
-    p = argparse.ArgumentParser(prog="python -m profiling.sass_loop", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.sass_loop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd")
     p.add_argument("--head-dim", type=int, default=128)

@@ -1,7 +1,7 @@
 """Where the host time of one training step goes, every backend side by side.
 
-    python -m profiling.step --compile                      # issue 5's model and step
-    python -m profiling.step --compile --backends cute,sdpa_cudnn --top 30
+    python -m cute_fa.profiling.step --compile                      # issue 5's model and step
+    python -m cute_fa.profiling.step --compile --backends cute,sdpa_cudnn --top 30
 
 Without a CUDA graph the model's training step is paced by its host
 (profiling/RESULTS.md), so two backends whose kernels differ by a few ms per
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import DeviceType
 
-from python_api.attention_backends import BACKEND_NAMES
-from python_api.model import Transformer
+from cute_fa.attention_backends import BACKEND_NAMES
+from cute_fa.model import Transformer
 
 from .backends import check_items, csv_list
 from .data import ensure_dataset
@@ -48,7 +48,7 @@ ATTENTION_OP_PREFIXES = ("cute_fa::", "aten::_scaled_dot_product_", "aten::_flas
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m profiling.step", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", type=csv_list(), default=["cute", "sdpa_cudnn", "sdpa_flash"])
     p.add_argument("--config", choices=sorted(CONFIGS), default="default")

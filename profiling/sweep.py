@@ -1,8 +1,8 @@
 """Sweep the fields of a kernel's config over one problem and rank them.
 
-    python -m profiling.sweep --head-dim 128 --seqlen 8192 --causal \\
+    python -m cute_fa.profiling.sweep --head-dim 128 --seqlen 8192 --causal \\
         --vary persistent=0,1 pingpong=0,1 intra_wg_overlap=0,1 kv_stages=2,3
-    python -m profiling.sweep --kernel bwd --head-dim 64 --vary tile_m=64,128
+    python -m cute_fa.profiling.sweep --kernel bwd --head-dim 64 --vary tile_m=64,128
 
 Every variant is first checked against the fp32 reference on a short version
 of the problem (same config, head dim, causal, GQA; seqlen_q/k cut to
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from cute_kernels.config import default_config, parse_field
+from cute_fa.kernels.config import default_config, parse_field
 
 from .flops import attention_flops, tflops
 from .problem import DTYPES, make_qkv, problem_shape
@@ -47,7 +47,7 @@ def variants(base, vary: dict[str, list]) -> list:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m profiling.sweep", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", default="fwd", choices=["fwd", "bwd"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
@@ -132,8 +132,8 @@ def _errors_within(name_errs, tolerances) -> float:
 
 
 def _forward_case(check_inputs, problem, scale, causal) -> _Case:
-    from python_api.ops import forward_cuda
-    from python_api.reference import attention_reference
+    from cute_fa.ops import forward_cuda
+    from cute_fa.reference import attention_reference
 
     ref, _ = attention_reference(*check_inputs, scale, causal)
     low, _ = attention_reference(*check_inputs, scale, causal, compute_dtype=None)
@@ -148,8 +148,8 @@ def _forward_case(check_inputs, problem, scale, causal) -> _Case:
 
 
 def _backward_case(check_inputs, problem, scale, causal) -> _Case:
-    from python_api.ops import backward_cuda, forward_cuda
-    from python_api.reference import attention_backward_reference
+    from cute_fa.ops import backward_cuda, forward_cuda
+    from cute_fa.reference import attention_backward_reference
 
     def saved(inputs):
         out, lse = forward_cuda(*inputs, scale, causal)

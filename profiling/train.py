@@ -1,9 +1,9 @@
 """Train the llama-like model with one attention backend or several in turn.
 
-    python -m profiling.train --backend cute --steps 1000 --seq 4096 --batch 1
-    python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash,fa4 --steps 1000 --compile
-    python -m profiling.train --backends cute,sdpa_cudnn --cuda-graph [--compile]
-    python -m profiling.train --backends cute,sdpa_cudnn,sdpa_flash --compile --interleave 10
+    python -m cute_fa.profiling.train --backend cute --steps 1000 --seq 4096 --batch 1
+    python -m cute_fa.profiling.train --backends cute,sdpa_cudnn,sdpa_flash,fa4 --steps 1000 --compile
+    python -m cute_fa.profiling.train --backends cute,sdpa_cudnn --cuda-graph [--compile]
+    python -m cute_fa.profiling.train --backends cute,sdpa_cudnn,sdpa_flash --compile --interleave 10
 
 AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast.
 --cuda-graph captures the whole training step (forward, backward, clipping,
@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from python_api.attention_backends import BACKEND_NAMES
-from python_api.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, ModelConfig, Transformer,
+from cute_fa.attention_backends import BACKEND_NAMES
+from cute_fa.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, ModelConfig, Transformer,
                               count_parameters, training_flops_per_token)
 
 from .backends import check_items
@@ -434,7 +434,7 @@ def format_comparison(results: list[dict], steps: int) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m profiling.train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default=None, help="one backend (default: cute)")
     p.add_argument("--backends", default=None, help="comma-separated, run in sequence")

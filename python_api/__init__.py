@@ -1,6 +1,6 @@
 """Public functions of cute_fa: exact attention for Hopper in the CuTe DSL.
 
-    from python_api import flash_attn_func
+    from . import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)      # (batch, seqlen, nheads, headdim)
 
 The work is done by `torch.ops.cute_fa.fwd` and `torch.ops.cute_fa.bwd`

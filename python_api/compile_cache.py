@@ -38,11 +38,11 @@ _ensure_arch_env()
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from cute_kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
+from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
                                        GroupSum)
-from cute_kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
-from cute_kernels.config import BwdConfig, FwdConfig  # noqa: E402
-from cute_kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
+from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
+from .kernels.config import BwdConfig, FwdConfig  # noqa: E402
+from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 
 TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _ALIGN_ELEMS = 8  # 16-byte TMA alignment for 16-bit elements

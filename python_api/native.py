@@ -12,22 +12,44 @@ same per-call work in C++; what runs once per new problem stays here:
   Python checks (validate.py), which raise the error naming the argument.
 
 It is built with torch.utils.cpp_extension on first use on a CUDA machine
-(about a minute; then cached by torch in its extensions folder). Without a
-compiler, the TVM-FFI or NVTX headers, or with CUTE_FA_NATIVE=0, `load`
-returns None and ops.py keeps its Python kernels, with a warning saying why.
+(about a minute) from the C++ source shipped in the package (cute_fa.csrc),
+into the per-version cache folder (user_cache.py), under a name that digests
+the source, torch and Python, so that two versions of the project, or two
+torch installs, never load each other's build. Without a compiler, the
+TVM-FFI or NVTX headers, or with CUTE_FA_NATIVE=0, `load` returns None and
+ops.py keeps its Python kernels, with a warning saying why.
 """
 
 from __future__ import annotations
 
 import functools
 import glob
+import hashlib
 import os
+import sys
 import warnings
+from importlib import resources
 
+from . import user_cache
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
-                      "cute_fa_native.cpp")
 ENV_SWITCH = "CUTE_FA_NATIVE"
+
+
+def source_path() -> str:
+    """The extension's C++ source, shipped as package data."""
+    return str(resources.files("cute_fa.csrc").joinpath("cute_fa_native.cpp"))
+
+
+def build_folder(source: str) -> str:
+    """The build's folder in the per-version cache: one per source, torch and
+    Python, since the module links against torch's C++ ABI."""
+    import torch
+
+    digest = hashlib.sha256()
+    with open(source, "rb") as f:
+        digest.update(f.read())
+    digest.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
+    return str(user_cache.folder(f"native-{digest.hexdigest()[:16]}"))
 
 
 class NativeUnavailable(RuntimeError):
@@ -60,7 +82,8 @@ def build(verbose: bool = False):
 
     ffi_root = os.path.dirname(tvm_ffi.__file__)
     ffi_lib = os.path.join(ffi_root, "lib")
-    return load(name="cute_fa_native", sources=[SOURCE],
+    source = source_path()
+    return load(name="cute_fa_native", sources=[source], build_directory=build_folder(source),
                 extra_include_paths=[os.path.join(ffi_root, "include"), _nvtx_include()],
                 extra_cflags=["-O2"],
                 extra_ldflags=[f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"],

@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from cute_kernels import tail_plan
-from cute_kernels.config import (WARPGROUP_THREADS, BwdConfig, FwdConfig,
+from .kernels import tail_plan
+from .kernels.config import (WARPGROUP_THREADS, BwdConfig, FwdConfig,
                                  bwd_config_for_problem, default_fwd_config)
 
 from . import native

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from cute_kernels.config import SUPPORTED_HEAD_DIMS
+from .kernels.config import SUPPORTED_HEAD_DIMS
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 

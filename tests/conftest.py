@@ -1,11 +1,5 @@
-import os
-import sys
-
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def has_sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -27,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
     """A toy source tree prepared into a parquet dataset: (path, token counts)."""
-    from profiling import data
+    from cute_fa.profiling import data
 
     root = tmp_path_factory.mktemp("lib")
     for i in range(60):

@@ -5,8 +5,8 @@ registration checked by opcheck and torch.compile."""
 import pytest
 import torch
 
-from python_api import flash_attn_func
-from python_api.reference import attention_backward_reference, attention_reference
+from cute_fa import flash_attn_func
+from cute_fa.reference import attention_backward_reference, attention_reference
 
 
 def _leaf(*shape, dtype=torch.float64):

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from cute_kernels.config import BwdConfig, default_bwd_config
+from cute_fa.kernels.config import BwdConfig, default_bwd_config
 from shapes import random_problem
-from python_api import flash_attn_func
-from python_api.ops import backward_cuda
-from python_api.reference import attention_reference, default_scale
+from cute_fa import flash_attn_func
+from cute_fa.ops import backward_cuda
+from cute_fa.reference import attention_reference, default_scale
 
 pytestmark = pytest.mark.gpu
 

@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 
-from cute_kernels.config import FwdConfig, default_bwd_config, default_fwd_config
-from python_api.compile_cache import compile_bwd, compile_fwd, get_fwd
-from profiling.kernel_info import dumped_kernel_info, opcode
+from cute_fa.kernels.config import FwdConfig, default_bwd_config, default_fwd_config
+from cute_fa.compile_cache import compile_bwd, compile_fwd, get_fwd
+from cute_fa.profiling.kernel_info import dumped_kernel_info, opcode
 
 
 def _assert_warp_specialised(info, config):
@@ -29,8 +29,8 @@ def _assert_warp_specialised(info, config):
 def _step(kind: str, head_dim: int, causal: bool, config, tmp_path):
     """(opcode counts, instructions) of one main-loop step of the bf16 kernel
     (profiling.sass_loop)."""
-    from profiling.kernel_info import main_loop_mix
-    from profiling.sass_loop import hgmmas_per_step, ours
+    from cute_fa.profiling.kernel_info import main_loop_mix
+    from cute_fa.profiling.sass_loop import hgmmas_per_step, ours
 
     sass, _ = ours(kind, head_dim, causal, config, str(tmp_path))
     return main_loop_mix(sass, hgmmas_per_step(kind, head_dim, config.tile_m, config.tile_n))
@@ -133,8 +133,8 @@ def test_forward_loop_bookkeeping_is_warp_uniform(tmp_path, head_dim):
     # (The once-per-tile descriptors before the loop may sit in vector
     # registers: with the DSL's consumer waits, d=64 causal, ptxas puts two
     # IMAD.X there.)
-    from profiling.kernel_info import main_loop_mix
-    from profiling.sass_loop import hgmmas_per_step, ours
+    from cute_fa.profiling.kernel_info import main_loop_mix
+    from cute_fa.profiling.sass_loop import hgmmas_per_step, ours
 
     config = default_fwd_config(head_dim, True)
     sass, _ = ours("fwd", head_dim, True, config, str(tmp_path))
@@ -279,10 +279,10 @@ def test_compiles_for_sm90a_when_cutlass_was_imported_first(tmp_path):
     script = (
         "import cutlass, cutlass.cute\n"
         "import torch\n"
-        "from python_api.compile_cache import compile_fwd\n"
-        "from cute_kernels.config import default_fwd_config\n"
+        "from cute_fa.compile_cache import compile_fwd\n"
+        "from cute_fa.kernels.config import default_fwd_config\n"
         f"compile_fwd(torch.bfloat16, 64, False, default_fwd_config(64, False), {str(tmp_path)!r})\n"
-        "from profiling.kernel_info import dumped_kernel_info\n"
+        "from cute_fa.profiling.kernel_info import dumped_kernel_info\n"
         f"print('wgmma', dumped_kernel_info({str(tmp_path)!r}).counts['wgmma'])\n")
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
 import pytest
 
-from cute_kernels.config import (FwdConfig, bwd_config_for_problem, default_bwd_config,
+from cute_fa.kernels.config import (FwdConfig, bwd_config_for_problem, default_bwd_config,
                                  default_fwd_config, split_gqa_pays)
 
 
@@ -60,7 +60,7 @@ def test_smem_accounts_for_every_buffer():
 
 
 def test_backward_defaults_validate_and_fit():
-    from cute_kernels.config import SMEM_CAPACITY_BYTES, default_bwd_config
+    from cute_fa.kernels.config import SMEM_CAPACITY_BYTES, default_bwd_config
     for head_dim in (64, 96, 128):
         for causal in (False, True):
             for deterministic in (False, True):
@@ -84,13 +84,13 @@ def test_backward_defaults_validate_and_fit():
     (dict(dynamic_tiles=True, early_launch=True), "dynamic_tiles"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
-    from cute_kernels.config import BwdConfig
+    from cute_fa.kernels.config import BwdConfig
     with pytest.raises(ValueError, match=rf"BwdConfig\.{field}: expected"):
         BwdConfig().replace(**changes).validate(128)
 
 
 def test_backward_dq_split_follows_the_tile():
-    from cute_kernels.config import BwdConfig
+    from cute_fa.kernels.config import BwdConfig
     assert BwdConfig(tile_m=128, tile_n=128).dq_split_m()      # one 64-row slice per warpgroup
     assert not BwdConfig(tile_m=64, tile_n=128).dq_split_m()   # warpgroups split head_dim
     BwdConfig(tile_m=64, tile_n=192, consumer_regs=160, producer_regs=32).validate(96)
@@ -109,7 +109,7 @@ def test_backward_statistics_stages_start_128_byte_aligned():
     """Each LSE₂/D stage is a TMA destination: 80 rows (320 bytes) gave the
     H100 a misaligned address (cudaErrorMisalignedAddress) before the stride
     was rounded up."""
-    from cute_kernels.config import BwdConfig, default_bwd_config
+    from cute_fa.kernels.config import BwdConfig, default_bwd_config
     for tile_m in (16, 64, 80, 112, 128):
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() * 4 % 128 == 0
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() >= tile_m
@@ -122,7 +122,7 @@ def test_backward_statistics_stages_start_128_byte_aligned():
 def test_causal_backward_claims_key_blocks_unless_deterministic():
     # BwdConfig.dynamic_tiles: won at every causal head dim and length timed
     # on the H100, even non-causal; the deterministic semaphore counts turns
-    from cute_kernels.config import default_bwd_config
+    from cute_fa.kernels.config import default_bwd_config
     for head_dim in (64, 96, 128):
         for causal in (False, True):
             for deterministic in (False, True):
@@ -133,7 +133,7 @@ def test_causal_backward_claims_key_blocks_unless_deterministic():
 
 
 def test_parse_field_per_kernel():
-    from cute_kernels.config import parse_field
+    from cute_fa.kernels.config import parse_field
     assert parse_field("deterministic", "yes", "bwd") is True
     assert parse_field("qdo_stages", "3", "bwd") == 3
     with pytest.raises(ValueError, match="unknown BwdConfig field 'kv_stages'"):
@@ -141,7 +141,7 @@ def test_parse_field_per_kernel():
 
 
 def test_default_config_by_kind():
-    from cute_kernels.config import (BwdConfig, FwdConfig, default_bwd_config, default_config,
+    from cute_fa.kernels.config import (BwdConfig, FwdConfig, default_bwd_config, default_config,
                                      default_fwd_config)
     assert default_config("fwd", 128, True) == default_fwd_config(128, True)
     assert default_config("bwd", 64, False) == default_bwd_config(64, False)

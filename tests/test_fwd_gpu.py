@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from python_api import flash_attn_func
-from python_api.ops import forward_cuda
-from python_api.reference import attention_reference, default_scale
-from cute_kernels.config import FwdConfig, default_fwd_config
-from cute_kernels.tail_plan import TailPlan
+from cute_fa import flash_attn_func
+from cute_fa.ops import forward_cuda
+from cute_fa.reference import attention_reference, default_scale
+from cute_fa.kernels.config import FwdConfig, default_fwd_config
+from cute_fa.kernels.tail_plan import TailPlan
 from shapes import random_problem
 
 pytestmark = pytest.mark.gpu

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from python_api.model import (DEFAULT, TINY, Transformer, apply_rope, count_parameters,
+from cute_fa.model import (DEFAULT, TINY, Transformer, apply_rope, count_parameters,
                               rope_tables, training_flops_per_token)
-from profiling import data, infer, train
+from cute_fa.profiling import data, infer, train
 
 
 def _tiny_model(backend="cute", seed=0):

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from profiling import train
+from cute_fa.profiling import train
 
-from python_api.attention_backends import BACKEND_NAMES
-from python_api.model import ModelConfig, Transformer
+from cute_fa.attention_backends import BACKEND_NAMES
+from cute_fa.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.gpu
 
@@ -86,7 +86,7 @@ def test_gradients_agree_and_are_finite():
 
 
 def test_checkpoint_moves_between_backends(tmp_path):
-    from profiling.train import load_checkpoint, save_checkpoint
+    from cute_fa.profiling.train import load_checkpoint, save_checkpoint
 
     path = str(tmp_path / "m.pt")
     save_checkpoint(path, _model("sdpa_cudnn", torch.bfloat16), backend="sdpa_cudnn")

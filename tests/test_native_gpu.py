@@ -5,8 +5,8 @@ bits; the same named errors; torch's current stream honoured."""
 import pytest
 import torch
 
-from python_api import ops
-from python_api.reference import default_scale
+from cute_fa import ops
+from cute_fa.reference import default_scale
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,7 @@ def test_native_matches_python_bitwise(shape, deterministic):
 
 def test_native_serves_the_ops_and_the_public_function():
     native = _native()
-    from python_api import flash_attn_func
+    from cute_fa import flash_attn_func
 
     q, k, v = _inputs(2, 256, 256, 4, 2, 64, torch.bfloat16, seed=1)
     before = native.cached_plans()

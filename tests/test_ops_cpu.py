@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import python_api
-from python_api import flash_attn_func
-from python_api.reference import attention_reference
+import cute_fa
+from cute_fa import flash_attn_func
+from cute_fa.reference import attention_reference
 
 
 def test_op_is_registered_under_cute_fa():
@@ -53,7 +53,7 @@ def test_torch_compile_fullgraph_on_cpu():
 
 
 def test_nvtx_range_name_carries_the_problem():
-    from python_api.nvtx import range_name
+    from cute_fa.nvtx import range_name
 
     q = torch.empty(2, 100, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 80, 2, 128, dtype=torch.bfloat16)
@@ -62,7 +62,7 @@ def test_nvtx_range_name_carries_the_problem():
 
 
 def test_public_api():
-    assert "flash_attn_func" in python_api.__all__
+    assert "flash_attn_func" in cute_fa.__all__
 
 
 def test_autograd_kernel_routes_plain_tensors_straight_to_the_backend_kernel(monkeypatch):
@@ -71,7 +71,7 @@ def test_autograd_kernel_routes_plain_tensors_straight_to_the_backend_kernel(mon
     # fake tensors under torch.compile must reach the fake kernel.
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from python_api import ops
+    from cute_fa import ops
 
     calls = []
     cpu_kernel = ops._FWD_BACKENDS[torch._C.DispatchKey.CPU]
@@ -95,7 +95,7 @@ def test_autograd_kernel_routes_plain_tensors_straight_to_the_backend_kernel(mon
 
 
 def test_nvtx_range_names_are_cached_per_problem():
-    from python_api.nvtx import range_name
+    from cute_fa.nvtx import range_name
 
     q = torch.empty(2, 128, 8, 64, dtype=torch.float16)
     names = {range_name(op, q, torch.empty(2, sk, hkv, 64), causal)
@@ -110,7 +110,7 @@ def test_native_extension_builds():
     # The C++ host side of the CUDA kernels compiles here too (it needs no
     # CUDA toolkit beyond the NVTX 3 headers), so a compile error fails CI
     # rather than turning the GPU machine's ops back to the Python kernels.
-    from python_api import native
+    from cute_fa import native
 
     module = native.build()
     for name in ("fwd", "bwd", "register_cuda_kernels", "set_callbacks", "cached_plans"):
@@ -119,7 +119,7 @@ def test_native_extension_builds():
 
 
 def test_native_is_not_built_without_cuda_or_when_switched_off(monkeypatch):
-    from python_api import native, ops
+    from cute_fa import native, ops
 
     assert ops._native is None  # no CUDA device here: the Python kernels serve the CUDA key
     native.load.cache_clear()

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from profiling import bench, flops, report
-from profiling.backends import BACKENDS, make_callable
-from profiling.sweep import parse_vary, variants
-from cute_kernels.config import FwdConfig
+from cute_fa.profiling import bench, flops, report
+from cute_fa.profiling.backends import BACKENDS, make_callable
+from cute_fa.profiling.sweep import parse_vary, variants
+from cute_fa.kernels.config import FwdConfig
 
 
 def test_flop_counts():
@@ -95,7 +95,7 @@ def test_sweep_variants_are_the_cartesian_product():
 def test_ncu_summary_from_recorded_csv(monkeypatch):
     import subprocess
 
-    from profiling import ncu
+    from cute_fa.profiling import ncu
 
     header = ["Kernel Name", "gpu__time_duration.sum", "launch__registers_per_thread",
               "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
@@ -114,7 +114,7 @@ def test_ncu_summary_from_recorded_csv(monkeypatch):
 
 
 def test_ncu_source_hotspots_from_a_recorded_source_page():
-    from profiling.ncu import source_hotspots, source_kernels
+    from cute_fa.profiling.ncu import source_hotspots, source_kernels
 
     header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
               "Instructions Executed", "stall_short_sb", "stall_wait",
@@ -139,7 +139,7 @@ def test_ncu_source_hotspots_from_a_recorded_source_page():
 
 
 def test_ncu_config_overrides_are_typed():
-    from profiling.ncu import parse_overrides
+    from cute_fa.profiling.ncu import parse_overrides
 
     assert parse_overrides("tile_n=160,pingpong=0") == {"tile_n": 160, "pingpong": False}
     with pytest.raises(SystemExit):
@@ -171,7 +171,7 @@ def test_our_fwd_bwd_row_runs_on_cpu():
 
 
 def test_breakdown_arguments():
-    from profiling import breakdown
+    from cute_fa.profiling import breakdown
     args = breakdown.parse_args(["--backends", "cute,fa4", "--direction", "fwd_bwd"])
     assert args.backends == ["cute", "fa4"] and args.direction == "fwd_bwd"
     with pytest.raises(SystemExit):
@@ -181,7 +181,7 @@ def test_breakdown_arguments():
 
 
 def test_wgmma_serialisation_from_sass_counts():
-    from profiling.kernel_info import KernelInfo
+    from cute_fa.profiling.kernel_info import KernelInfo
     info = KernelInfo(threads=384)
     assert info.wgmma_serialized is None  # no SASS read
     info.sass = {"hgmma": 32, "warpgroup_wait": 4, "local_memory": 0}
@@ -191,14 +191,14 @@ def test_wgmma_serialisation_from_sass_counts():
 
 
 def test_problem_shape():
-    from profiling.problem import problem_shape
+    from cute_fa.profiling.problem import problem_shape
     assert problem_shape(128, 8192, 16384) == (2, 16)
     assert problem_shape(64, 1024, 16384) == (16, 32)
     assert problem_shape(128, 4096, 4096, heads=8) == (1, 8)
 
 
 def test_host_arguments_and_table():
-    from profiling import host
+    from cute_fa.profiling import host
 
     args = host.parse_args([])
     assert args.backends[0] == "cute" and args.modes == list(host.MODES)
@@ -214,7 +214,7 @@ def test_host_arguments_and_table():
 
 
 def test_host_calls_run_on_cpu_through_sdpa_math():
-    from profiling import host
+    from cute_fa.profiling import host
 
     q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
     for mode in ("fwd", "fwd_bwd"):
@@ -222,7 +222,7 @@ def test_host_calls_run_on_cpu_through_sdpa_math():
 
 
 def test_step_arguments():
-    from profiling import step
+    from cute_fa.profiling import step
 
     args = step.parse_args([])
     assert args.backends[0] == "cute" and not args.compile
@@ -236,7 +236,7 @@ def test_step_measures_each_backend_on_cpu(dataset, capsys):
     # The tiny model on the CPU: our op (reference math there) and SDPA's math
     # backend, through profiling.train's Trainer; the attention ops are found
     # in the profile and every profiled field is filled.
-    from profiling import step
+    from cute_fa.profiling import step
 
     path, _ = dataset
     results = step.main(["--backends", "cute,sdpa_math", "--config", "tiny", "--seq", "64",
@@ -256,7 +256,7 @@ def test_step_measures_each_backend_on_cpu(dataset, capsys):
 
 
 def test_step_table_without_measurements():
-    from profiling.step import OpCost, StepCost, format_table
+    from cute_fa.profiling.step import OpCost, StepCost, format_table
 
     table = format_table([StepCost("cute", 50.0, 40.0, 28.0, 700, 900,
                                    [OpCost("cute_fa::fwd", 24, 60.0, 56.0)]),
@@ -265,7 +265,7 @@ def test_step_table_without_measurements():
 
 
 def test_step_profile_rounds_take_medians():
-    from profiling.step import OpCost, median_profile
+    from cute_fa.profiling.step import OpCost, median_profile
 
     rounds = [dict(host_ms=h, gpu_ms=1.0, launches=10, allocations=5, top_table=f"t{h}",
                    attention_ops=[OpCost("cute_fa::fwd", 2, h * 10, 5.0)]) for h in (3.0, 1.0, 2.0)]
@@ -279,7 +279,7 @@ def test_sass_loop_finds_one_kv_step_of_the_forward():
     # d/16 + tile_n/16 HGMMAs is one K/V step, with the softmax's ex2 in it.
     import importlib.util
 
-    from profiling import sass_loop
+    from cute_fa.profiling import sass_loop
 
     if importlib.util.find_spec("flash_attn") is None:
         columns = sass_loop.main(["--head-dim", "64"])["mix"]
@@ -298,8 +298,8 @@ def test_sass_loop_backward_step_and_its_live_registers():
     # one query-block step issues Sᵀ, dPᵀ (64/16 each), dV, dK (128/16 each)
     # and dQ (128/16) HGMMAs and one ex2 per Pᵀ element (64 keys x 128
     # queries per warpgroup: 64 a thread).
-    from profiling import sass_loop
-    from profiling.kernel_info import ptxas_path
+    from cute_fa.profiling import sass_loop
+    from cute_fa.profiling.kernel_info import ptxas_path
 
     liveness = ptxas_path() is not None
     out = sass_loop.main(["--kernel", "bwd", "--head-dim", "64"]
@@ -319,7 +319,7 @@ def test_sass_loop_backward_step_and_its_live_registers():
 
 
 def test_hgmma_loops_on_a_synthetic_listing():
-    from profiling.kernel_info import hgmma_loops, main_loop_mix, opcode
+    from cute_fa.profiling.kernel_info import hgmma_loops, main_loop_mix, opcode
 
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -343,7 +343,7 @@ def test_unmasked_step_skips_the_masking_branch_on_a_synthetic_listing():
     # A step whose masking code (-inf selects) sits behind a forward branch
     # taken on two predicates, as ptxas emits it: the unmasked step is the
     # loop without that stretch. A skipped stretch without -inf stays in.
-    from profiling.kernel_info import unmasked_step_count
+    from cute_fa.profiling.kernel_info import unmasked_step_count
 
     sass = """
 .L_x_1:

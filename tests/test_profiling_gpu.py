@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_bench_tiny_grid(tmp_path):
-    from profiling import bench
+    from cute_fa.profiling import bench
 
     out = str(tmp_path / "tiny")
     rows = bench.main(["--head-dims", "64", "--seqlens", "256,512", "--total-tokens", "1024",
@@ -23,7 +23,7 @@ def test_bench_tiny_grid(tmp_path):
 
 
 def test_sweep_tiny(tmp_path):
-    from profiling import sweep
+    from cute_fa.profiling import sweep
 
     results = sweep.main(["--head-dim", "64", "--seqlen", "512", "--total-tokens", "1024",
                           "--vary", "pingpong=0,1", "--check-seqlen", "200", "--repeats", "5",
@@ -33,7 +33,7 @@ def test_sweep_tiny(tmp_path):
 
 
 def test_sweep_backward_tiny(tmp_path):
-    from profiling import sweep
+    from cute_fa.profiling import sweep
 
     results = sweep.main(["--kernel", "bwd", "--head-dim", "64", "--seqlen", "512",
                           "--total-tokens", "1024", "--causal", "--vary", "qdo_stages=1,2",

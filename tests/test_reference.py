@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from python_api.reference import attention_reference, causal_mask
+from cute_fa.reference import attention_reference, causal_mask
 
 
 def _naive(q, k, v, scale, causal):

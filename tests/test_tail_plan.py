@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from cute_kernels import tail_plan
-from cute_kernels.config import default_fwd_config
-from cute_kernels.tail_plan import NO_SPLIT, TailPlan, plan, tail_cost
+from cute_fa.kernels import tail_plan
+from cute_fa.kernels.config import default_fwd_config
+from cute_fa.kernels.tail_plan import NO_SPLIT, TailPlan, plan, tail_cost
 
 
 def test_benchmark_tails_split_where_the_model_saves():
@@ -48,7 +48,7 @@ def test_non_causal_defaults_split_their_tail():
 
 
 def test_workspace_sizes():
-    from python_api.ops import fwd_tail_plan, fwd_workspace_sizes
+    from cute_fa.ops import fwd_tail_plan, fwd_workspace_sizes
 
     config = default_fwd_config(128, False)
     q = torch.empty(2, 8192, 16, 128, dtype=torch.bfloat16)
@@ -73,7 +73,7 @@ def test_the_op_module_does_not_import_the_dsl():
     import subprocess
     import sys
 
-    code = "import sys, python_api.ops; print('cutlass' in sys.modules)"
+    code = "import sys, cute_fa.ops; print('cutlass' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from python_api import flash_attn_func
+from cute_fa import flash_attn_func
 
 
 def _qkv(shape_q=(2, 16, 4, 64), shape_k=(2, 16, 2, 64), dtype=torch.bfloat16):
@@ -50,7 +50,7 @@ def test_bad_softmax_scale(scale, error, pattern):
 
 
 def test_unsupported_cuda_device_error_names_device(monkeypatch):
-    from python_api import validate
+    from cute_fa import validate
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
@@ -100,7 +100,7 @@ def _packed_qkv(heads=4, head_dim=64, dtype=torch.bfloat16):
 def test_valid_calls_are_accepted_by_the_fast_checks(args):
     # Every op call runs the checks; a valid call must not fall to the slow
     # path that spells out the error (it would pass, but cost host time).
-    from python_api.validate import _attention_tensors_ok, _backward_inputs_ok
+    from cute_fa.validate import _attention_tensors_ok, _backward_inputs_ok
 
     q, k, v, scale = args()
     assert _attention_tensors_ok(q, k, v, scale)

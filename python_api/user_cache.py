@@ -1,0 +1,47 @@
+"""The one place cute_fa writes files the user did not name: a per-user cache
+folder with one subfolder per installed version, so two versions of the
+project never share (or overwrite) what they built.
+
+    $CUTE_FA_CACHE_DIR               if set
+    $XDG_CACHE_HOME/cute_fa          else, if that is set
+    ~/.cache/cute_fa                 else
+        <version>/native-<digest>/   the C++ host layer's build (native.py)
+        <version>/data/              prepared training data (profiling.data)
+
+Everything else a command writes goes where its --out says.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+ENV_VAR = "CUTE_FA_CACHE_DIR"
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    """The installed distribution's version ("0+unknown" when not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("cute-fa")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def root() -> Path:
+    """The cache folder shared by every version (not created here)."""
+    explicit = os.environ.get(ENV_VAR)
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cute_fa"
+
+
+def folder(*parts: str) -> Path:
+    """root()/<version>/<parts...>, created."""
+    path = root().joinpath(version(), *parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
