@@ -71,9 +71,6 @@ class BackwardPreprocess:
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                mSemaphore: cute.Tensor):
-        # A main kernel launched with BwdConfig.early_launch may start its
-        # CTAs now; it waits for this grid to finish before reading its output.
-        cute.arch.griddepcontrol_launch_dependents()
         tid = cute.arch.thread_idx()[0]
         row_block, head, batch = cute.arch.block_idx()
         if (row_block | head | batch | tid) == 0:

@@ -3,10 +3,9 @@
 One CTA per (key block, KV head, batch), or per (key block, query head, batch)
 with cfg.split_gqa, causal key blocks longest-first (scheduler.py); with
 cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
-(scheduler.TileQueue); threads = 128 · (1 + consumer_warpgroups).
+(scheduler.TileSequence); threads = 128 · (1 + consumer_warpgroups).
   warpgroup 0   producer (setmaxnreg.dec). Warp 0 issues every TMA load:
-                K and V of the CTA's key block once (on the first Q and dO
-                stages with cfg.kv_with_first_block), then, for each query head
+                K and V of the CTA's key block, then, for each query head
                 it walks (all of the KV group's, or its own with split_gqa)
                 and each query block that sees these keys,
                 Q + LSE₂ into the Q ring and dO + D into the dO ring;
@@ -17,31 +16,31 @@ cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
                 reduce-add each), so consumers never wait on global memory.
   warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each. dK and dV stay in
                 registers for the whole walk over query blocks.
-Pipelines: K/V (1 stage, unless cfg.kv_with_first_block), Q and dO
-(qdo_stages each), TMA → consumer-warp mbarriers (pipeline.py); named
-barriers BwdBarrier between consumers and between consumers and the dQ writer.
+Pipelines: K/V (1 stage), Q and dO (qdo_stages each), TMA → consumer-thread
+mbarriers (pipeline.py); named barriers BwdBarrier between consumers and
+between consumers and the dQ writer.
 
 Per query block, each consumer warpgroup (the computation runs transposed,
 keys on WGMMA's M axis, so Pᵀ and dSᵀ come out in the register layout the
 next WGMMA takes as its A operand):
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          SS-WGMMA, both in flight
-    Pᵀ = exp2(Sᵀ·scale_log2 − LSE₂)    LSE₂ = LSE·log2(e), from the preprocess
-    dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers: issued here
-                                       (cfg.dv_under_ds), after dSᵀ, or after
-                                       dSᵀ → smem (cfg.dv_at_ds_barrier)
+    Pᵀ = exp2(Sᵀ·scale_log2 − LSE₂)    LSE₂ = LSE·log2(e), from the preprocess;
+                                       converted to 16 bits at once
     dSᵀ = Pᵀ ∘ (dPᵀ − D)               D = rowsum(dO ∘ O), from the preprocess;
-                                       Pᵀ fp32, or 16-bit (cfg.ds_from_16bit_p)
-    dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers (issued after
-                                       dQ instead with cfg.dq_store_under_dk)
+                                       Pᵀ read back from its 16-bit registers
+    dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers: issued after
+                                       dSᵀ, or after dSᵀ → smem (cfg.dv_at_ds_barrier)
     dSᵀ → smem; [DS_READY]  dQ_part = dS·K   (SS-WGMMA over all keys of the CTA;
                                        dQᵀ = Kᵀ·dSᵀ when tile_m is no multiple of 64)
-    dQ_part → smem [DQ_FULL] (under the dK GEMM with cfg.dq_store_under_dk);
-    the writer warp reduce-adds it into the fp32 dQ accumulator (dq_accum.py)
-    and frees the slab [DQ_EMPTY]
+    dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers, issued after
+                                       dQ, so the dQ partial's stores to shared
+                                       memory run under it
+    dQ_part → smem [DQ_FULL]; the writer warp reduce-adds it into the fp32 dQ
+    accumulator (dq_accum.py) and frees the slab [DQ_EMPTY]
 At the end dK·scale and dV go to global memory: 16-bit through the K and V
-buffers and TMA stores (cfg.dkv_tma_store), or from registers, with split_gqa
-as fp32 partials per query head that the group-sum kernel adds over each group; the
-postprocess kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
+buffers and TMA stores, or with split_gqa as fp32 partials per query head
+straight from registers, which the group-sum kernel adds over each group;
+the postprocess kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
 """
 
 from __future__ import annotations
@@ -63,8 +62,9 @@ from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, tma_store_ti
                           tma_views)
 from .mask import QueryBlockRange, apply_mask_transposed
 from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
-                       producer_state)
-from .scheduler import TileQueue, TileScheduler
+                       producer_state, release, wait_full)
+from .scheduler import TileQueue, TileScheduler, TileSequence
+
 
 class _ColumnStats:
     """BwdConfig.stats_early off: column j's statistic, read from shared
@@ -78,55 +78,122 @@ class _ColumnStats:
         return self.sStat[self.coords[0, j][1], self.stage]
 
 
-class _ShuffledColumnStats:
-    """BwdConfig.stats_shuffle: each lane reads 2 · tile_m / 64 of the query
-    block's statistics from shared memory once, and column j's value comes
-    from the lane holding it by a shuffle.
+@dataclass
+class KeyTile:
+    """One CTA tile: a key block of one head of one batch entry, and the query
+    heads that read it (all of its KV group's, or with split_gqa one)."""
 
-    A thread's accumulator columns are 8·c + 2·(lane % 4) + e for each
-    8-column chunk c and e in {0, 1} (wgmma.py); its column j is
-    (e, c) = (j % 2, j // 2). Lane L holds chunks per_lane · (L // 4) + t
-    (t < per_lane) at its own lane % 4, so chunk c of every thread is in
-    lane 4 · (c // per_lane) + lane % 4, register (c % per_lane) · 2 + e:
-    the same register for the whole warp, as a shuffle needs."""
-
-    def __init__(self, sStat: cute.Tensor, stage, tile_m: int, lane):
-        self.per_lane = tile_m // 64
-        self.quad_lane = lane % 4
-        first = self.per_lane * 8 * (lane // 4) + 2 * self.quad_lane
-        self.held = cute.make_rmem_tensor((2 * self.per_lane,), Float32)
-        for t in range(self.per_lane):
-            for e in range(2):
-                self.held[2 * t + e] = sStat[first + 8 * t + e, stage]
-
-    def __getitem__(self, j: int):
-        e, chunk = j % 2, j // 2
-        source = 4 * (chunk // self.per_lane) + self.quad_lane
-        return cute.arch.shuffle_sync(self.held[(chunk % self.per_lane) * 2 + e], source)
+    n_block: Int32
+    cta_head: Int32  # the scheduler's head: a KV head, or with split_gqa a query head
+    batch: Int32
+    head_kv: Int32
+    first_head: Int32  # the first query head walked
+    head_count: Int32
 
 
 @dataclass
 class _Tiles(DslStruct):
     """The key blocks (tiles) of a CTA: its own (one CTA per tile), or with
-    BwdConfig.dynamic_tiles its index's, then the ones the producer claims
-    (scheduler.TileQueue)."""
+    BwdConfig.dynamic_tiles its index's, then the ones its producer claims."""
 
-    scheduler: TileScheduler
+    sequence: TileSequence
     q_per_kv: Int32
-    queue: TileQueue
     split_gqa: bool  # scheduler heads are query heads, else KV heads
 
     def first(self) -> Int32:
         return Int32(cute.arch.block_idx()[0])
 
-    def decode(self, tile: Int32):
-        """(key block, scheduler head, batch, heads): heads = (KV head, first
-        query head, query heads walked)."""
-        n_block, cta_head, batch = self.scheduler.decode(tile)
-        heads = (cta_head, cta_head * self.q_per_kv, self.q_per_kv)
+    def num_tiles(self) -> Int32:
+        return self.sequence.scheduler.num_tiles()
+
+    def decode(self, tile: Int32) -> KeyTile:
+        n_block, cta_head, batch = self.sequence.scheduler.decode(tile)
         if cutlass.const_expr(self.split_gqa):
-            heads = (cta_head // self.q_per_kv, cta_head, Int32(1))
-        return n_block, cta_head, batch, heads
+            return KeyTile(n_block, cta_head, batch, cta_head // self.q_per_kv, cta_head,
+                           Int32(1))
+        return KeyTile(n_block, cta_head, batch, cta_head, cta_head * self.q_per_kv,
+                       self.q_per_kv)
+
+
+@dataclass
+class Buffers:
+    """The CTA's shared memory: K and V of its key block, the Q and dO rings
+    with their statistics (LSE₂, D), the two dSᵀ buffers, the dQ slabs."""
+
+    k: cute.Tensor
+    v: cute.Tensor
+    q: cute.Tensor
+    do: cute.Tensor
+    lse2: cute.Tensor
+    d: cute.Tensor
+    dst: cute.Tensor
+    dq: cute.Tensor
+
+
+@dataclass
+class Pipes:
+    """The TMA → consumer rings: K/V (one stage), Q (+LSE₂), dO (+D)."""
+
+    kv: object
+    q: object
+    do: object
+
+
+@dataclass
+class Copies:
+    """The TMA atoms: loads of Q, K, V, dO, LSE₂, D; the dK and dV stores
+    (None with split_gqa, whose fp32 partials leave from registers)."""
+
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    do: cute.CopyAtom
+    lse2: cute.CopyAtom
+    d: cute.CopyAtom
+    dk: object
+    dv: object
+
+
+@dataclass
+class Operands:
+    """One consumer warpgroup's WGMMA operands: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
+    from shared memory; dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from
+    registers; dQ from dS and Kᵀ in shared memory."""
+
+    k: cute.Tensor
+    q: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    pt: cute.Tensor
+    dst: cute.Tensor
+    dot: cute.Tensor
+    qt: cute.Tensor
+    ds: cute.Tensor
+    kt: cute.Tensor
+
+
+@dataclass
+class Consumer:
+    """What one consumer warpgroup keeps across the key blocks it computes."""
+
+    ops: Operands
+    mma_sdp: cute.TiledMma
+    mma_dkv: cute.TiledMma
+    mma_dq: cute.TiledMma
+    acc_dk: cute.Tensor
+    acc_dv: cute.Tensor
+    st_coords: cute.Tensor  # (key, query) of each of the thread's Sᵀ registers
+    wg: Int32
+    tid: Int32  # among the consumer threads
+    smem: Buffers
+    pipes: Pipes
+    copies: Copies
+    mdK: cute.Tensor
+    mdV: cute.Tensor
+    seqlen_q: Int32
+    seqlen_k: Int32
+    softmax_scale_log2: Float32
+    softmax_scale: Float32
 
 
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
@@ -194,8 +261,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         stat_stage = cute.make_layout(tile_m)
         tma_lse, tLSE2 = cpasync.make_tiled_tma_atom(load, mLSE2, stat_stage, (tile_m,))
         tma_d, tD = cpasync.make_tiled_tma_atom(load, mD, stat_stage, (tile_m,))
-        # dK and dV through the K and V buffers (BwdConfig.dkv_tma_store): the
-        # kernel then gets the stores' coordinate tensors in place of dK and dV.
+        # dK and dV through the K and V buffers: the kernel then gets the
+        # stores' coordinate tensors in place of dK and dV.
         tma_dk = tma_dv = None
         if cutlass.const_expr(self._dkv_tma_store()):
             store = cpasync.CopyBulkTensorTileS2GOp()
@@ -229,7 +296,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     softmax_scale_log2, softmax_scale, sQ_layout, sK_layout, sdSt_layout,
                     sStat_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage).launch(
             grid=list(grid), block=[self.cfg.threads, 1, 1], stream=stream,
-            min_blocks_per_mp=1, use_pdl=self.cfg.early_launch)
+            min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- kernel
     @cute.kernel
@@ -243,32 +310,30 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                sdSt_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
+        copies = Copies(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
-        arrivals = self.sync.arrivals(self.consumer_threads)
+        arrivals = self.consumer_threads
         elem = self.dtype.width // 8
         stat_bytes = self.tile_m * 4
         qdo_bytes = self.tile_m * self.head_dim * elem
-        pipe_kv = None  # with kv_with_first_block K and V ride on the Q and dO rings
-        if cutlass.const_expr(not self.cfg.kv_with_first_block):
+        pipes = Pipes(
             # With dynamic_tiles the dQ writer also frees K/V (one arrive per
             # tile, once it has read the tile's index: TileQueue's slots).
-            pipe_kv = make_tma_pipeline(storage.kv_barriers.data_ptr(), 1,
-                                        arrivals + (1 if self.cfg.dynamic_tiles else 0),
-                                        2 * self.tile_n * self.head_dim * elem)
-        pipes = (
-            pipe_kv,
+            make_tma_pipeline(storage.kv_barriers.data_ptr(), 1,
+                              arrivals + (1 if self.cfg.dynamic_tiles else 0),
+                              2 * self.tile_n * self.head_dim * elem),
             make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.qdo_stages,
                               arrivals, qdo_bytes + stat_bytes),
             make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.qdo_stages,
                               arrivals, qdo_bytes + stat_bytes),
         )
         cpipeline.pipeline_init_arrive()
-        smem = (
+        smem = Buffers(
             storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
@@ -278,24 +343,24 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
         )
-        tiles = _Tiles(self._scheduler(mQ, mK), mQ.shape[2] // mK.shape[2],
-                       TileQueue(mSemaphore, storage.tile_slots.get_tensor(cute.make_layout(2))),
-                       self.cfg.split_gqa)
+        tiles = _Tiles(TileSequence(self._scheduler(mQ, mK),
+                                    TileQueue(mSemaphore, storage.tile_slots.get_tensor(
+                                        cute.make_layout(2))),
+                                    self.cfg.dynamic_tiles),
+                       mQ.shape[2] // mK.shape[2], self.cfg.split_gqa)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
-                             tma_lse, tma_d, smem, pipes, tiles)
+                self.produce(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles)
             if warp_idx == 1:
-                self.write_dq(mdQaccum, mSemaphore, smem[7], mQ.shape[0], mK.shape[0],
-                              pipes[0], tiles)
+                self.write_dq(mdQaccum, mSemaphore, smem.dq, mQ.shape[0], mK.shape[0],
+                              pipes.kv, tiles)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mdK, mdV, tma_dk, tma_dv, mQ.shape[0], mK.shape[0],
-                         softmax_scale_log2, softmax_scale, smem, pipes, mma_sdp, mma_dkv,
-                         mma_dq, tiles)
+            self.consume(mdK, mdV, copies, mQ.shape[0], mK.shape[0], softmax_scale_log2,
+                         softmax_scale, smem, pipes, mma_sdp, mma_dkv, mma_dq, tiles)
 
     def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
         """One CTA per (key block, KV head or with split_gqa query head, batch),
@@ -320,225 +385,176 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     # -------------------------------------------------------------- producer
     @cute.jit
-    def produce(self, mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse,
-                tma_d, smem, pipes, tiles: "_Tiles"):
+    def produce(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers, pipes: Pipes,
+                tiles: _Tiles):
         """Warp 0: the CTA's key block (one CTA per tile), or with
         dynamic_tiles each tile it claims and, past the last, the end
         (TileQueue)."""
-        pipe_kv = pipes[0]
         q_state = producer_state(self.cfg.qdo_stages)
         do_state = producer_state(self.cfg.qdo_stages)
         kv_state = producer_state(1)
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             round_idx = Int32(0)
             tile = tiles.first()
-            while tile < tiles.scheduler.num_tiles():
-                tiles.queue.publish(round_idx, tile)
+            while tile < tiles.num_tiles():
+                tiles.sequence.queue.publish(round_idx, tile)
                 q_state, do_state = self._produce_tile(
-                    mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d,
-                    smem, pipes, tiles.decode(tile), q_state, do_state, kv_state)
+                    mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles.decode(tile),
+                    q_state, do_state, kv_state)
                 kv_state.advance()
                 round_idx += 1
-                tile = tiles.queue.claim()
-            tiles.queue.finish(round_idx, tile, pipe_kv, kv_state)
+                tile = tiles.sequence.claimed(round_idx)
+            tiles.sequence.queue.finish(round_idx, tile, pipes.kv, kv_state)
         else:
-            self._produce_tile(mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do,
-                               tma_lse, tma_d, smem, pipes, tiles.decode(tiles.first()),
-                               q_state, do_state, kv_state)
+            self._produce_tile(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes,
+                               tiles.decode(tiles.first()), q_state, do_state, kv_state)
 
     @cute.jit
-    def _produce_tile(self, mQ, mK, mV, mdO, mLSE2, mD, tma_q, tma_k, tma_v, tma_do, tma_lse,
-                      tma_d, smem, pipes, tile, q_state, do_state, kv_state):
-        sK, sV, sQ, sdO, sLSE2, sD, _, _ = smem
-        pipe_kv, pipe_q, pipe_do = pipes
+    def _produce_tile(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers,
+                      pipes: Pipes, tile: KeyTile, q_state, do_state, kv_state):
         d = self.head_dim
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        n_block, _, batch, heads = tile
-        head_kv, first_head, head_count = heads
+        n_block, batch = tile.n_block, tile.batch
 
-        tKs, tKg = tma_views(tma_k, sK, cute.local_tile(
-            mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
-        tVs, tVg = tma_views(tma_v, sV, cute.local_tile(
-            mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
-        kv_first = self.cfg.kv_with_first_block
-        if cutlass.const_expr(not kv_first):
-            pipe_kv.producer_acquire(kv_state)
-            kv_bar = pipe_kv.producer_get_barrier(kv_state)
-            cute.copy(tma_k, tKg, tKs, tma_bar_ptr=kv_bar)
-            cute.copy(tma_v, tVg, tVs, tma_bar_ptr=kv_bar)
-        if cutlass.const_expr(self.cfg.early_launch):
-            cute.arch.griddepcontrol_wait()  # LSE₂ and D come from the preprocess
+        tKs, tKg = tma_views(copies.k, smem.k, cute.local_tile(
+            mK[None, None, tile.head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
+        tVs, tVg = tma_views(copies.v, smem.v, cute.local_tile(
+            mV[None, None, tile.head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
+        pipes.kv.producer_acquire(kv_state)
+        kv_bar = pipes.kv.producer_get_barrier(kv_state)
+        cute.copy(copies.k, tKg, tKs, tma_bar_ptr=kv_bar)
+        cute.copy(copies.v, tVg, tVs, tma_bar_ptr=kv_bar)
 
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
-        for h in cutlass.range(head_count, unroll=1):
-            head = first_head + h
-            tQs, tQg = tma_views(tma_q, sQ, cute.local_tile(
+        for h in cutlass.range(tile.head_count, unroll=1):
+            head = tile.first_head + h
+            tQs, tQg = tma_views(copies.q, smem.q, cute.local_tile(
                 mQ[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
-            tdOs, tdOg = tma_views(tma_do, sdO, cute.local_tile(
+            tdOs, tdOg = tma_views(copies.do, smem.do, cute.local_tile(
                 mdO[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
-            tLs, tLg = tma_views(tma_lse, sLSE2, cute.local_tile(
+            tLs, tLg = tma_views(copies.lse2, smem.lse2, cute.local_tile(
                 mLSE2[None, head, batch], (self.tile_m,), (None,)), staged=True)
-            tDs, tDg = tma_views(tma_d, sD, cute.local_tile(
+            tDs, tDg = tma_views(copies.d, smem.d, cute.local_tile(
                 mD[None, head, batch], (self.tile_m,), (None,)), staged=True)
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
-                pipe_q.producer_acquire(q_state)
-                q_bar = pipe_q.producer_get_barrier(q_state)
-                if cutlass.const_expr(kv_first):
-                    first = (h == 0) & (i == 0)
-                    if first:
-                        self._load_on(tma_k, tKg, tKs, q_bar)
-                cute.copy(tma_q, tQg[None, m_block], tQs[None, q_state.index], tma_bar_ptr=q_bar)
-                cute.copy(tma_lse, tLg[None, m_block], tLs[None, q_state.index],
+                pipes.q.producer_acquire(q_state)
+                q_bar = pipes.q.producer_get_barrier(q_state)
+                cute.copy(copies.q, tQg[None, m_block], tQs[None, q_state.index],
+                          tma_bar_ptr=q_bar)
+                cute.copy(copies.lse2, tLg[None, m_block], tLs[None, q_state.index],
                           tma_bar_ptr=q_bar)
                 q_state.advance()
-                pipe_do.producer_acquire(do_state)
-                do_bar = pipe_do.producer_get_barrier(do_state)
-                if cutlass.const_expr(kv_first):
-                    if first:
-                        self._load_on(tma_v, tVg, tVs, do_bar)
-                cute.copy(tma_do, tdOg[None, m_block], tdOs[None, do_state.index],
+                pipes.do.producer_acquire(do_state)
+                do_bar = pipes.do.producer_get_barrier(do_state)
+                cute.copy(copies.do, tdOg[None, m_block], tdOs[None, do_state.index],
                           tma_bar_ptr=do_bar)
-                cute.copy(tma_d, tDg[None, m_block], tDs[None, do_state.index],
+                cute.copy(copies.d, tDg[None, m_block], tDs[None, do_state.index],
                           tma_bar_ptr=do_bar)
                 do_state.advance()
         return q_state, do_state
 
-    @cute.jit
-    def _load_on(self, atom, g_view, s_view, barrier):
-        """A K or V tile's TMA load completing on a ring stage's barrier, whose
-        arrival (producer_acquire) expected only the stage's own bytes.
-        Raising the expected count before the copy is issued keeps the phase
-        open until this load lands too."""
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_expect_tx(barrier,
-                                         self.tile_n * self.head_dim * (self.dtype.width // 8))
-        cute.copy(atom, g_view, s_view, tma_bar_ptr=barrier)
-
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mdK, mdV, tma_dk, tma_dv, seqlen_q: Int32, seqlen_k: Int32,
-                softmax_scale_log2: Float32, softmax_scale: Float32, smem, pipes,
-                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-                tiles: "_Tiles"):
-        sK, sV, sQ, sdO, sLSE2, sD, sdSt, sdQ = smem
-        pipe_kv = pipes[0]
+    def consume(self, mdK, mdV, copies: Copies, seqlen_q: Int32, seqlen_k: Int32,
+                softmax_scale_log2: Float32, softmax_scale: Float32, smem: Buffers,
+                pipes: Pipes, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
+                mma_dq: cute.TiledMma, tiles: _Tiles):
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
-        # WGMMA operands are per warpgroup (descriptors / register A); the
-        # accumulator coordinates are per thread.
-        wg_sdp = mma_sdp.get_slice(wg * WARPGROUP_THREADS)
-        wg_dkv = mma_dkv.get_slice(wg * WARPGROUP_THREADS)
-        wg_dq = mma_dq.get_slice(wg * WARPGROUP_THREADS)
-        frags = dict(
-            K=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
-            Q=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
-            V=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
-            dO=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
-            Pt=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m))),
-            dSt=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m))),
-            dOt=wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(sdO))),
-            Qt=wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(sQ))),
-        )
-        # dQ's operands: dS = (dSᵀ)ᵀ and Kᵀ, as A and B, or B and A for dQᵀ
-        sdS, sKt = wgmma.transpose_view(sdSt), wgmma.transpose_view(sK)
-        if cutlass.const_expr(self.cfg.dq_transposed()):
-            frags["dS"] = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-            frags["Kt"] = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))
-        else:
-            frags["dS"] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            frags["Kt"] = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
-        acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dv = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
-        st_coords = mma_sdp.get_slice(tid).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+        me = Consumer(self._operands(smem, mma_sdp, mma_dkv, mma_dq, wg), mma_sdp, mma_dkv,
+                      mma_dq,
+                      cute.make_rmem_tensor(mma_dkv.get_slice(wg * WARPGROUP_THREADS)
+                                            .partition_shape_C((tile_n, d)), Float32),
+                      cute.make_rmem_tensor(mma_dkv.get_slice(wg * WARPGROUP_THREADS)
+                                            .partition_shape_C((tile_n, d)), Float32),
+                      mma_sdp.get_slice(tid).partition_C(
+                          cute.make_identity_tensor((tile_n, tile_m))),
+                      wg, tid, smem, pipes, copies, mdK, mdV, seqlen_q, seqlen_k,
+                      softmax_scale_log2, softmax_scale)
         q_state = consumer_state(self.cfg.qdo_stages)
         do_state = consumer_state(self.cfg.qdo_stages)
         step = Int32(0)
-        work = (frags, acc_dk, acc_dv, st_coords, wg, tid, mma_sdp, mma_dkv, mma_dq, smem, pipes,
-                mdK, mdV, tma_dk, tma_dv, seqlen_q, seqlen_k, softmax_scale_log2,
-                softmax_scale)
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             kv_state = consumer_state(1)
             round_idx = Int32(0)
             # the tile comes with its K and V
-            tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
-            while tile < tiles.scheduler.num_tiles():
-                q_state, do_state, step = self._consume_tile(work, tiles.decode(tile),
+            tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
+            while tile < tiles.num_tiles():
+                q_state, do_state, step = self._consume_tile(me, tiles.decode(tile),
                                                              q_state, do_state, step)
                 # K and V are read (the dK/dV stores' reads of them waited for
                 # in store_dkv_via_smem): the next tile may load over them.
-                self.sync.release(pipe_kv, kv_state)
+                release(pipes.kv, kv_state)
                 kv_state.advance()
                 round_idx += 1
-                tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
+                tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
         else:
-            if cutlass.const_expr(not self.cfg.kv_with_first_block):
-                self.sync.wait(pipe_kv, consumer_state(1))
-            self._consume_tile(work, tiles.decode(tiles.first()), q_state, do_state, step)
+            wait_full(pipes.kv, consumer_state(1))
+            self._consume_tile(me, tiles.decode(tiles.first()), q_state, do_state, step)
+
+    def _operands(self, smem: Buffers, mma_sdp, mma_dkv, mma_dq, wg: Int32) -> Operands:
+        """WGMMA operands are per warpgroup (descriptors / register A)."""
+        tile_m, tile_n = self.tile_m, self.tile_n
+        wg_sdp = mma_sdp.get_slice(wg * WARPGROUP_THREADS)
+        wg_dkv = mma_dkv.get_slice(wg * WARPGROUP_THREADS)
+        wg_dq = mma_dq.get_slice(wg * WARPGROUP_THREADS)
+        k = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.k))
+        q = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.q))
+        v = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.v))
+        do = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.do))
+        pt = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        dst = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        dot = wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(smem.do)))
+        qt = wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(smem.q)))
+        # dQ's operands: dS = (dSᵀ)ᵀ and Kᵀ, as A and B, or B and A for dQᵀ
+        sdS, sKt = wgmma.transpose_view(smem.dst), wgmma.transpose_view(smem.k)
+        if cutlass.const_expr(self.cfg.dq_transposed()):
+            ds = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            kt = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))
+        else:
+            ds = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            kt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        return Operands(k, q, v, do, pt, dst, dot, qt, ds, kt)
 
     @cute.jit
-    def _consume_tile(self, work, tile, q_state, do_state, step: Int32):
+    def _consume_tile(self, me: Consumer, tile: KeyTile, q_state, do_state, step: Int32):
         """One key block: every query block that sees it, then dK and dV out.
         Returns the Q/dO ring states and the step count (dSᵀ buffer parity)."""
-        (frags, acc_dk, acc_dv, st_coords, wg, tid, mma_sdp, mma_dkv, mma_dq, smem, pipes,
-         mdK, mdV, tma_dk, tma_dv, seqlen_q, seqlen_k, softmax_scale_log2,
-         softmax_scale) = work
-        sK, sV, sQ, sdO, sLSE2, sD, sdSt, sdQ = smem
-        _, pipe_q, pipe_do = pipes
         tile_m, tile_n = self.tile_m, self.tile_n
-        n_block, cta_head, batch, heads = tile
-        acc_dk.fill(0.0)
-        acc_dv.fill(0.0)
-        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        n_block = tile.n_block
+        me.acc_dk.fill(0.0)
+        me.acc_dv.fill(0.0)
+        m_min, m_count = self._query_blocks(n_block, me.seqlen_q, me.seqlen_k)
         m_unmasked = QueryBlockRange(tile_m, tile_n, self.causal).m_block_min_unmasked(
-            n_block, seqlen_q, seqlen_k)
-        seqlen_edge = (n_block + 1) * tile_n > seqlen_k
-        _, _, head_count = heads
-        for h in cutlass.range(head_count, unroll=1):
+            n_block, me.seqlen_q, me.seqlen_k)
+        seqlen_edge = (n_block + 1) * tile_n > me.seqlen_k
+        for h in cutlass.range(tile.head_count, unroll=1):
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 needs_mask = seqlen_edge
                 if cutlass.const_expr(self.causal):
                     needs_mask = needs_mask or m_block < m_unmasked
-                self.step(frags, acc_dk, acc_dv, st_coords, wg, tid, mma_sdp, mma_dkv, mma_dq,
-                          sLSE2, sD, sdSt, sdQ, pipe_q, q_state, pipe_do, do_state, step % 2,
-                          needs_mask, n_block, m_block, seqlen_q, seqlen_k, softmax_scale_log2)
+                self.step(me, q_state, do_state, step % 2, needs_mask, n_block, m_block)
                 q_state.advance()
                 do_state.advance()
                 step += 1
+        acc_dk = me.acc_dk  # a plain local: the loop below writes it
         for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
-            acc_dk[i] = acc_dk[i] * softmax_scale
+            acc_dk[i] = acc_dk[i] * me.softmax_scale
         if cutlass.const_expr(self._dkv_tma_store()):
-            self.store_dkv_via_smem(acc_dk, acc_dv, sK, sV, tma_dk, tma_dv, mdK, mdV, wg, tid,
-                                    n_block, cta_head, batch)
+            self.store_dkv_via_smem(me, n_block, tile.cta_head, tile.batch)
         else:
-            self.store_dkv(acc_dk, acc_dv, mdK, mdV, mma_dkv, tid, n_block, cta_head, batch,
-                           seqlen_k)
+            self.store_dkv(me, n_block, tile.cta_head, tile.batch)
         return q_state, do_state, step
-
-    @cute.jit
-    def issue_s(self, frags, acc_s, mma_sdp, q_state):
-        """Sᵀ = K·Qᵀ of one query block (its Q stage has landed), left in flight."""
-        wgmma.gemm(mma_sdp, acc_s, frags["K"], frags["Q"][None, None, None, q_state.index],
-                   zero_init=True, wait_groups=-1)
-
-    @cute.jit
-    def issue_dp(self, frags, acc_dp, mma_sdp, pipe_do, do_state):
-        """dPᵀ = V·dOᵀ of one query block, left in flight."""
-        self.sync.wait(pipe_do, do_state)
-        wgmma.gemm(mma_sdp, acc_dp, frags["V"], frags["dO"][None, None, None, do_state.index],
-                   zero_init=True, wait_groups=-1)
 
     @cute.jit
     def column_stats(self, sStat: cute.Tensor, coords, stage: Int32):
         """The statistic (LSE₂ or D) of each of this thread's accumulator
-        columns: with stats_early a register copy, loaded here; with
-        stats_shuffle a few values per lane, shuffled where indexed; otherwise
-        a view that reads shared memory where it is indexed (holding all
+        columns: with stats_early a register copy, loaded here; otherwise a
+        view that reads shared memory where it is indexed (holding all
         columns in registers for the whole step spills)."""
-        if cutlass.const_expr(self.cfg.stats_shuffle):
-            return _ShuffledColumnStats(sStat, stage, self.tile_m, cute.arch.lane_idx())
         if cutlass.const_expr(not self.cfg.stats_early):
             return _ColumnStats(sStat, coords, stage)
         values = cute.make_rmem_tensor((cute.size(coords, mode=[1]),), Float32)
@@ -547,107 +563,87 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         return values
 
     @cute.jit
-    def step(self, frags, acc_dk, acc_dv, st_coords, wg: Int32, tid: Int32, mma_sdp, mma_dkv,
-             mma_dq, sLSE2, sD, sdSt, sdQ, pipe_q, q_state, pipe_do, do_state, ds_buffer: Int32,
-             needs_mask, n_block: Int32, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-             softmax_scale_log2: Float32):
+    def step(self, me: Consumer, q_state, do_state, ds_buffer: Int32, needs_mask,
+             n_block: Int32, m_block: Int32):
         """One query block: all five GEMMs retired and the dQ partial handed to
         the writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
         tile_m, tile_n = self.tile_m, self.tile_n
-        acc_s = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
-        acc_dp = cute.make_rmem_tensor(mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
-        self.sync.wait(pipe_q, q_state)
+        ops, pipes, smem = me.ops, me.pipes, me.smem
+        acc_s = cute.make_rmem_tensor(me.mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+        acc_dp = cute.make_rmem_tensor(me.mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+        wait_full(pipes.q, q_state)
         # Per-query statistics, one per accumulator column of this thread:
         # read here (stats_early) or at their use. Here is ahead of the
         # GEMM issue: an LDS issued behind HGMMAs queues behind them until
         # the tensor core accepts them, so the first exp2 waited for the dPᵀ
         # GEMM to start (ncu: short-scoreboard stalls on that FFMA).
-        coords = wgmma.acc_rows_cols(st_coords)
-        lse2 = self.column_stats(sLSE2, coords, q_state.index)
-        self.issue_s(frags, acc_s, mma_sdp, q_state)
-        self.issue_dp(frags, acc_dp, mma_sdp, pipe_do, do_state)
+        coords = wgmma.acc_rows_cols(me.st_coords)
+        lse2 = self.column_stats(smem.lse2, coords, q_state.index)
+        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, both left in flight
+        wgmma.gemm(me.mma_sdp, acc_s, ops.k, ops.q[None, None, None, q_state.index],
+                   zero_init=True, wait_groups=-1)
+        wait_full(pipes.do, do_state)
+        wgmma.gemm(me.mma_sdp, acc_dp, ops.v, ops.do[None, None, None, do_state.index],
+                   zero_init=True, wait_groups=-1)
         warpgroup.wait_group(1)  # Sᵀ has landed
         if needs_mask:
-            apply_mask_transposed(acc_s, st_coords, n_block, m_block, seqlen_q, seqlen_k,
-                                  tile_n, tile_m, self.causal)
+            apply_mask_transposed(acc_s, me.st_coords, n_block, m_block, me.seqlen_q,
+                                  me.seqlen_k, tile_n, tile_m, self.causal)
         p = wgmma.acc_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
             lse2_j = lse2[j]
             for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-                p[r, j] = cute.math.exp2(p[r, j] * softmax_scale_log2 - lse2_j, fastmath=True)
-        dsum = self.column_stats(sD, coords, do_state.index)
-        # the 16-bit Pᵀ (dV's A operand) is made once dV or dSᵀ needs it
-        p_16bit_early = self.cfg.ds_from_16bit_p or self.cfg.dv_under_ds
-        if cutlass.const_expr(p_16bit_early):
-            wgmma.convert_to_16bit(acc_s, frags["Pt"])
-        if cutlass.const_expr(self.cfg.dv_under_ds):
-            self.issue_dv(frags, acc_dv, mma_dkv, do_state)
-            warpgroup.wait_group(1)  # dPᵀ has landed (dV may still run)
-        else:
-            warpgroup.wait_group(0)  # dPᵀ has landed
+                p[r, j] = cute.math.exp2(p[r, j] * me.softmax_scale_log2 - lse2_j,
+                                         fastmath=True)
+        dsum = self.column_stats(smem.d, coords, do_state.index)
+        # The 16-bit Pᵀ (dV's A operand) is made at once, and dSᵀ reads it
+        # back: the fp32 Pᵀ is then dead before dPᵀ lands.
+        wgmma.convert_to_16bit(acc_s, ops.pt)
+        warpgroup.wait_group(0)  # dPᵀ has landed
         ds = wgmma.acc_rows_cols(acc_dp)
         for j in cutlass.range_constexpr(cute.size(ds, mode=[1])):
             dsum_j = dsum[j]
             for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
-                if cutlass.const_expr(self.cfg.ds_from_16bit_p):
-                    p_rj = wgmma.read_16bit_as_f32(frags["Pt"], acc_s.layout.shape, r, j)
-                else:
-                    p_rj = p[r, j]
+                p_rj = wgmma.read_16bit_as_f32(ops.pt, acc_s.layout.shape, r, j)
                 ds[r, j] = p_rj * (ds[r, j] - dsum_j)
-        if cutlass.const_expr(not p_16bit_early):
-            wgmma.convert_to_16bit(acc_s, frags["Pt"])
-        dv_after_ds = not self.cfg.dv_under_ds and not self.cfg.dv_at_ds_barrier
-        if cutlass.const_expr(dv_after_ds):
-            self.issue_dv(frags, acc_dv, mma_dkv, do_state)
-        wgmma.convert_to_16bit(acc_dp, frags["dSt"])
-        under_dk = self.cfg.dq_store_under_dk
-        if cutlass.const_expr(not under_dk):
-            self.issue_dk(frags, acc_dk, mma_dkv, q_state)
+        if cutlass.const_expr(not self.cfg.dv_at_ds_barrier):
+            self.issue_dv(me, do_state)
+        wgmma.convert_to_16bit(acc_dp, ops.dst)
 
         # dSᵀ to shared memory for dQ, which needs every warpgroup's keys. The
         # register A fragment holds the values in accumulator order.
-        ds_16bit = cute.make_tensor(frags["dSt"].iterator, cute.make_layout(acc_dp.shape))
-        slab = cute.local_tile(sdSt[None, None, ds_buffer], (WGMMA_M, tile_m), (wg, 0))
-        wgmma.stmatrix_store(self.dtype, ds_16bit, slab, tid % WARPGROUP_THREADS)
+        ds_16bit = cute.make_tensor(ops.dst.iterator, cute.make_layout(acc_dp.shape))
+        slab = cute.local_tile(smem.dst[None, None, ds_buffer], (WGMMA_M, tile_m), (me.wg, 0))
+        wgmma.stmatrix_store(self.dtype, ds_16bit, slab, me.tid % WARPGROUP_THREADS)
         if cutlass.const_expr(self.cfg.dv_at_ds_barrier):
             # the tensor core runs dV while this warpgroup waits for the others
-            self.issue_dv(frags, acc_dv, mma_dkv, do_state)
+            self.issue_dv(me, do_state)
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
                           number_of_threads=self.consumer_threads)
         acc_dq = cute.make_rmem_tensor(
-            mma_dq.partition_shape_C(dq_gemm_shape(self.cfg, self.head_dim)), Float32)
-        ds_operand = frags["dS"][None, None, None, ds_buffer]
-        a, b = ds_operand, frags["Kt"]
+            me.mma_dq.partition_shape_C(dq_gemm_shape(self.cfg, self.head_dim)), Float32)
+        a, b = ops.ds[None, None, None, ds_buffer], ops.kt
         if cutlass.const_expr(self.cfg.dq_transposed()):
             a, b = b, a
-        # Without under_dk this wait also retires dV and dK.
-        wgmma.gemm(mma_dq, acc_dq, a, b, zero_init=True, wait_groups=-1 if under_dk else 0)
-        if cutlass.const_expr(under_dk):
-            self.issue_dk(frags, acc_dk, mma_dkv, q_state)
-            warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
-            self.sync.release(pipe_do, do_state)
-            self.stage_dq(acc_dq, sdQ, wg, tid)
-            warpgroup.wait_group(0)
-            self.sync.release(pipe_q, q_state)
-        else:
-            self.sync.release(pipe_q, q_state)
-            self.sync.release(pipe_do, do_state)
-            self.stage_dq(acc_dq, sdQ, wg, tid)
-
-    @cute.jit
-    def issue_dk(self, frags, acc_dk, mma_dkv, q_state):
-        """dK += dSᵀ·Q, dSᵀ from the registers it was computed in, left in flight."""
-        wgmma.gemm(mma_dkv, acc_dk, frags["dSt"], frags["Qt"][None, None, None, q_state.index],
+        wgmma.gemm(me.mma_dq, acc_dq, a, b, zero_init=True, wait_groups=-1)
+        # dK += dSᵀ·Q behind dQ, so dQ's stores to shared memory run under it
+        wgmma.gemm(me.mma_dkv, me.acc_dk, ops.dst, ops.qt[None, None, None, q_state.index],
                    zero_init=False, wait_groups=-1)
+        warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
+        release(pipes.do, do_state)
+        self.stage_dq(acc_dq, smem.dq, me.wg, me.tid)
+        warpgroup.wait_group(0)
+        release(pipes.q, q_state)
 
     @cute.jit
-    def issue_dv(self, frags, acc_dv, mma_dkv, do_state):
+    def issue_dv(self, me: Consumer, do_state):
         """dV += Pᵀ·dO, the 16-bit Pᵀ from registers, left in flight."""
-        wgmma.gemm(mma_dkv, acc_dv, frags["Pt"], frags["dOt"][None, None, None, do_state.index],
-                   zero_init=False, wait_groups=-1)
+        wgmma.gemm(me.mma_dkv, me.acc_dv, me.ops.pt,
+                   me.ops.dot[None, None, None, do_state.index], zero_init=False,
+                   wait_groups=-1)
 
     @cute.jit
     def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
@@ -664,25 +660,21 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                 seqlen_q: Int32, seqlen_k: Int32, pipe_kv, tiles: "_Tiles"):
+                 seqlen_q: Int32, seqlen_k: Int32, pipe_kv, tiles: _Tiles):
         """The dQ writer warp: per query block and consumer warpgroup, one bulk
         reduce-add of the slab into the accumulator (lane 0 issues it). In
         deterministic mode it first waits until the key blocks before this one
         have added theirs to the same tile, and signals after its own landed."""
-        tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
-        region = dq_accum.warpgroup_region(tile_m, d, wgs)
         lane = cute.arch.lane_idx()
-        if cutlass.const_expr(self.cfg.early_launch):
-            cute.arch.griddepcontrol_wait()  # the preprocess zeroes the accumulator
-        for w in cutlass.range_constexpr(wgs):  # every slab starts free
+        for w in cutlass.range_constexpr(self.consumer_wgs):  # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                      number_of_threads=DQ_HANDOFF_THREADS)
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             kv_state = consumer_state(1)
             round_idx = Int32(0)
             # the tile's index is published with K/V
-            tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
-            while tile < tiles.scheduler.num_tiles():
+            tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
+            while tile < tiles.num_tiles():
                 # The index is read: the producer may reuse its slot (and,
                 # when no query block sees this key block, this warp cannot
                 # fall two tiles behind the K/V barrier's phase).
@@ -693,22 +685,21 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                     tiles.decode(tile))
                 kv_state.advance()
                 round_idx += 1
-                tile = tiles.queue.receive(self.sync, pipe_kv, kv_state, round_idx)
+                tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
         else:
             self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
                                 tiles.decode(tiles.first()))
 
     @cute.jit
     def _write_dq_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                       seqlen_q: Int32, seqlen_k: Int32, tile):
+                       seqlen_q: Int32, seqlen_k: Int32, tile: KeyTile):
         tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
         region = dq_accum.warpgroup_region(tile_m, d, wgs)
         lane = cute.arch.lane_idx()
-        n_block, _, batch, heads = tile
+        n_block, batch = tile.n_block, tile.batch
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
-        _, first_head, head_count = heads
-        for h in cutlass.range(head_count, unroll=1):
-            head = first_head + h
+        for h in cutlass.range(tile.head_count, unroll=1):
+            head = tile.first_head + h
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 for w in cutlass.range_constexpr(wgs):
@@ -736,18 +727,17 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     # -------------------------------------------------------------- epilogue
     def _dkv_tma_store(self) -> bool:
-        return self.cfg.dkv_tma_store and not self.cfg.split_gqa
+        """dK and dV leave through shared memory and TMA stores (16-bit), or
+        with split_gqa as fp32 partials straight from registers."""
+        return not self.cfg.split_gqa
 
     @cute.jit
-    def store_dkv_via_smem(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor,
-                           sV: cute.Tensor, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
-                           mdK: cute.Tensor, mdV: cute.Tensor, wg: Int32, tid: Int32,
-                           n_block: Int32, head_kv: Int32, batch: Int32):
+    def store_dkv_via_smem(self, me: Consumer, n_block: Int32, head_kv: Int32, batch: Int32):
         """dK (scaled) and dV, 16-bit, into the K and V buffers with stmatrix
         (each warpgroup its 64 rows), then one TMA store each from the first
         consumer warp; TMA clips the rows past seqlen_k."""
         outputs = []
-        for acc in (acc_dk, acc_dv):
+        for acc in (me.acc_dk, me.acc_dv):
             values = cute.make_rmem_tensor_like(acc, self.dtype)
             wgmma.convert_to_16bit(acc, values)
             outputs.append(values)
@@ -755,15 +745,16 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         # consumers' GEMMs have retired before any overwrites it.
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
                           number_of_threads=self.consumer_threads)
-        for values, s in zip(outputs, (sK, sV)):
-            slab = cute.local_tile(s, (WGMMA_M, self.head_dim), (wg, 0))
-            wgmma.stmatrix_store(self.dtype, values, slab, tid % WARPGROUP_THREADS)
+        for values, s in zip(outputs, (me.smem.k, me.smem.v)):
+            slab = cute.local_tile(s, (WGMMA_M, self.head_dim), (me.wg, 0))
+            wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
                           number_of_threads=self.consumer_threads)
-        if tid < 32:
-            for atom, s, m_out in ((tma_dk, sK, mdK), (tma_dv, sV, mdV)):
+        if me.tid < 32:
+            for atom, s, m_out in ((me.copies.dk, me.smem.k, me.mdK),
+                                   (me.copies.dv, me.smem.v, me.mdV)):
                 tma_store_tile(atom, s, cute.local_tile(m_out[None, None, head_kv, batch],
                                                         (self.tile_n, self.head_dim),
                                                         (n_block, 0)))
@@ -772,18 +763,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, mdK: cute.Tensor,
-                  mdV: cute.Tensor, mma_dkv: cute.TiledMma, tid: Int32, n_block: Int32,
-                  out_head: Int32, batch: Int32, seqlen_k: Int32):
-        """dK (scaled) and dV straight from registers (once per CTA): 16-bit,
-        or with split_gqa the fp32 partials of query head out_head."""
-        thr = mma_dkv.get_slice(tid)
-        rows_valid = seqlen_k - n_block * self.tile_n
-        for acc, m_out in ((acc_dk, mdK), (acc_dv, mdV)):
-            values = acc
-            if cutlass.const_expr(not self.cfg.split_gqa):
-                values = cute.make_rmem_tensor_like(acc, self.dtype)
-                wgmma.convert_to_16bit(acc, values)
+    def store_dkv(self, me: Consumer, n_block: Int32, out_head: Int32, batch: Int32):
+        """split_gqa: dK (scaled) and dV straight from registers (once per
+        CTA), the fp32 partials of query head out_head."""
+        thr = me.mma_dkv.get_slice(me.tid)
+        rows_valid = me.seqlen_k - n_block * self.tile_n
+        for acc, m_out in ((me.acc_dk, me.mdK), (me.acc_dv, me.mdV)):
             g_tile = cute.local_tile(m_out[None, None, out_head, batch],
                                      (self.tile_n, self.head_dim), (n_block, 0))
-            wgmma.store_acc_tile(values, thr, g_tile, rows_valid)
+            wgmma.store_acc_tile(acc, thr, g_tile, rows_valid)

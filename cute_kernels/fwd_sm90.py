@@ -13,7 +13,7 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
                 last round's tiles come in key ranges: a warpgroup ending
                 one publishes its rows, and the last to count in merges
                 them before the epilogue (tail_split.py).
-Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-warp
+Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-thread
 mbarrier rings (pipeline.py); ping-pong named barriers between consumer
 warpgroups; epilogue named barriers.
 
@@ -31,6 +31,8 @@ S_j and P·V_{j+1}, and the other warpgroup's GEMMs fill the gaps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -43,11 +45,73 @@ from . import wgmma
 from .config import WARPGROUP_THREADS, WGMMA_M
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
                           tma_store_tile, tma_views)
-from .mask import BlockRange, apply_mask
-from .pipeline import NamedBarrier, PingPong, consumer_state, make_tma_pipeline, producer_state
-from .scheduler import TileQueue, TileScheduler
+from .mask import BlockRange, ScoreMask
+from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
+                       producer_state, release, release_after, wait_full)
+from .scheduler import TileQueue, TileScheduler, TileSequence
 from .softmax import OnlineSoftmax
 from .tail_split import TailSplit
+
+
+@dataclass
+class Buffers:
+    """The CTA's shared-memory tiles: Q, the K and V rings, the O slabs."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    o: cute.Tensor
+
+
+@dataclass
+class Pipes:
+    """The TMA → consumer rings of Q, K and V."""
+
+    q: object
+    k: object
+    v: object
+
+
+@dataclass
+class Copies:
+    """The TMA atoms: loads of Q, K, V and the store of O."""
+
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+    o: cute.CopyAtom
+
+
+@dataclass
+class Work:
+    """One unit of work: a query tile (m_block, head, batch) and the K/V
+    blocks [n_lo, n_max) it visits, a part of its tile's `parts`."""
+
+    m_block: Int32
+    head: Int32
+    batch: Int32
+    n_lo: Int32
+    n_max: Int32
+    parts: Int32
+
+
+@dataclass
+class Consumer:
+    """What one consumer warpgroup keeps across its tiles: the two GEMMs and
+    its operand fragments (Q and K from shared memory, P from registers, Vᵀ
+    from shared memory), the O accumulator, the softmax state and its turn."""
+
+    mma_qk: cute.TiledMma
+    mma_pv: cute.TiledMma
+    q: cute.Tensor
+    k: cute.Tensor
+    p: cute.Tensor
+    vt: cute.Tensor
+    acc_o: cute.Tensor
+    softmax: OnlineSoftmax
+    pingpong: PingPong
+    wg: Int32
+
 
 class FlashAttentionForwardSm90(Sm90AttentionKernel):
     """One compiled kernel per (dtype, head_dim, causal, config: FwdConfig)."""
@@ -132,14 +196,15 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
+        copies = Copies(tma_q, tma_k, tma_v, tma_o)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(SharedStorage)
-        arrivals = self.sync.arrivals(self.consumer_threads)
-        pipes = (
+        arrivals = self.consumer_threads
+        pipes = Pipes(
             make_tma_pipeline(storage.q_barriers.data_ptr(), 1, arrivals,
                               cute.size_in_bytes(self.dtype, sQ_layout)),
             make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
@@ -148,7 +213,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                               cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))),
         )
         cpipeline.pipeline_init_arrive()
-        smem = (
+        smem = Buffers(
             storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
             storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
@@ -158,90 +223,86 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
             mQ.shape[2] // mK.shape[2], 2 * self.head_dim * self.dtype.width // 8,
             self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
-        queue = TileQueue(mCounters, storage.tile_slots.get_tensor(cute.make_layout(2)))
+        tiles = TileSequence(scheduler,
+                             TileQueue(mCounters, storage.tile_slots.get_tensor(
+                                 cute.make_layout(2))),
+                             self.cfg.dynamic_tiles)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, tma_q, tma_k, tma_v, smem, pipes, scheduler, queue,
-                             tail)
+                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
-            mma_smem = (mma_operand_view(storage.sQ, sQ_layout, self.dtype),
-                        mma_operand_view(storage.sK, sK_layout, self.dtype),
-                        mma_operand_view(storage.sV, sV_layout, self.dtype), smem[3])
-            self.consume(mO, mLSE, tma_o, mK.shape[0], softmax_scale_log2, mma_smem, pipes,
-                         scheduler, queue, tail,
-                         storage.split_arrivals.get_tensor(cute.make_layout(4)),
+            mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
+                               mma_operand_view(storage.sK, sK_layout, self.dtype),
+                               mma_operand_view(storage.sV, sV_layout, self.dtype), smem.o)
+            self.consume(mO, mLSE, copies, mK.shape[0], softmax_scale_log2, mma_smem, pipes,
+                         tiles, tail, storage.split_arrivals.get_tensor(cute.make_layout(4)),
                          tiled_mma_qk, tiled_mma_pv)
 
     # -------------------------------------------------------------- producer
     @cute.jit
-    def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                smem, pipes, scheduler: TileScheduler, queue: TileQueue, tail: TailSplit):
-        sQ, sK, sV, _ = smem
-        pipe_q, pipe_k, pipe_v = pipes
+    def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
+                smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit):
         blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
         kv_state = producer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
-        num_units = self._num_units(scheduler.num_tiles(), tail)
+        num_units = self._num_units(tiles.scheduler.num_tiles(), tail)
         round_idx = Int32(0)
-        tile = scheduler.tile_at(round_idx)
+        tile = tiles.scheduler.tile_at(round_idx)
         while tile < num_units:
             if dynamic:
-                queue.publish(round_idx, tile)
-            m_block, head, batch, n_lo, n_max, _ = self._locate(scheduler, tail, blocks, tile,
-                                                                seqlen_q, seqlen_k)
-            head_kv = head // q_per_kv
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim),
-                                 (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
-                                 (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim),
-                                 (None, 0))
-            tQs, tQg = tma_views(tma_q, sQ, gQ, staged=False)
-            tKs, tKg = tma_views(tma_k, sK, gK, staged=True)
-            tVs, tVg = tma_views(tma_v, sV, gV, staged=True)
+                tiles.queue.publish(round_idx, tile)
+            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlen_q, seqlen_k)
+            head_kv = work.head // q_per_kv
+            gQ = cute.local_tile(mQ[None, None, work.head, work.batch],
+                                 (self.tile_m, self.head_dim), (work.m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, work.batch],
+                                 (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, work.batch],
+                                 (self.tile_n, self.head_dim), (None, 0))
+            tQs, tQg = tma_views(copies.q, smem.q, gQ, staged=False)
+            tKs, tKg = tma_views(copies.k, smem.k, gK, staged=True)
+            tVs, tVg = tma_views(copies.v, smem.v, gV, staged=True)
 
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            pipes.q.producer_acquire(q_state)
+            cute.copy(copies.q, tQg, tQs, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
             q_state.advance()
 
+            n_lo, n_max = work.n_lo, work.n_max
             if n_max > n_lo:
-                kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state, n_max - 1)
+                kv_state = self._load_block(copies.k, tKg, tKs, pipes.k, kv_state, n_max - 1)
                 if cutlass.const_expr(self.cfg.intra_wg_overlap):
                     # V_j trails K_{j-1} by one step, the order the consumers use them.
                     for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
                         v_state = kv_state.clone()
                         kv_state.advance()
-                        kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state,
+                        kv_state = self._load_block(copies.k, tKg, tKs, pipes.k, kv_state,
                                                     n_max - 2 - i)
-                        v_state = self._load_block(tma_v, tVg, tVs, pipe_v, v_state,
+                        v_state = self._load_block(copies.v, tVg, tVs, pipes.v, v_state,
                                                    n_max - 1 - i)
-                    kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state, n_lo)
+                    kv_state = self._load_block(copies.v, tVg, tVs, pipes.v, kv_state, n_lo)
                     kv_state.advance()
                 else:
-                    kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state, n_max - 1)
+                    kv_state = self._load_block(copies.v, tVg, tVs, pipes.v, kv_state,
+                                                n_max - 1)
                     kv_state.advance()
                     for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
-                        kv_state = self._load_block(tma_k, tKg, tKs, pipe_k, kv_state,
+                        kv_state = self._load_block(copies.k, tKg, tKs, pipes.k, kv_state,
                                                     n_max - 2 - i)
-                        kv_state = self._load_block(tma_v, tVg, tVs, pipe_v, kv_state,
+                        kv_state = self._load_block(copies.v, tVg, tVs, pipes.v, kv_state,
                                                     n_max - 2 - i)
                         kv_state.advance()
             round_idx += 1
-            if dynamic:
-                tile = queue.claim()
-            else:
-                tile = scheduler.tile_at(round_idx)
+            tile = tiles.claimed(round_idx)
         if dynamic:
-            queue.finish(round_idx, tile, pipe_q, q_state)
+            tiles.queue.finish(round_idx, tile, pipes.q, q_state)
 
     def _num_units(self, num_tiles: Int32, tail: TailSplit) -> Int32:
         """The units of work the CTAs deal: the tiles, or with split_tail the
@@ -252,10 +313,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def _locate(self, scheduler: TileScheduler, tail: TailSplit, blocks: BlockRange,
-                unit: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """A unit of work -> (m_block, head, batch, first K/V block, one past the
-        last, parts of its tile). Without split_tail a unit is a tile, and the
-        first block and the parts are Python constants (the loops' bounds
+                unit: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Work:
+        """A unit of work -> its Work. Without split_tail a unit is a tile, and
+        the first block and the parts are Python constants (the loops' bounds
         stay as they were)."""
         tile, part, parts = unit, 0, 1
         if cutlass.const_expr(self.cfg.split_tail):
@@ -264,7 +324,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.cfg.split_tail):
             n_lo, n_max = TailSplit.key_range(part, parts, n_max)
-        return m_block, head, batch, n_lo, n_max, parts
+        return Work(m_block, head, batch, n_lo, n_max, parts)
 
     @cute.jit
     def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
@@ -275,99 +335,84 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_o: cute.CopyAtom,
-                seqlen_k: Int32, softmax_scale_log2: Float32, smem, pipes,
-                scheduler: TileScheduler, queue: TileQueue, tail: TailSplit,
-                split_arrivals: cute.Tensor, tiled_mma_qk: cute.TiledMma,
-                tiled_mma_pv: cute.TiledMma):
-        sQ, sK, sV, sO = smem
-        pipe_q, pipe_k, pipe_v = pipes
+    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, copies: Copies, seqlen_k: Int32,
+                softmax_scale_log2: Float32, smem: Buffers, pipes: Pipes,
+                tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
         # WGMMA operands are per warpgroup (descriptors / register A); the
         # accumulator coordinates are per thread.
         wg_qk = tiled_mma_qk.get_slice(wg * WARPGROUP_THREADS)
         wg_pv = tiled_mma_pv.get_slice(wg * WARPGROUP_THREADS)
-        frags = (
-            wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
-            wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
-            wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n))),
-            wg_pv.make_fragment_B(wg_pv.partition_B(wgmma.transpose_view(sV))),
-        )
+        q = wg_qk.make_fragment_A(wg_qk.partition_A(smem.q))
+        k = wg_qk.make_fragment_B(wg_qk.partition_B(smem.k))
+        p = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        vt = wg_pv.make_fragment_B(wg_pv.partition_B(wgmma.transpose_view(smem.v)))
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim)),
                                       Float32)
         s_coords = tiled_mma_qk.get_slice(tid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
         softmax = OnlineSoftmax.create(softmax_scale_log2,
-                                       cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]),
-                                       self.cfg.rescale_threshold)
+                                       cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]))
         pingpong = PingPong(self.consumer_wgs, self.cfg.pingpong)
         pingpong.start(wg)
+        me = Consumer(tiled_mma_qk, tiled_mma_pv, q, k, p, vt, acc_o, softmax, pingpong, wg)
 
         blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
         seqlen_q = mO.shape[0]
         q_state = consumer_state(1)
         kv_state = consumer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
-        num_units = self._num_units(scheduler.num_tiles(), tail)
+        num_units = self._num_units(tiles.scheduler.num_tiles(), tail)
         round_idx = Int32(0)
-        tile = scheduler.tile_at(round_idx)
-        if dynamic:  # the tile comes with its Q (TileQueue)
-            tile = queue.receive(self.sync, pipe_q, q_state, round_idx)
+        tile = tiles.received(round_idx, pipes.q, q_state)  # with its Q (TileQueue)
         while tile < num_units:
-            m_block, head, batch, n_lo, n_max, parts = self._locate(scheduler, tail, blocks,
-                                                                    tile, seqlen_q, seqlen_k)
+            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlen_q, seqlen_k)
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)
-            if not dynamic:
-                self.sync.wait(pipe_q, q_state)
-            if n_max > n_lo:
+            if not dynamic:  # a claimed tile's Q was waited for with the tile
+                wait_full(pipes.q, q_state)
+            if work.n_max > work.n_lo:
+                mask = ScoreMask(s_coords, work.m_block, seqlen_q, seqlen_k, self.tile_m,
+                                 self.tile_n, self.causal)
                 kv_state = self.mainloop(
-                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords, softmax, pingpong, wg,
-                    pipe_q, q_state, pipe_k, pipe_v, kv_state, m_block, n_lo, n_max,
-                    blocks.n_block_min_unmasked(m_block, seqlen_q, seqlen_k),
-                    seqlen_q, seqlen_k)
+                    me, pipes, q_state, kv_state, mask, work.n_lo, work.n_max,
+                    blocks.n_block_min_unmasked(work.m_block, seqlen_q, seqlen_k))
             else:
-                self.sync.release(pipe_q, q_state)
+                release(pipes.q, q_state)
             q_state.advance()
             lse = softmax.finalize(acc_o)
+            out = work  # where the epilogue writes
             if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
                 # from an opaque copy of the index, so that the main loop's
                 # coordinates need not stay live through it
-                m_block, head, batch, _, _, _ = self._locate(
-                    scheduler, tail, blocks, cute.arch.make_warp_uniform(tile), seqlen_q,
-                    seqlen_k)
+                out = self._locate(tiles.scheduler, tail, blocks,
+                                   cute.arch.make_warp_uniform(tile), seqlen_q, seqlen_k)
             if cutlass.const_expr(self.cfg.split_tail):
                 writes = cutlass.Boolean(True)
-                if parts > 1:
+                if work.parts > 1:
                     writes = tail.merge(acc_o, lse, tile, wg, tid,
                                         int(NamedBarrier.EPILOGUE_BASE) + wg, split_arrivals)
                 if writes:
-                    self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_o, wg, tid,
-                                  m_block, head, batch, seqlen_q)
+                    self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, smem.o, copies.o, wg, tid,
+                                  out, seqlen_q)
             else:
-                self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, sO, tma_o, wg, tid, m_block,
-                              head, batch, seqlen_q)
+                self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, smem.o, copies.o, wg, tid,
+                              out, seqlen_q)
             round_idx += 1
-            if dynamic:
-                tile = queue.receive(self.sync, pipe_q, q_state, round_idx)
-            else:
-                tile = scheduler.tile_at(round_idx)
+            tile = tiles.received(round_idx, pipes.q, q_state)
         if tid % WARPGROUP_THREADS < 32:
             # The last O stores must finish reading shared memory before the CTA exits.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def mainloop(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o, s_coords,
-                 softmax: OnlineSoftmax, pingpong: PingPong, wg: Int32, pipe_q, q_state,
-                 pipe_k, pipe_v, kv_state, m_block: Int32, n_lo: Int32, n_max: Int32,
-                 n_min_unmasked: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    def mainloop(self, me: Consumer, pipes: Pipes, q_state, kv_state, mask: ScoreMask,
+                 n_lo: Int32, n_max: Int32, n_min_unmasked: Int32):
         """K/V blocks [n_lo, n_max) of one tile, last block first. Releases Q as soon as the
         last Q·Kᵀ is done, so the next tile's Q loads under the last P·V and the
         epilogue. Returns the K/V ring state."""
-        tSrQ, tSrK, tOrP, tOrVt = frags
-        mask = (s_coords, m_block, seqlen_q, seqlen_k)
         # Blocks [n_masked_end, n_max - 1) are diagonal blocks needing the causal mask.
         n_masked_end = n_max - 1
         if cutlass.const_expr(self.causal):
@@ -378,150 +423,103 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(self.cfg.intra_wg_overlap):
             # First block: S, mask (seqlen edge and diagonal), softmax; its P·V
             # is issued together with the next block's S.
-            self.sync.wait(pipe_k, kv_state)
-            acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
-                (self.tile_m, self.tile_n)), Float32)
-            wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
+            wait_full(pipes.k, kv_state)
+            acc_s = self._new_scores(me)
+            wgmma.gemm(me.mma_qk, acc_s, me.q, me.k[None, None, None, kv_state.index],
                        zero_init=True, wait_groups=0)
-            self.sync.release(pipe_k, kv_state)
-            self._mask(acc_s, mask, n_max - 1)
-            softmax.update(acc_s, is_first=True)
-            wgmma.convert_to_16bit(acc_s, tOrP)
-            pending = None  # O's rescale owed by the last softmax (rescale_o_before_pv)
-            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
-                pending = cute.make_rmem_tensor(softmax.rows, Float32)
-                pending.fill(1.0)
+            release(pipes.k, kv_state)
+            mask.apply(acc_s, n_max - 1)
+            me.softmax.update(acc_s, is_first=True)
+            wgmma.convert_to_16bit(acc_s, me.p)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
-                kv_state = self._overlapped_step(
-                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pending, pingpong, wg,
-                    pipe_k, pipe_v, kv_state, mask, n_max - 2 - i, apply_causal=True)
+                kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_max - 2 - i,
+                                                 apply_causal=True)
             for n_block in cutlass.range(n_masked_end - 1, n_lo - 1, -1, unroll=1):
-                kv_state = self._overlapped_step(
-                    tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax, pending, pingpong, wg,
-                    pipe_k, pipe_v, kv_state, mask, n_block, apply_causal=False)
-            self.sync.release(pipe_q, q_state)
+                kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_block,
+                                                 apply_causal=False)
+            release(pipes.q, q_state)
             # Last P·V.
-            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
-                softmax.rescale_o(acc_o, pending)
-            self.sync.wait(pipe_v, kv_state)
-            wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
+            wait_full(pipes.v, kv_state)
+            wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, kv_state.index],
                        zero_init=False, wait_groups=0)
-            self.sync.release(pipe_v, kv_state)
+            release(pipes.v, kv_state)
             kv_state.advance()
         else:
-            pingpong.wait_turn(wg)
-            kv_state = self._serial_step(tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax,
-                                         pingpong, wg, pipe_k, pipe_v, kv_state, mask,
-                                         n_max - 1, apply_mask=True, is_first=True)
+            me.pingpong.wait_turn(me.wg)
+            kv_state = self._serial_step(me, pipes, kv_state, mask, n_max - 1,
+                                         apply_mask=True, is_first=True)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
-                kv_state = self._serial_step(tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax,
-                                             pingpong, wg, pipe_k, pipe_v, kv_state, mask,
-                                             n_max - 2 - i, apply_mask=self.causal,
-                                             is_first=False)
+                kv_state = self._serial_step(me, pipes, kv_state, mask, n_max - 2 - i,
+                                             apply_mask=self.causal, is_first=False)
             for i in cutlass.range(n_masked_end - n_lo, unroll=1):
-                kv_state = self._serial_step(tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax,
-                                             pingpong, wg, pipe_k, pipe_v, kv_state, mask,
-                                             n_masked_end - 1 - i, apply_mask=False,
-                                             is_first=False)
-            pingpong.pass_turn(wg)
-            self.sync.release(pipe_q, q_state)
+                kv_state = self._serial_step(me, pipes, kv_state, mask, n_masked_end - 1 - i,
+                                             apply_mask=False, is_first=False)
+            me.pingpong.pass_turn(me.wg)
+            release(pipes.q, q_state)
         return kv_state
 
-    @cute.jit
-    def _mask(self, acc_s: cute.Tensor, mask, n_block: Int32):
-        s_coords, m_block, seqlen_q, seqlen_k = mask
-        apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k,
-                   self.tile_m, self.tile_n, self.causal)
+    def _new_scores(self, me: Consumer) -> cute.Tensor:
+        """A fresh fp32 accumulator for S = Q·Kᵀ."""
+        return cute.make_rmem_tensor(me.mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                     Float32)
 
     @cute.jit
-    def _overlapped_step(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o,
-                         softmax: OnlineSoftmax, pending, pingpong: PingPong,
-                         wg: Int32, pipe_k, pipe_v, kv_state, mask, n_block: Int32,
-                         apply_causal: cutlass.Constexpr[bool]):
+    def _overlapped_step(self, me: Consumer, pipes: Pipes, kv_state, mask: ScoreMask,
+                         n_block: Int32, apply_causal: cutlass.Constexpr[bool]):
         """S_j = Q·K_jᵀ and O += P_{j+1}·V_{j+1} in flight together; softmax of S_j
-        runs while P·V completes. kv_state enters at block j+1, leaves at j.
-        pending: with rescale_o_before_pv, the O rescale the last softmax left
-        owed; applied while S_j runs, before P·V_{j+1} adds to O."""
-        tSrQ, tSrK, tOrP, tOrVt = frags
+        runs while P·V completes. kv_state enters at block j+1, leaves at j."""
         v_state = kv_state.clone()
         kv_state.advance()
-        self.sync.wait(pipe_k, kv_state)
-        acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
-            (self.tile_m, self.tile_n)), Float32)
-        pingpong.wait_turn(wg)
-        wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
+        wait_full(pipes.k, kv_state)
+        acc_s = self._new_scores(me)
+        me.pingpong.wait_turn(me.wg)
+        wgmma.gemm(me.mma_qk, acc_s, me.q, me.k[None, None, None, kv_state.index],
                    zero_init=True, wait_groups=-1)
-        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
-            softmax.rescale_o(acc_o, pending)
-        self.sync.wait(pipe_v, v_state)
-        wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index],
+        wait_full(pipes.v, v_state)
+        wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, v_state.index],
                    zero_init=False, wait_groups=-1)
-        pingpong.pass_turn(wg)
+        me.pingpong.pass_turn(me.wg)
         warpgroup.wait_group(1)  # S_j has landed; P·V may still run
-        if cutlass.const_expr(self.cfg.pv_wait_after_rows == 0
-                              and self.cfg.pv_wait_after_exp2 == 0):
-            self.sync.release(pipe_k, kv_state)
+        if cutlass.const_expr(self.cfg.pv_wait_after_exp2 == 0):
+            release(pipes.k, kv_state)
         if cutlass.const_expr(apply_causal):
-            self._mask(acc_s, mask, n_block)
-        rescale, moved = softmax.update(acc_s, is_first=False)
+            mask.apply(acc_s, n_block)
+        rescale = me.softmax.update(acc_s, is_first=False)
         if cutlass.const_expr(self.cfg.pv_wait_after_exp2 > 0):
-            self.sync.release_after(pipe_k, kv_state, wgmma.acc_rows_cols(acc_s)[
+            # The P·V wait below stays behind this release (ptxas keeps their
+            # order), and the release behind this exp2 (FwdConfig).
+            release_after(pipes.k, kv_state, wgmma.acc_rows_cols(acc_s)[
                 0, self.cfg.pv_wait_after_exp2 - 1])
-        if cutlass.const_expr(self.cfg.pv_wait_after_rows > 0):
-            self._release_after_exponentials(softmax, pipe_k, kv_state,
-                                             self.cfg.pv_wait_after_rows)
-        warpgroup.wait_group(0)  # P·V done: tOrP and the V stage are free
-        self.sync.release(pipe_v, v_state)
-        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
-            pending.store(rescale.load())
-        elif moved:
-            softmax.rescale_o(acc_o, rescale)
-        wgmma.convert_to_16bit(acc_s, tOrP)
+        warpgroup.wait_group(0)  # P·V done: P's registers and the V stage are free
+        release(pipes.v, v_state)
+        me.softmax.rescale_o(me.acc_o, rescale)
+        wgmma.convert_to_16bit(acc_s, me.p)
         return kv_state
 
     @cute.jit
-    def _release_after_exponentials(self, softmax: OnlineSoftmax, pipe_k, kv_state,
-                                    rows: cutlass.Constexpr[int]):
-        """Free the K stage once the first `rows` rows' exponentials are
-        summed. ptxas keeps this arrive ahead of the P·V wait that follows it
-        but would lift a data-free arrive (and the wait with it) above the
-        exp2s (FwdConfig.pv_wait_after_rows); the test reads those row sums
-        and is always true (sums of exp2 are >= 0 or NaN), so every thread
-        still arrives."""
-        held = softmax.row_sum[0]
-        for r in cutlass.range_constexpr(1, rows):
-            held = held + softmax.row_sum[r]
-        if not (held < Float32(0.0)):
-            self.sync.release(pipe_k, kv_state)
-
-    @cute.jit
-    def _serial_step(self, tiled_mma_qk, tiled_mma_pv, frags, acc_o, softmax: OnlineSoftmax,
-                     pingpong: PingPong, wg: Int32, pipe_k, pipe_v, kv_state, mask,
+    def _serial_step(self, me: Consumer, pipes: Pipes, kv_state, mask: ScoreMask,
                      n_block: Int32, apply_mask: cutlass.Constexpr[bool],
                      is_first: cutlass.Constexpr[bool]):
         """S_j, softmax, O += P_j·V_j in sequence (the intra_wg_overlap=False path).
         The warpgroup holds the ping-pong turn on entry; its turn spans P·V_{j+1}
         and S_j, the softmax runs outside it."""
-        tSrQ, tSrK, tOrP, tOrVt = frags
-        self.sync.wait(pipe_k, kv_state)
-        acc_s = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C(
-            (self.tile_m, self.tile_n)), Float32)
-        wgmma.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index],
+        wait_full(pipes.k, kv_state)
+        acc_s = self._new_scores(me)
+        wgmma.gemm(me.mma_qk, acc_s, me.q, me.k[None, None, None, kv_state.index],
                    zero_init=True, wait_groups=-1)
-        pingpong.pass_turn(wg)
+        me.pingpong.pass_turn(me.wg)
         warpgroup.wait_group(0)
-        self.sync.release(pipe_k, kv_state)
+        release(pipes.k, kv_state)
         if cutlass.const_expr(apply_mask):
-            self._mask(acc_s, mask, n_block)
-        rescale, moved = softmax.update(acc_s, is_first=is_first)
-        wgmma.convert_to_16bit(acc_s, tOrP)
-        if moved:
-            softmax.rescale_o(acc_o, rescale)
-        self.sync.wait(pipe_v, kv_state)
-        pingpong.wait_turn(wg)
-        wgmma.gemm(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index],
+            mask.apply(acc_s, n_block)
+        rescale = me.softmax.update(acc_s, is_first=is_first)
+        wgmma.convert_to_16bit(acc_s, me.p)
+        me.softmax.rescale_o(me.acc_o, rescale)
+        wait_full(pipes.v, kv_state)
+        me.pingpong.wait_turn(me.wg)
+        wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, kv_state.index],
                    zero_init=False, wait_groups=0)
-        self.sync.release(pipe_v, kv_state)
+        release(pipes.v, kv_state)
         kv_state.advance()
         return kv_state
 
@@ -529,12 +527,12 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
                  mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
-                 wg: Int32, tid: Int32, m_block: Int32, head: Int32, batch: Int32,
-                 seqlen_q: Int32):
+                 wg: Int32, tid: Int32, work: Work, seqlen_q: Int32):
         """O (registers) -> this warpgroup's smem slab -> TMA store; LSE -> global.
 
         The slab's previous store is awaited here, not right after issuing it,
         so the store drains while the next tile's main loop runs."""
+        m_block, head, batch = work.m_block, work.head, work.batch
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         wgmma.convert_to_16bit(acc_o, r_o)
         if cutlass.const_expr(self.cfg.rederive_epilogue_coords):

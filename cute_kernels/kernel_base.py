@@ -8,7 +8,6 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from .config import WARPGROUP_THREADS
-from .pipeline import ConsumerSync
 
 SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
 
@@ -62,4 +61,3 @@ class Sm90AttentionKernel:
         self.tile_n = config.tile_n
         self.consumer_wgs = config.consumer_warpgroups
         self.consumer_threads = WARPGROUP_THREADS * self.consumer_wgs
-        self.sync = ConsumerSync(config.lean_consumer_sync)

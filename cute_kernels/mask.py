@@ -65,6 +65,24 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, m_block: Int32, n_block:
 
 
 @dataclass
+class ScoreMask:
+    """The element mask of one forward query tile: apply(S, n_block) sets the
+    scores of keys that the tile's rows do not see to -inf."""
+
+    coords: cute.Tensor  # the (row, col) in the tile of each of the thread's S registers
+    m_block: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    tile_m: int
+    tile_n: int
+    causal: bool
+
+    def apply(self, acc_s: cute.Tensor, n_block: Int32):
+        apply_mask(acc_s, self.coords, self.m_block, n_block, self.seqlen_q, self.seqlen_k,
+                   self.tile_m, self.tile_n, self.causal)
+
+
+@dataclass
 class QueryBlockRange(DslStruct):
     """The backward's view: which query blocks (units of tile_m) see one key block."""
 

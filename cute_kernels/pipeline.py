@@ -1,8 +1,9 @@
-"""Barriers between the warpgroups of the forward kernel.
+"""Barriers between the warpgroups of the attention kernels.
 
 - TMA pipelines (mbarriers): the producer warp fills Q (one stage) and the
   K and V rings (`kv_stages` each); consumers free a stage once the WGMMA
-  that read it has completed (ConsumerSync: how they wait and arrive).
+  that read it has completed (wait_full / release: how they wait and arrive);
+  the backward's rings and named barriers are described at BwdBarrier.
 - Named barriers (bar.sync / bar.arrive), ids below; id 0 is __syncthreads.
   Every consumer warpgroup has its own, so warpgroups never wait for each
   other outside the ping-pong, and keep their phase offset across tiles.
@@ -41,7 +42,8 @@ class NamedBarrier(enum.IntEnum):
 
 def make_tma_pipeline(barrier_storage, stages: int, consumer_arrivals: int, tx_bytes: int):
     """A TMA-producer / consumer ring. Exactly one warp produces; a stage is
-    free again after `consumer_arrivals` arrivals (ConsumerSync.arrivals)."""
+    free again after `consumer_arrivals` arrivals (release: one per consumer
+    thread)."""
     return cpipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_storage,
         num_stages=stages,
@@ -52,71 +54,51 @@ def make_tma_pipeline(barrier_storage, stages: int, consumer_arrivals: int, tx_b
     )
 
 
-@dataclass
-class ConsumerSync(DslStruct):
-    """How consumer threads wait for a full stage and free it (the config's
-    lean_consumer_sync).
+# How consumer threads wait for a full stage and free it. Waiting spins on
+# try_wait: the DSL pipeline's consumer_wait passes a suspend-time hint that
+# ptxas lowers to a NANOSLEEP retry path beside every wait of the main loop.
+# Freeing is an arrive from every consumer thread: the DSL's consumer_release
+# arrives from lane 0 of each warp, a test on the thread index that ptxas
+# re-reads at each release once registers are scarce.
 
-    lean: wait by spinning on try_wait, and free a stage with an arrive from
-    every consumer thread. The DSL pipeline's consumer_wait passes a 10 ms
-    suspend-time hint to try_wait, which ptxas lowers to a NANOSLEEP.SYNCS
-    retry path beside every wait of the main loop; its consumer_release
-    arrives from lane 0 of each warp, a test on the thread index that ptxas
-    re-reads (S2R) at each release once registers are scarce. The forward's
-    K/V step at d=128, 128x128 goes from 500 to 470 SASS instructions.
-    Not lean: the DSL pipeline's own wait and release.
-    """
 
-    lean: bool
+@cute.jit
+def wait_full(pipe, state):
+    """Wait until the stage of `state` has landed."""
+    ready = pipe.consumer_try_wait(state)
+    while not ready:
+        ready = pipe.consumer_try_wait(state)
 
-    def arrivals(self, consumer_threads: int) -> int:
-        """The count to make each ring's empty barriers with."""
-        return consumer_threads if self.lean else consumer_threads // 32
 
-    @cute.jit
-    def wait(self, pipe, state):
-        if cutlass.const_expr(self.lean):
-            ready = pipe.consumer_try_wait(state)
-            while not ready:
-                ready = pipe.consumer_try_wait(state)
-        else:
-            pipe.consumer_wait(state)
+@cute.jit
+def release(pipe, state):
+    """Free the stage of `state` (every consumer thread arrives)."""
+    cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index))
 
-    @cute.jit
-    def release(self, pipe, state):
-        if cutlass.const_expr(self.lean):
-            cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index))
-        else:
-            pipe.consumer_release(state)
 
-    @cute.jit
-    def release_after(self, pipe, state, value: Float32):
-        """release, ordered after the instruction that computes `value`:
-        the arrive is predicated on `value >= 0 or NaN`, which the caller
-        knows to hold (an exp2), so every thread that would arrive still
-        does. ptxas hoists a data-free arrive as far up as the last wait
-        before it (and the waits behind it with it); this one cannot rise
-        above `value`."""
-        lane = Int32(0)
-        if cutlass.const_expr(not self.lean):
-            lane = cute.arch.lane_idx()
-        _arrive_unless(pipe.sync_object_empty.get_barrier(state.index), value, lane)
+@cute.jit
+def release_after(pipe, state, value: Float32):
+    """release, ordered after the instruction that computes `value`: the
+    arrive is predicated on `value >= 0 or NaN`, which the caller knows to
+    hold (an exp2), so every thread still arrives. ptxas hoists a data-free
+    arrive as far up as the last wait before it (and the waits behind it with
+    it); this one cannot rise above `value`."""
+    _arrive_unless_negative(pipe.sync_object_empty.get_barrier(state.index), value)
 
 
 @dsl_user_op
-def _arrive_unless(barrier: cute.Pointer, value: Float32, lane: Int32, *, loc=None,
-                   ip=None) -> None:
-    """mbarrier arrive unless value < 0 or lane != 0, predicated in PTX (no
-    branch, no warp vote)."""
+def _arrive_unless_negative(barrier: cute.Pointer, value: Float32, *, loc=None,
+                            ip=None) -> None:
+    """mbarrier arrive unless value < 0, predicated in PTX (no branch, no
+    warp vote)."""
     llvm.inline_asm(
         None,
         [barrier.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Float32(value).ir_value(loc=loc, ip=ip), Int32(lane).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .pred skip, other_lane;\n"
-        "setp.ne.u32 other_lane, $2, 0;\n"
-        "setp.lt.or.f32 skip, $1, 0f00000000, other_lane;\n"
+         Float32(value).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred skip;\n"
+        "setp.lt.f32 skip, $1, 0f00000000;\n"
         "@!skip mbarrier.arrive.shared::cta.b64 _, [$0];\n}",
-        "r,f,r,~{memory}",
+        "r,f,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
 
@@ -175,7 +157,7 @@ class BwdBarrier(enum.IntEnum):
         issues the reduce-add.
     DQ_EMPTY_BASE + w: the reduce-add has finished reading slab w (the writer
         warp arrives); warpgroup w waits before writing the slab again.
-    EPILOGUE (BwdConfig.dkv_tma_store): every consumer warpgroup's last GEMM
+    EPILOGUE (dK and dV through shared memory): every consumer warpgroup's last GEMM
         has retired before dK and dV overwrite K and V; then, every
         warpgroup's rows are written before the TMA stores read them.
     """

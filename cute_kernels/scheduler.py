@@ -37,6 +37,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .dsl_struct import DslStruct
+from .pipeline import wait_full
 
 
 @dataclass
@@ -159,8 +160,34 @@ class TileQueue(DslStruct):
             cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
 
     @cute.jit
-    def receive(self, sync, pipe, state, round_idx: Int32) -> Int32:
-        """A reader's tile of this round: its wait (ConsumerSync `sync`) on
-        the barrier that carries it, then the slot."""
-        sync.wait(pipe, state)
+    def receive(self, pipe, state, round_idx: Int32) -> Int32:
+        """A reader's tile of this round: its wait on the barrier that carries
+        it, then the slot."""
+        wait_full(pipe, state)
         return cute.arch.make_warp_uniform(self.slots[round_idx % 2])
+
+
+@dataclass
+class TileSequence(DslStruct):
+    """The tiles of one CTA, round after round: the fixed deal of
+    TileScheduler.tile_at, or with dynamic_tiles the tiles its producer warp
+    claims (`claimed`), which the other roles read from TileQueue
+    (`received`, with the wait on the barrier that carries them)."""
+
+    scheduler: TileScheduler
+    queue: TileQueue
+    dynamic: bool
+
+    @cute.jit
+    def claimed(self, round_idx: Int32) -> Int32:
+        """The producer's tile of round round_idx >= 1."""
+        if cutlass.const_expr(self.dynamic):
+            return self.queue.claim()
+        return self.scheduler.tile_at(round_idx)
+
+    @cute.jit
+    def received(self, round_idx: Int32, pipe, state) -> Int32:
+        """A reader's tile of round round_idx."""
+        if cutlass.const_expr(self.dynamic):
+            return self.queue.receive(pipe, state, round_idx)
+        return self.scheduler.tile_at(round_idx)

@@ -10,7 +10,8 @@ from cute_fa.kernels.config import BwdConfig, default_bwd_config
 from shapes import random_problem
 from cute_fa import flash_attn_func
 from cute_fa.ops import backward_cuda
-from cute_fa.reference import attention_reference, default_scale
+from cute_fa.reference import (attention_backward_reference, attention_reference,
+                               default_scale)
 
 pytestmark = pytest.mark.gpu
 
@@ -51,16 +52,31 @@ def _ours(q, k, v, grad_out, causal, grad_lse=None, deterministic=False):
 
 
 def _check(q, k, v, grad_out, causal, grad_lse=None):
+    """Each gradient within 2x the larger of (a) torch's own low-precision
+    error and (b) twice the error of the FlashAttention backward formula
+    evaluated in fp32 on our output (attention_backward_reference: D =
+    rowsum(dO∘O) from the 16-bit O, apart from dP). (b) is the algorithm's
+    own floor: dS = P∘(dP − D) cancels where a row's probability sits on
+    few keys (one key: the exact gradient is 0, and torch's path, whose D is
+    the sum of its own P∘dP, gets exactly 0), leaving the fp32 rounding of
+    dP and D summed over every query; the tensor cores' fp32 accumulation
+    rounds about twice as coarsely as IEEE fp32 (measured on the H100: dK at
+    one key 3.6e-5 against the formula's 1.3e-5; fa4 3.2e-5)."""
     ours = _ours(q, k, v, grad_out, causal, grad_lse)
     ref = _reference_grads(q, k, v, grad_out, causal, torch.float32, grad_lse)
     low = _reference_grads(q, k, v, grad_out, causal, None, grad_lse)
-    for name, g, r, lo in zip(("dq", "dk", "dv"), ours, ref, low):
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    formula = attention_backward_reference(grad_out, q, k, v, out, lse,
+                                           default_scale(q.shape[-1]), causal, grad_lse)
+    for name, g, r, lo, f in zip(("dq", "dk", "dv"), ours, ref, low, formula):
         assert g.dtype == r.dtype == q.dtype and g.shape == r.shape, name
         assert torch.isfinite(g).all(), f"{name} has NaN/Inf"
         err = (g.float() - r.float()).abs().max().item()
         low_err = (lo.float() - r.float()).abs().max().item()
-        assert err <= 2 * low_err + 1e-4, \
-            f"{name}: max error {err:.3e} > 2 x torch low-precision {low_err:.3e}"
+        formula_err = (f.float() - r.float()).abs().max().item()
+        bound = 2 * max(low_err, 2 * formula_err) + 1e-5
+        assert err <= bound, (f"{name}: max error {err:.3e} > {bound:.3e} (torch low precision "
+                              f"{low_err:.3e}, fp32 formula {formula_err:.3e})")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -102,45 +118,21 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
 
 @pytest.mark.parametrize("overrides", [dict(tile_m=64), dict(qdo_stages=1),
                                        dict(tile_n=64, tile_m=64), dict(deterministic=True),
-                                       dict(dv_under_ds=False, ds_from_16bit_p=False),
-                                       dict(dq_store_under_dk=True),
-                                       dict(tile_m=64, ds_from_16bit_p=False),
-                                       dict(tile_m=64, dq_store_under_dk=True),
                                        dict(split_gqa=True), dict(stats_early=True),
                                        dict(tile_m=64, stats_early=True),
-                                       dict(stats_shuffle=True),
-                                       dict(tile_m=64, stats_shuffle=True),
-                                       dict(lean_consumer_sync=False),
+                                       dict(dv_at_ds_barrier=True),
                                        dict(tile_m=64, split_gqa=True, deterministic=True),
-                                       dict(kv_with_first_block=False),
-                                       dict(dkv_tma_store=False),
-                                       dict(kv_with_first_block=False, dkv_tma_store=False,
-                                            tile_m=64),
-                                       dict(kv_with_first_block=True, dkv_tma_store=True),
-                                       dict(kv_with_first_block=True, dkv_tma_store=True,
-                                            tile_m=64, head_dim=128),
-                                       dict(kv_with_first_block=True, dkv_tma_store=True,
-                                            tile_m=64, head_dim=128, split_gqa=True),
-                                       dict(tile_m=80, head_dim=128, ds_from_16bit_p=True),
-                                       dict(tile_m=80, head_dim=128, ds_from_16bit_p=True,
-                                            deterministic=True, dkv_tma_store=False,
+                                       dict(tile_m=64, head_dim=128),
+                                       dict(tile_m=64, head_dim=128, split_gqa=True),
+                                       dict(tile_m=80, head_dim=128),
+                                       dict(tile_m=80, head_dim=128, deterministic=True,
                                             stats_early=True),
-                                       dict(dv_under_ds=False, dv_at_ds_barrier=True,
-                                            ds_from_16bit_p=True),
-                                       dict(dv_under_ds=False, ds_from_16bit_p=True,
-                                            stats_shuffle=True),
-                                       dict(tile_m=80, head_dim=128, ds_from_16bit_p=True,
-                                            dv_under_ds=False, dv_at_ds_barrier=True),
-                                       dict(tile_m=64, head_dim=128, dv_under_ds=False,
-                                            dv_at_ds_barrier=True, dq_store_under_dk=False),
-                                       dict(early_launch=True),
-                                       dict(early_launch=True, kv_with_first_block=True,
-                                            deterministic=True),
+                                       dict(tile_m=80, head_dim=128, dv_at_ds_barrier=True),
+                                       dict(tile_m=64, head_dim=128, dv_at_ds_barrier=True),
                                        dict(dynamic_tiles=True),
                                        dict(dynamic_tiles=True, split_gqa=True),
-                                       dict(dynamic_tiles=True, dkv_tma_store=False),
-                                       dict(dynamic_tiles=True, lean_consumer_sync=False,
-                                            tile_m=64, head_dim=128, stats_early=True)])
+                                       dict(dynamic_tiles=True, tile_m=64, head_dim=128,
+                                            stats_early=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)

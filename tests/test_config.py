@@ -10,40 +10,14 @@ def test_defaults_validate_for_every_head_dim():
             default_fwd_config(head_dim, causal).validate(head_dim)
 
 
-def test_epilogue_coords_rederived_where_timed_faster():
-    # FwdConfig.rederive_epilogue_coords: won at d64 non-causal on the H100,
-    # even at d128, lost under the causal mask
-    for head_dim in (64, 96, 128):
-        for causal in (False, True):
-            expected = head_dim == 64 and not causal
-            assert default_fwd_config(head_dim, causal).rederive_epilogue_coords is expected
-
-
-def test_pv_wait_held_behind_early_exp2s_where_timed_faster():
-    # FwdConfig.pv_wait_after_exp2: won at every head dim, causal or not, on
-    # the H100; d64 at fewer columns (8 lost there), and causal d64 only
-    # together with lean_consumer_sync, which lost without it
-    expected = {(64, False): 4, (64, True): 2, (96, False): 8, (96, True): 8,
-                (128, False): 8, (128, True): 8}
-    for (head_dim, causal), columns in expected.items():
-        config = default_fwd_config(head_dim, causal)
-        assert config.pv_wait_after_exp2 == columns
-        assert config.lean_consumer_sync
-
-
 @pytest.mark.parametrize("changes, field", [
     (dict(tile_m=96), "tile_m"), (dict(tile_m=256), "tile_m"), (dict(tile_n=20), "tile_n"),
     (dict(kv_stages=0), "kv_stages"), (dict(kv_stages=1), "kv_stages"),
     (dict(consumer_regs=250), "consumer_regs"), (dict(producer_regs=16), "producer_regs"),
     (dict(tile_m=192, consumer_regs=240), "consumer_regs"), (dict(kv_stages=4), "kv_stages"),
-    (dict(pv_wait_after_rows=1, intra_wg_overlap=False), "pv_wait_after_rows"),
-    (dict(pv_wait_after_rows=3), "pv_wait_after_rows"),
     (dict(pv_wait_after_exp2=33), "pv_wait_after_exp2"),  # tile_n 128: 32 columns a row
     (dict(pv_wait_after_exp2=-1), "pv_wait_after_exp2"),
     (dict(pv_wait_after_exp2=1, intra_wg_overlap=False), "pv_wait_after_exp2"),
-    (dict(pv_wait_after_exp2=1, pv_wait_after_rows=1), "pv_wait_after_exp2"),
-    (dict(rescale_o_before_pv=True, rescale_threshold=8), "rescale_o_before_pv"),
-    (dict(rescale_o_before_pv=True, intra_wg_overlap=False), "rescale_o_before_pv"),
     (dict(dynamic_tiles=True, persistent=False), "dynamic_tiles"),
     (dict(split_tail=True, persistent=False), "split_tail"),
     (dict(split_tail=True, dynamic_tiles=True), "split_tail"),
@@ -75,13 +49,8 @@ def test_backward_defaults_validate_and_fit():
     (dict(tile_m=128, tile_n=192), "tile_m"), (dict(qdo_stages=0), "qdo_stages"),
     (dict(qdo_stages=4), "qdo_stages"), (dict(consumer_regs=252), "consumer_regs"),
     (dict(tile_n=192, consumer_regs=240, tile_m=192), "consumer_regs"),
-    (dict(dv_under_ds=True, dv_at_ds_barrier=True), "dv_at_ds_barrier"),
-    (dict(stats_early=True, stats_shuffle=True), "stats_shuffle"),
     (dict(tile_m=72), "tile_m"), (dict(tile_m=80, tile_n=192, consumer_regs=160), "tile_m"),
-    (dict(tile_m=80, stats_shuffle=True), "stats_shuffle"),
     (dict(dynamic_tiles=True, deterministic=True), "dynamic_tiles"),
-    (dict(dynamic_tiles=True, kv_with_first_block=True), "dynamic_tiles"),
-    (dict(dynamic_tiles=True, early_launch=True), "dynamic_tiles"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
     from cute_fa.kernels.config import BwdConfig
@@ -114,9 +83,6 @@ def test_backward_statistics_stages_start_128_byte_aligned():
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() * 4 % 128 == 0
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() >= tile_m
     assert BwdConfig(tile_m=80).stat_stage_floats() == 96
-    assert default_bwd_config(128, False).tile_m == 80          # timed on the H100
-    assert default_bwd_config(128, True).tile_m == 64
-    assert default_bwd_config(128, False, split_gqa=True).tile_m == 64  # 80 spills there
 
 
 def test_causal_backward_claims_key_blocks_unless_deterministic():
@@ -136,6 +102,11 @@ def test_parse_field_per_kernel():
     from cute_fa.kernels.config import parse_field
     assert parse_field("deterministic", "yes", "bwd") is True
     assert parse_field("qdo_stages", "3", "bwd") == 3
+    assert parse_field("pingpong", "off") is False and parse_field("pingpong", "On") is True
+    with pytest.raises(ValueError, match=r"FwdConfig\.pingpong: expected one of"):
+        parse_field("pingpong", "ture")
+    with pytest.raises(ValueError, match=r"FwdConfig\.tile_m: expected an integer"):
+        parse_field("tile_m", "big")
     with pytest.raises(ValueError, match="unknown BwdConfig field 'kv_stages'"):
         parse_field("kv_stages", "2", "bwd")
 
