@@ -131,7 +131,7 @@ def test_split_gqa_pays_only_for_gqa_grids_under_two_waves():
 
 
 def test_bwd_config_for_problem_splits_small_gqa_grids():
-    # issue 5's model: 32 key blocks x 4 KV heads = 128 CTAs on 132 SMs
+    # the training benchmark's attention: 32 key blocks x 4 KV heads = 128 CTAs on 132 SMs
     assert bwd_config_for_problem(128, True, False, 1, 4096, 8, 4, 132).split_gqa
     assert not bwd_config_for_problem(128, True, False, 2, 8192, 16, 8, 132).split_gqa
     assert bwd_config_for_problem(64, False, True, 1, 4096, 8, 8, 132) == \
