@@ -85,16 +85,3 @@ def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direct
         return lambda: attend(qg, kg, vg).backward(grad_out)
     out = attend(qg, kg, vg)
     return lambda: out.backward(grad_out, retain_graph=True)
-
-
-def csv_list(kind=str):
-    """An argparse type: 'a,b,c' -> [kind(a), kind(b), kind(c)], empty items dropped."""
-    return lambda text: [kind(x) for x in text.split(",") if x]
-
-
-def check_items(parser, flag: str, items, allowed) -> None:
-    """parser.error naming `flag` for the first item of a list argument that
-    is not in `allowed`."""
-    for item in items:
-        if item not in allowed:
-            parser.error(f"{flag}: expected items of {sorted(allowed)}, got {item!r}")
