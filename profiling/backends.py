@@ -12,21 +12,51 @@ import torch
 
 from cute_fa.attention_backends import BACKEND_NAMES, BackendUnavailable, attention  # noqa: F401  (re-exported)
 
+from .cli import INSTALL_PEERS, choice_list
+
 BACKENDS = tuple(b for b in BACKEND_NAMES if b != "sdpa")  # each pinned, plus ours and fa4
 OURS = "cute"
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 
 
-def csv_list(kind=str):
-    """An argparse type: 'a,b,c' -> [kind(a), kind(b), kind(c)], empty items dropped."""
-    return lambda text: [kind(x) for x in text.split(",") if x]
+def backends_help(names=BACKENDS) -> str:
+    """What the backend names mean."""
+    return ("cute: ours; fa4: flash-attn-4 (the peers extra: " + INSTALL_PEERS + "); sdpa_*: "
+            "PyTorch's scaled_dot_product_attention pinned to one of its backends"
+            + ("; sdpa: PyTorch's own choice" if "sdpa" in names else ""))
 
 
-def check_items(parser, flag: str, items, allowed) -> None:
-    """parser.error naming `flag` for the first item of a list argument that
-    is not in `allowed`."""
-    for item in items:
-        if item not in allowed:
-            parser.error(f"{flag}: expected items of {sorted(allowed)}, got {item!r}")
+def add_backends_option(p, default: list[str], names=BACKENDS) -> None:
+    """--backends: a comma-separated list of `names` (BACKENDS, or
+    BACKEND_NAMES where "sdpa", PyTorch's own choice, is meant too)."""
+    p.add_argument("--backends", type=choice_list(names), default=default, metavar="LIST",
+                   help=f"attention backends, comma-separated, from {', '.join(names)} "
+                        f"(default: {'all' if list(default) == list(names) else ','.join(default)}"
+                        f"). {backends_help(names)}")
+
+
+def require_fa4(what: str) -> None:
+    """Exit with a message saying how to install flash-attn-4 when its CuTe
+    kernels (flash_attn.cute) cannot be imported; what: the command path."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as exc:  # ImportError, or a DSL/runtime mismatch at import
+        raise SystemExit(f"profiling.{what}: needs flash-attn-4, the peer, but flash_attn.cute "
+                         f"cannot be imported here ({type(exc).__name__}: {exc}); install it "
+                         f"with: {INSTALL_PEERS}") from None
+
+
+def add_direction_option(p, default="fwd", choices=DIRECTIONS, multiple: bool = False) -> None:
+    """--direction (one) or --directions (a comma-separated list)."""
+    what = ("fwd: the forward; bwd: the backward of one recorded forward"
+            + ("; fwd_bwd: both" if "fwd_bwd" in choices else ""))
+    if multiple:
+        p.add_argument("--directions", type=choice_list(choices), default=default,
+                       metavar="LIST", help=f"what to time, comma-separated, from "
+                       f"{', '.join(choices)} ({what}) (default: {','.join(default)})")
+    else:
+        p.add_argument("--direction", choices=choices, default=default,
+                       help=f"what to run ({what}) (default: {default})")
 
 
 def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str,
@@ -36,7 +66,7 @@ def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direct
     goes through torch.compile(fullgraph=True)."""
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {name!r}")
-    if direction not in ("fwd", "bwd", "fwd_bwd"):
+    if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected 'fwd', 'bwd' or 'fwd_bwd', got {direction!r}")
 
     def attend(q_, k_, v_):

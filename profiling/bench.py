@@ -4,8 +4,11 @@
     python -m cute_fa.profiling.bench --head-dims 128 --causal both --seqlens 2048,16384
     python -m cute_fa.profiling.bench --backends cute,fa4,sdpa_cudnn --out bench_out/run1
 
-Writes <out>.json (every row and the environment) and <out>_tflops.png,
-<out>_memory.png; prints the table last.
+Prints the table (one row per problem and backend: median time, TFLOP/s,
+ratio to the best peer, peak memory, status). Writes files only with --out
+PREFIX: <PREFIX>.json (every row and the environment) and the plots
+<PREFIX>_tflops.png, <PREFIX>_memory.png. Needs an sm_90 CUDA GPU (H100/H200);
+a backend that cannot run (e.g. fa4 without the peers extra) is a row saying why.
 """
 
 from __future__ import annotations
@@ -16,54 +19,56 @@ import os
 
 import torch
 
-from .backends import (BACKENDS, OURS, BackendUnavailable, check_items, csv_list,
-                       make_callable)
+from .backends import (BACKENDS, OURS, BackendUnavailable, add_backends_option,
+                       add_direction_option, make_callable)
+from .cli import INSTALL_BENCH, command_parser, positive_int, progress, require_cuda, require_module
 from .flops import attention_flops, batch_for, tflops
-from .problem import DTYPES, MODEL_DIM, default_heads, make_qkv
+from .problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
+                      add_head_dim_option, add_size_options, check_gqa, heads_for, make_qkv)
 from .report import add_ratios, environment, format_table, write_json, write_plots
-DEFAULT_SEQLENS = "512,1024,2048,4096,8192,16384"
+
+DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", type=csv_list(str), default=["bf16"])
-    p.add_argument("--head-dims", type=csv_list(int), default=[64, 128])
-    p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    p.add_argument("--seqlens", type=csv_list(int), default=csv_list(int)(DEFAULT_SEQLENS))
-    p.add_argument("--total-tokens", type=int, default=16384,
-                   help="batch = total_tokens // seqlen")
-    p.add_argument("--model-dim", type=int, default=MODEL_DIM,
-                   help="query heads = model_dim // head_dim (unless --heads)")
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--gqa", type=int, default=1, help="query heads per K/V head")
-    p.add_argument("--directions", type=csv_list(str), default=["fwd"])
-    p.add_argument("--backends", type=csv_list(str), default=list(BACKENDS))
-    p.add_argument("--math-max-seqlen", type=int, default=4096,
-                   help="skip sdpa_math above this seqlen (quadratic memory and time)")
-    p.add_argument("--repeats", type=int, default=30)
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("bench", __doc__)
+    add_dtype_option(p, ["bf16"], multiple=True)
+    add_head_dim_option(p, [64, 128], multiple=True)
+    add_causal_option(p, "both", allow_both=True)
+    add_size_options(p, DEFAULT_SEQLENS, multiple=True, model_dim=True)
+    add_direction_option(p, ["fwd"], multiple=True)
+    add_backends_option(p, list(BACKENDS))
+    p.add_argument("--math-max-seqlen", type=positive_int, default=4096,
+                   help="skip sdpa_math above this sequence length: its memory and time are "
+                        "quadratic in it (default: 4096)")
+    p.add_argument("--repeats", type=positive_int, default=30,
+                   help="timed calls per backend and problem, the median reported; fewer when "
+                        "a problem's rounds pass 10 s (default: 30)")
     p.add_argument("--include-host-latency", action="store_true",
                    help="time each call from an idle GPU, host work included "
                         "(default: the host queues the call ahead, see timing.py)")
-    p.add_argument("--out", default="bench_out/bench")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--out", default=None, metavar="PREFIX",
+                   help="write <PREFIX>.json and the plots <PREFIX>_tflops.png, "
+                        "<PREFIX>_memory.png, creating the folder (default: write nothing)")
+    p.add_argument("--no-plots", action="store_true",
+                   help="with --out: write the JSON only, no PNG plots")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
-    check_items(p, "--dtypes", args.dtypes, DTYPES)
-    check_items(p, "--backends", args.backends, BACKENDS)
-    check_items(p, "--directions", args.directions, ("fwd", "bwd", "fwd_bwd"))
+    check_gqa(p, args, args.head_dims)
     return args
 
 
 def problems(args) -> list[dict]:
-    causal_values = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     out = []
     for direction in args.directions:
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
-                heads = args.heads or default_heads(head_dim, args.model_dim)
-                if heads % args.gqa:
-                    raise SystemExit(f"--gqa: expected a divisor of heads={heads}, got {args.gqa}")
-                for causal in causal_values:
+                heads = heads_for(args, head_dim)
+                for causal in CAUSAL_VALUES[args.causal]:
                     for seqlen in args.seqlens:
                         out.append(dict(direction=direction, dtype=dtype, head_dim=head_dim,
                                         causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,
@@ -73,9 +78,9 @@ def problems(args) -> list[dict]:
 
 
 def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
+    """All backends on the same inputs, timed round-robin (timing.time_interleaved)."""
     from .timing import first_call, time_interleaved
 
-    """All backends on the same inputs, timed round-robin (timing.time_interleaved)."""
     b, s, h, hkv, d = (problem[k] for k in ("batch", "seqlen_q", "heads", "heads_kv", "head_dim"))
     q, k, v = make_qkv(b, s, problem["seqlen_k"], h, hkv, d, DTYPES[problem["dtype"]], seed=0)
     flops = attention_flops(b, h, s, problem["seqlen_k"], d, problem["causal"],
@@ -107,33 +112,34 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
     return [rows[name] for name in backends]
 
 
-def progress(items, desc: str):
-    try:
-        from tqdm import tqdm
-        return tqdm(items, desc=desc, unit="problem")
-    except ImportError:
-        return items
+def _label(problem: dict) -> str:
+    return (f"{problem['direction']} {problem['dtype']} d={problem['head_dim']} "
+            f"causal={problem['causal']} seqlen={problem['seqlen_q']}")
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("profiling.bench: needs a CUDA GPU (the H100 of the device tool)")
+    require_cuda("bench")
+    if args.out and not args.no_plots:  # before the run, not after it
+        require_module("matplotlib", INSTALL_BENCH, "bench's plots (--no-plots: none)")
 
     backends = [OURS] + [b for b in args.backends if b != OURS] if OURS in args.backends \
         else args.backends
     rows = []
-    for problem in progress(problems(args), "bench"):
+    for problem in progress(problems(args), "bench", "problem", _label):
         rows += run_problem(problem, backends, args)
     add_ratios(rows)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     env = environment()
-    write_json(args.out + ".json", rows, env, vars(args))
-    plots = [] if args.no_plots else write_plots(args.out, rows)
+    written = []
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        write_json(args.out + ".json", rows, env, vars(args))
+        written = [args.out + ".json"] + ([] if args.no_plots else write_plots(args.out, rows))
     print(f"\n{env.get('gpu')} | torch {env.get('torch')} | DSL {env.get('nvidia-cutlass-dsl')}"
           f" | driver {env.get('driver')}")
     print(format_table(rows))
-    print(f"\nwrote {args.out}.json" + "".join(f", {p}" for p in plots))
+    if written:
+        print("\nwrote " + ", ".join(written))
     return rows
 
 

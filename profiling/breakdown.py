@@ -10,6 +10,7 @@ median CUDA-event time per call (timing.time_interleaved, L2 flushed), once
 with the call queued ahead of the GPU (what profiling.bench reports: kernels
 plus the gaps between them) and once from an idle GPU (host latency
 included). The profiled calls run back to back without the L2 flush.
+Prints its report and writes nothing. Needs an sm_90 CUDA GPU (H100/H200).
 """
 
 from __future__ import annotations
@@ -19,28 +20,31 @@ from collections import defaultdict
 
 import torch
 
-from .backends import BACKENDS, BackendUnavailable, check_items, make_callable
+from .backends import (BACKENDS, BackendUnavailable, add_backends_option, add_direction_option,
+                       make_callable)
+from .cli import command_parser, positive_int, require_cuda
 from .flops import attention_flops, tflops
-from .problem import DTYPES, make_qkv, problem_shape
+from .problem import (DTYPES, add_causal_option, add_dtype_option, add_head_dim_option,
+                      add_size_options, check_gqa, make_qkv, problem_shape)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("breakdown", __doc__)
+    add_backends_option(p, ["cute", "fa4", "sdpa_cudnn"], BACKENDS)
+    add_direction_option(p, "bwd")
+    add_dtype_option(p)
+    add_head_dim_option(p)
+    add_size_options(p, 8192)
+    add_causal_option(p)
+    p.add_argument("--repeats", type=positive_int, default=10,
+                   help="calls per backend, profiled and timed (default: 10)")
+    return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.breakdown", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="cute,fa4,sdpa_cudnn")
-    p.add_argument("--direction", default="bwd", choices=["fwd", "bwd", "fwd_bwd"])
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--total-tokens", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--repeats", type=int, default=10)
+    p = build_parser()
     args = p.parse_args(argv)
-    args.backends = [b for b in args.backends.split(",") if b]
-    check_items(p, "--backends", args.backends, BACKENDS)
-    if args.repeats < 1:
-        p.error(f"--repeats: expected a positive integer, got {args.repeats}")
+    check_gqa(p, args, [args.head_dim])
     return args
 
 
@@ -63,21 +67,21 @@ def kernel_times(fn, repeats: int) -> dict[str, tuple[int, float]]:
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("profiling.breakdown: needs a CUDA GPU")
+    require_cuda("breakdown")
     from .timing import first_call, time_interleaved
 
+    causal = args.causal == "yes"
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
-    q, k, v = make_qkv(batch, args.seqlen, args.seqlen, heads, heads, args.head_dim,
+    q, k, v = make_qkv(batch, args.seqlen, args.seqlen, heads, heads // args.gqa, args.head_dim,
                        DTYPES[args.dtype], seed=0)
-    flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, args.causal,
+    flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, causal,
                             args.direction)
     print(f"{args.direction} {args.dtype} d={args.head_dim} seqlen={args.seqlen} batch={batch} "
-          f"heads={heads} causal={args.causal}; per call, mean of {args.repeats}")
+          f"heads={heads} gqa={args.gqa} causal={causal}; per call, mean of {args.repeats}")
     fns = {}
     for name in args.backends:
         try:
-            fn = make_callable(name, q, k, v, args.causal, args.head_dim ** -0.5, args.direction)
+            fn = make_callable(name, q, k, v, causal, args.head_dim ** -0.5, args.direction)
             first_call(fn)
             fns[name] = fn
         except BackendUnavailable as exc:

@@ -1,6 +1,6 @@
 """Host time per attention call, every backend side by side.
 
-    python -m cute_fa.profiling.host                        # issue 5's model shape
+    python -m cute_fa.profiling.host                        # the default model's attention
     python -m cute_fa.profiling.host --seqlen 8192 --heads 16 --heads-kv 16 --head-dim 64
 
 A training step that is not captured in a CUDA graph is paced by its host
@@ -18,6 +18,7 @@ Modes, each over the same inputs:
 - compiled_fwd_bwd: the same through torch.compile(fullgraph=True) (compiled
                     forward and backward graphs calling each backend's ops).
 Rounds are interleaved over backends; the table gives the median per call.
+Prints the table and writes nothing. Needs an sm_90 CUDA GPU (H100/H200).
 """
 
 from __future__ import annotations
@@ -28,33 +29,44 @@ import time
 
 import torch
 
-from .backends import (BACKENDS, OURS, BackendUnavailable, check_items, csv_list,
+from .backends import (BACKENDS, OURS, BackendUnavailable, add_backends_option,
                        make_callable)
-from .problem import DTYPES, make_qkv
+from .cli import choice_list, command_parser, positive_int, require_cuda
+from .problem import DTYPES, add_causal_option, add_dtype_option, add_head_dim_option, make_qkv
 
 MODES = ("fwd", "fwd_bwd", "compiled_fwd_bwd")
 # ~0.5 s at H100 clocks: longer than any batch of timed calls below.
 SPIN_CYCLES = 1_000_000_000
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("host", __doc__)
+    add_backends_option(p, [OURS, "fa4", "sdpa_cudnn", "sdpa_flash"], BACKENDS)
+    p.add_argument("--modes", type=choice_list(MODES), default=list(MODES), metavar="LIST",
+                   help=f"what one call is, comma-separated, from {', '.join(MODES)} (see "
+                        f"above) (default: all)")
+    # The attention of the default model (cute_fa.model.DEFAULT): 8 query
+    # heads, 4 K/V heads, head dim 128, causal.
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default: 1)")
+    p.add_argument("--seqlen", type=positive_int, default=4096,
+                   help="sequence length, queries = keys (default: 4096)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default: 8)")
+    p.add_argument("--heads-kv", type=positive_int, default=4,
+                   help="K/V heads, a divisor of --heads (default: 4)")
+    add_head_dim_option(p)
+    add_causal_option(p, "yes")
+    add_dtype_option(p)
+    p.add_argument("--calls", type=positive_int, default=20,
+                   help="timed calls per round, all queued behind one GPU spin (default: 20)")
+    p.add_argument("--rounds", type=positive_int, default=7,
+                   help="rounds per backend and mode, interleaved; the median is reported "
+                        "(default: 7)")
+    return p
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.host", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", type=csv_list(),
-                   default=[OURS, "fa4", "sdpa_cudnn", "sdpa_flash"])
-    p.add_argument("--modes", type=csv_list(), default=list(MODES))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--heads-kv", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--causal", choices=["no", "yes"], default="yes")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--calls", type=int, default=20, help="timed calls per round")
-    p.add_argument("--rounds", type=int, default=7)
+    p = build_parser()
     args = p.parse_args(argv)
-    check_items(p, "--backends", args.backends, BACKENDS)
-    check_items(p, "--modes", args.modes, MODES)
     if args.heads % args.heads_kv:
         p.error(f"--heads-kv: expected a divisor of --heads={args.heads}, got {args.heads_kv}")
     return args
@@ -129,8 +141,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("profiling.host: needs a CUDA GPU (the H100 of the device tool)")
+    require_cuda("host")
     rows = measure(args)
     print(f"host time per call (median of {args.rounds} rounds of {args.calls}), "
           f"b={args.batch} s={args.seqlen} h={args.heads}/{args.heads_kv} d={args.head_dim} "

@@ -1,13 +1,28 @@
 """What a compiled kernel is, read from the PTX and cubin the DSL dumps.
 
-Used by the main job (`python -m cute_fa.profiling.main`) and the compile tests: the
-instruction counts prove TMA, WGMMA, setmaxnreg and mbarrier waits are in
-the kernel; the cubin's .nv.info attributes give registers and stack frame;
-its SASS (nvdisasm, from the nvidia-cuda-nvdisasm wheel) shows whether ptxas
-kept the WGMMAs asynchronous. When it runs short of registers ptxas
-serialises them (warning C7512, which the DSL does not show): it then puts a
-warpgroup wait after every HGMMA, so the kernel has as many waits as HGMMAs
-instead of the few its PTX asks for.
+    python -m cute_fa.profiling.kernel_info                          # every default kernel
+    python -m cute_fa.profiling.kernel_info --kernel bwd --head-dim 64 --causal --dtype bf16
+    python -m cute_fa.profiling.kernel_info --kernel fwd --head-dim 128 --dtype bf16 \\
+        --causal no --config tile_n=128,kv_stages=3
+
+Runs on a machine without a GPU: compiles kernels for sm_90a (each in a
+temporary folder; nothing is written) and prints, per kernel, the summary
+table of profiling.main (threads, registers at entry, the setmaxnreg split,
+shared memory, TMA/WGMMA counts, whether ptxas kept the WGMMAs asynchronous,
+spills), then every PTX instruction count (PTX_PATTERNS), the stack frame
+and, where nvdisasm is installed (nvidia-cuda-nvdisasm, in the test extra),
+the SASS counts (SASS_PATTERNS). Each of --kernel, --dtype, --head-dim,
+--causal narrows the selection (give all four for one kernel); --config sets
+config fields on the op's default config (needs --kernel).
+
+Also the library of the main job (`python -m cute_fa.profiling.main`) and the
+compile tests: the instruction counts prove TMA, WGMMA, setmaxnreg and
+mbarrier waits are in the kernel; the cubin's .nv.info attributes give
+registers and stack frame; its SASS (nvdisasm) shows whether ptxas kept the
+WGMMAs asynchronous. When it runs short of registers ptxas serialises them
+(warning C7512, which the DSL does not show): it then puts a warpgroup wait
+after every HGMMA, so the kernel has as many waits as HGMMAs instead of the
+few its PTX asks for.
 """
 
 from __future__ import annotations
@@ -305,3 +320,82 @@ def loop_liveness(ptx_path: str, hgmmas_per_step: int) -> tuple[int, int] | None
         return None
     _, start, end = found
     return live[start], max(live[start:end + 1])
+
+
+# ------------------------------------------------------------ command line
+
+def build_parser():
+    from .cli import KERNELS, add_kernel_option, command_parser
+    from .problem import add_causal_option, add_dtype_option, add_head_dim_option
+
+    p = command_parser("kernel_info", __doc__)
+    add_kernel_option(p, None, help_default=f"each of {', '.join(KERNELS)}")
+    add_dtype_option(p, None, help_default="each")
+    add_head_dim_option(p, None, help_default="each")
+    add_causal_option(p, "both", allow_both=True)
+    p.add_argument("--config", default="", metavar="FIELD=VALUE,...",
+                   help="config overrides on the op's default config (FwdConfig with "
+                        "--kernel fwd, BwdConfig with --kernel bwd), e.g. "
+                        "'tile_n=128,kv_stages=3' (booleans: 0/1) (default: none)")
+    return p
+
+
+def format_counts(kind: str, rows: list[dict]) -> str:
+    """Every count of describe_kernels' rows of `kind`: one table per dtype,
+    a column per kernel."""
+    from .main import format_columns
+
+    names = ([("stack bytes", lambda i: i.stack_bytes if i.stack_bytes is not None else "?")]
+             + [(f"ptx {n}", lambda i, n=n: i.counts[n]) for n in PTX_PATTERNS]
+             + [(f"sass {n}", lambda i, n=n: "-" if i.sass is None else i.sass[n])
+                for n in SASS_PATTERNS])
+    tables = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        kernels = [r for r in rows if r["dtype"] == dtype]
+        columns = [(f"{kind} {dtype}", -20, lambda item: item[0])]
+        for r in kernels:
+            header = f"d{r['head_dim']}" + (" causal" if r["causal"] else "")
+            columns.append((header, max(len(header), 6),
+                            lambda item, info=r["info"]: item[1](info)))
+        tables.append(format_columns(columns, names))
+    sass_note = ("" if all(r["info"].sass is not None for r in rows)
+                 else "\nsass: - (no nvdisasm: pip install nvidia-cuda-nvdisasm)")
+    return "\n\n".join(tables) + sass_note
+
+
+def main(argv=None) -> dict[str, list[dict]]:
+    from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS
+
+    from .cli import KERNELS, config_overrides, config_with
+    from .main import describe_kernels, print_kernels
+    from .problem import CAUSAL_VALUES, DTYPES
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    kinds = [args.kernel] if args.kernel else list(KERNELS)
+    dtypes = [args.dtype] if args.dtype else list(DTYPES)
+    head_dims = [args.head_dim] if args.head_dim else list(SUPPORTED_HEAD_DIMS)
+    causals = CAUSAL_VALUES[args.causal]
+    overrides = {}
+    if args.config:
+        if not args.kernel:
+            p.error("--config: needs --kernel fwd or bwd (each kernel has its own config "
+                    "fields)")
+        try:
+            overrides = config_overrides([args.config], args.kernel)
+        except ValueError as exc:
+            p.error(f"--config: {exc}")
+        for head_dim in head_dims:  # before any compile
+            for causal in causals:
+                config_with(p, "--config", args.kernel, head_dim, causal, overrides)
+    out = {}
+    for kind in kinds:
+        rows = describe_kernels(kind, dtypes, head_dims, causals, overrides)
+        print_kernels(kind, rows)
+        print("\n" + format_counts(kind, rows))
+        out[kind] = rows
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """The main job.
 
     python -m cute_fa.profiling.main
+    python -m cute_fa.profiling.main --dtypes bf16 --head-dims 128
 
 Without a GPU: compiles every forward and backward kernel variant the ops serve
 (dtype × head dim × causal, default config) for sm_90a and prints what each one
@@ -8,39 +9,42 @@ is: threads and warpgroup roles, registers (at entry, and the setmaxnreg split),
 shared memory, and the instruction counts that show TMA, WGMMA, setmaxnreg,
 mbarrier waits (and for the backward the bulk reduce-add of dQ) are there.
 On an sm_90 GPU it then runs forward and forward+backward on a default problem
-and prints TFLOP/s.
+and prints TFLOP/s. Writes nothing (each kernel is compiled in a temporary
+folder); profiling.kernel_info shows one kernel in more detail.
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd
-from cute_fa.kernels.config import default_bwd_config, default_fwd_config
+from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS, default_bwd_config, default_fwd_config
 
+from .cli import command_parser, progress
 from .kernel_info import dumped_kernel_info
-from .problem import DTYPES
+from .problem import DTYPES, add_dtype_option, add_head_dim_option
 
 
-def describe_kernels(kind: str, dtypes, head_dims, causals) -> list[dict]:
-    """Compile each default-config kernel of `kind` ('fwd' or 'bwd') for sm_90a and
-    read its PTX and cubin (the backward: its main kernel)."""
+def describe_kernels(kind: str, dtypes, head_dims, causals, overrides: dict | None = None
+                     ) -> list[dict]:
+    """Compile each default-config kernel of `kind` ('fwd' or 'bwd') for sm_90a,
+    with `overrides` (config fields) where given, and read its PTX and cubin
+    (the backward: its main kernel)."""
     default, compile_kernel = ((default_fwd_config, compile_fwd) if kind == "fwd"
                                else (default_bwd_config, compile_bwd))
+    selection = [(dtype, head_dim, causal) for dtype in dtypes for head_dim in head_dims
+                 for causal in causals]
     rows = []
-    for dtype in dtypes:
-        for head_dim in head_dims:
-            for causal in causals:
-                config = default(head_dim, causal)
-                with tempfile.TemporaryDirectory() as dump:
-                    kernel = compile_kernel(DTYPES[dtype], head_dim, causal, config,
-                                            dump_dir=dump)
-                    info = dumped_kernel_info(dump if kind == "fwd" else f"{dump}/main")
-                rows.append(dict(dtype=dtype, head_dim=head_dim, causal=causal, config=config,
-                                 info=info, compile_s=kernel.compile_seconds))
+    for dtype, head_dim, causal in progress(selection, f"compiling {kind} kernels", "kernel",
+                                            lambda s: f"{s[0]} d={s[1]} causal={s[2]}"):
+        config = default(head_dim, causal).replace(**(overrides or {}))
+        with tempfile.TemporaryDirectory() as dump:
+            kernel = compile_kernel(DTYPES[dtype], head_dim, causal, config, dump_dir=dump)
+            info = dumped_kernel_info(dump if kind == "fwd" else f"{dump}/main")
+        rows.append(dict(dtype=dtype, head_dim=head_dim, causal=causal, config=config,
+                         info=info, compile_s=kernel.compile_seconds))
     return rows
 
 
@@ -88,19 +92,23 @@ FOOTNOTES = {
 }
 
 
-def print_kernels(kind: str, rows: list[dict]) -> None:
-    columns = COLUMNS[kind] + [("spills", 6, lambda r: _spills(r["info"])),
-                               ("compile s", 9, lambda r: f"{r['compile_s']:.1f}")]
-
+def format_columns(columns, rows) -> str:
+    """A table: columns are (header, width, value of a row); a negative width
+    aligns left."""
     def cell(value, width):
         return f"{str(value):<{-width}}" if width < 0 else f"{str(value):>{width}}"
 
-    print("\n" + TITLES[kind])
     head = " ".join(cell(name, width) for name, width, _ in columns)
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(" ".join(cell(value(r), width) for _, width, value in columns))
+    lines = [head, "-" * len(head)]
+    lines += [" ".join(cell(value(r), width) for _, width, value in columns) for r in rows]
+    return "\n".join(lines)
+
+
+def print_kernels(kind: str, rows: list[dict]) -> None:
+    columns = COLUMNS[kind] + [("spills", 6, lambda r: _spills(r["info"])),
+                               ("compile s", 9, lambda r: f"{r['compile_s']:.1f}")]
+    print("\n" + TITLES[kind])
+    print(format_columns(columns, rows))
     print(FOOTNOTES[kind])
 
 
@@ -125,19 +133,22 @@ def run_default_problem() -> None:
                   f"{tflops(flops, timing.median_ms):.1f} TFLOP/s")
 
 
+def build_parser():
+    p = command_parser("main", __doc__)
+    add_dtype_option(p, ["bf16", "fp16"], multiple=True)
+    add_head_dim_option(p, list(SUPPORTED_HEAD_DIMS), multiple=True)
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.main", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", default="bf16,fp16")
-    p.add_argument("--head-dims", default="64,96,128")
-    args = p.parse_args(argv)
-    dtypes, head_dims = args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")]
+    args = build_parser().parse_args(argv)
     for kind in ("fwd", "bwd"):
-        print_kernels(kind, describe_kernels(kind, dtypes, head_dims, (False, True)))
+        print_kernels(kind, describe_kernels(kind, args.dtypes, args.head_dims, (False, True)))
     if torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0):
         run_default_problem()
     else:
-        print("\nNo sm_90 GPU here: kernels compiled only. On an H100 this also runs the op.")
+        print("\nNo sm_90 GPU here: kernels compiled only. On an H100/H200 this also runs "
+              "the op.")
 
 
 if __name__ == "__main__":

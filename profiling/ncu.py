@@ -2,16 +2,19 @@
 by kernel name.
 
     python -m cute_fa.profiling.ncu --head-dim 128 --seqlen 8192 --causal
-    python -m cute_fa.profiling.ncu --backend fa4 --seqlen 8192 --out profiling_out/fa4
+    python -m cute_fa.profiling.ncu --backend fa4 --seqlen 8192 --out ncu_out/fa4
     python -m cute_fa.profiling.ncu --direction bwd --causal --clocks none --source
 
-Writes <out>.ncu-rep and <out>.txt (the metrics that matter for attention:
-tensor-pipe utilisation, SM/DRAM throughput, warp stall reasons, shared-memory
-bank conflicts, registers, local-memory spills). The same problem, config
-and backend names as profiling.bench. --source adds the per-instruction view
+Writes <out>.ncu-rep, <out>_raw.csv and <out>.txt (the metrics that matter
+for attention: tensor-pipe utilisation, SM/DRAM throughput, warp stall
+reasons, shared-memory bank conflicts, registers, local-memory spills) and
+prints the summary. The report is this command's product: without --out it
+goes into a fresh temporary folder, whose path is printed. The same problem,
+config and backend names as profiling.bench. --source adds the per-instruction view
 (which SASS instruction each stall sits at); --clocks none profiles at the
 GPU's own clocks, where the benchmarks run (ncu otherwise locks the base
-clock, which can reorder two close kernels).
+clock, which can reorder two close kernels). Needs Nsight Compute (`ncu` on
+PATH) and an sm_90 CUDA GPU (H100/H200).
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
+from .backends import BACKENDS, add_direction_option, backends_help, require_fa4
+from .cli import command_parser, config_overrides, config_with, require_cuda
 from .kernel_info import opcode
+from .problem import (add_causal_option, add_dtype_option, add_head_dim_option,
+                      add_size_options, check_gqa)
 
 # metric name -> label, in the order of the summary
 METRICS = {
@@ -55,46 +63,53 @@ PEER_KERNEL_REGEX = {"fa4": "regex:.*[Ff]lash.*", "sdpa_cudnn": "regex:.*(cudnn|
                      "sdpa_flash": "regex:.*flash.*"}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.ncu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="cute")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--total-tokens", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=None, help="default: 2048 // head_dim")
-    p.add_argument("--gqa", type=int, default=1)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--direction", choices=["fwd", "bwd"], default="fwd",
-                   help="bwd profiles the backward of one recorded forward")
-    p.add_argument("--config", default="", help="config overrides for ours (FwdConfig, or "
-                                               "BwdConfig with --direction bwd), e.g. "
-                                               "'tile_n=176,kv_stages=2'")
+# Set in the environment of the process that ncu profiles: it runs the workload.
+WORKLOAD_ENV = "CUTE_FA_NCU_WORKLOAD"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("ncu", __doc__)
+    p.add_argument("--backend", choices=BACKENDS, default="cute",
+                   help=f"the attention backend to profile (default: cute). "
+                        f"{backends_help(BACKENDS)}")
+    add_dtype_option(p)
+    add_head_dim_option(p)
+    add_size_options(p, 8192)
+    add_causal_option(p)
+    add_direction_option(p, "fwd", ("fwd", "bwd"))
+    p.add_argument("--config", default="", metavar="FIELD=VALUE,...",
+                   help="config overrides for ours (FwdConfig, or BwdConfig with --direction "
+                        "bwd), e.g. 'tile_n=176,kv_stages=2' (booleans: 0/1) (default: the "
+                        "op's config for the problem)")
     p.add_argument("--clocks", choices=["base", "none"], default="base",
                    help="ncu --clock-control: base locks the SM clock to its base "
                         "(repeatable); none leaves the GPU's own boost and power "
-                        "management, as the benchmarks run")
+                        "management, as the benchmarks run (default: base)")
     p.add_argument("--source", action="store_true",
-                   help="also write <out>_source.csv (ncu's source page: per SASS "
+                   help="also write <PREFIX>_source.csv (ncu's source page: per SASS "
                         "instruction, executions and warp stall samples by reason) and "
-                        "<out>_source.txt, the instructions warps wait at most")
-    p.add_argument("--out", default="profiling_out/ncu")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+                        "<PREFIX>_source.txt, the instructions warps wait at most")
+    p.add_argument("--out", default=None, metavar="PREFIX",
+                   help="the report's path without suffix: <PREFIX>.ncu-rep, <PREFIX>.txt, "
+                        "...; its folder is created (default: <a new temporary folder>/ncu)")
+    return p
 
 
-def parse_overrides(text: str, kind: str = "fwd") -> dict:
-    from cute_fa.kernels.config import parse_field
-
-    out = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_gqa(p, args, [args.head_dim])
+    args.overrides = {}
+    if args.config:
+        if args.backend != "cute":
+            p.error(f"--config: applies to --backend cute only, got --backend {args.backend}")
         try:
-            out[name] = parse_field(name, value, kind)
+            args.overrides = config_overrides([args.config], args.direction)
         except ValueError as exc:
-            raise SystemExit(f"--config: {exc}") from None
-    return out
+            p.error(f"--config: {exc}")
+        config_with(p, "--config", args.direction, args.head_dim, args.causal == "yes",
+                    args.overrides)
+    return args
 
 
 def run_workload(args) -> None:
@@ -102,24 +117,24 @@ def run_workload(args) -> None:
     from .backends import make_callable
     from .problem import DTYPES, make_qkv, problem_shape
 
+    causal = args.causal == "yes"
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     q, k, v = make_qkv(batch, args.seqlen, args.seqlen, heads, heads // args.gqa,
                        args.head_dim, DTYPES[args.dtype])
     scale = args.head_dim ** -0.5
-    if args.backend == "cute" and args.config:
+    if args.backend == "cute" and args.overrides:
         from cute_fa.kernels.config import default_config
         from cute_fa.ops import backward_cuda, forward_cuda
-        config = default_config(args.direction, args.head_dim, args.causal).replace(
-            **parse_overrides(args.config, args.direction))
+        config = default_config(args.direction, args.head_dim, causal).replace(**args.overrides)
         if args.direction == "fwd":
-            fn = lambda: forward_cuda(q, k, v, scale, args.causal, config)  # noqa: E731
+            fn = lambda: forward_cuda(q, k, v, scale, causal, config)  # noqa: E731
         else:
-            out, lse = forward_cuda(q, k, v, scale, args.causal)
+            out, lse = forward_cuda(q, k, v, scale, causal)
             grad_out = torch.randn_like(q)
             fn = lambda: backward_cuda(grad_out, q, k, v, out, lse, scale,  # noqa: E731
-                                       args.causal, config=config)
+                                       causal, config=config)
     else:
-        fn = make_callable(args.backend, q, k, v, args.causal, scale, args.direction)
+        fn = make_callable(args.backend, q, k, v, causal, scale, args.direction)
     fn()  # compile and warm up outside the profiled launch
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
@@ -128,9 +143,10 @@ def run_workload(args) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def ncu_command(args, report: str) -> list[str]:
-    child = [sys.executable, "-m", "cute_fa.profiling.ncu", "--child"] + [
-        a for a in sys.argv[1:] if a != "--child"]
+def ncu_command(args, report: str, argv: list[str]) -> list[str]:
+    """ncu's command line: this command again, with `argv`, as the profiled
+    process (WORKLOAD_ENV set in its environment)."""
+    child = [sys.executable, "-m", "cute_fa.profiling.ncu"] + list(argv)
     cmd = ["ncu", "--profile-from-start", "off", "--target-processes", "all",
            "--clock-control", args.clocks, "-f", "-o", report]
     for s in SECTIONS:
@@ -246,18 +262,26 @@ def source_hotspots(rows: list[dict], top: int = 25) -> str:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.child:
+    if os.environ.get(WORKLOAD_ENV):
         run_workload(args)
         return
     if shutil.which("ncu") is None:
-        raise SystemExit("profiling.ncu: `ncu` (Nsight Compute) is not on PATH")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    report = args.out
-    subprocess.run(ncu_command(args, report), check=True)
+        raise SystemExit("profiling.ncu: needs Nsight Compute: `ncu` is not on PATH (it comes "
+                         "with the CUDA toolkit, or from developer.nvidia.com/nsight-compute)")
+    require_cuda("ncu")
+    if args.backend == "fa4":
+        require_fa4("ncu --backend fa4")
+    report = args.out or os.path.join(tempfile.mkdtemp(prefix="cute_fa_ncu_"), "ncu")
+    os.makedirs(os.path.dirname(report) or ".", exist_ok=True)
+    print(f"profiling.ncu: writing the report to {report}.ncu-rep", flush=True)
+    subprocess.run(ncu_command(args, report, argv), check=True,
+                   env=dict(os.environ, **{WORKLOAD_ENV: "1"}))
     summary = summarize(report + ".ncu-rep")
     raw = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--page", "raw", "--csv"],
                          capture_output=True, text=True).stdout
+    written = [report + ".ncu-rep", report + "_raw.csv", report + ".txt"]
     with open(report + "_raw.csv", "w") as f:
         f.write(raw)
     with open(report + ".txt", "w") as f:
@@ -272,8 +296,10 @@ def main(argv=None):
                            for name, rows in source_kernels(source).items())
         with open(report + "_source.txt", "w") as f:
             f.write(hotspots)
+        written += [report + "_source.csv", report + "_source.txt"]
         print(hotspots)
     print(summary)
+    print("wrote " + ", ".join(written))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
-"""The benchmark problem every profiling command builds the same way."""
+"""The benchmark problem every profiling command builds the same way, and the
+command-line options that describe it (one definition, one help text, for
+every command that takes them)."""
 
 from __future__ import annotations
 
 import torch
 
+from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS
+
+from .cli import brace, choice_list, csv_list, one_of, positive_int
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL_DIM = 2048  # query heads default to MODEL_DIM // head_dim
+CAUSAL_VALUES = {"no": [False], "yes": [True], "both": [False, True]}
 
 
 def default_heads(head_dim: int, model_dim: int = MODEL_DIM) -> int:
@@ -30,3 +37,81 @@ def make_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_kv: int
     v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype,
                     generator=gen)
     return q, k, v
+
+
+# ------------------------------------------------------------ the options
+
+def add_dtype_option(p, default: str | list[str] | None = "bf16", multiple: bool = False,
+                     help_default: str | None = None) -> None:
+    """--dtype (one) or --dtypes (a comma-separated list) of DTYPES."""
+    if multiple:
+        p.add_argument("--dtypes", type=choice_list(DTYPES), default=default,
+                       metavar="LIST", help=f"input dtypes, comma-separated, from "
+                       f"{', '.join(DTYPES)} (default: {help_default or ','.join(default)})")
+    else:
+        p.add_argument("--dtype", choices=list(DTYPES), default=default,
+                       help=f"input dtype (default: {help_default or default})")
+
+
+def add_head_dim_option(p, default: int | list[int] | None = 128, multiple: bool = False,
+                        help_default: str | None = None) -> None:
+    """--head-dim (one) or --head-dims (a comma-separated list) of the head
+    dims the kernels support."""
+    dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+    if multiple:
+        p.add_argument("--head-dims", type=choice_list(SUPPORTED_HEAD_DIMS), default=default,
+                       metavar="LIST", help=f"head dims, comma-separated, from {dims} (default: "
+                       f"{help_default or ','.join(map(str, default))})")
+    else:
+        p.add_argument("--head-dim", type=one_of(SUPPORTED_HEAD_DIMS), default=default,
+                       metavar=brace(SUPPORTED_HEAD_DIMS),
+                       help=f"head dim, one of {dims} (default: {help_default or default})")
+
+
+def add_causal_option(p, default: str = "no", allow_both: bool = False) -> None:
+    """--causal, --causal yes, --causal no (and --causal both where allowed):
+    the value is a key of CAUSAL_VALUES."""
+    choices = list(CAUSAL_VALUES) if allow_both else ["no", "yes"]
+    p.add_argument("--causal", nargs="?", const="yes", choices=choices, default=default,
+                   help="causal mask (bottom-right aligned): yes or no"
+                        + (", or both: each" if allow_both else "")
+                        + f"; a bare --causal means yes (default: {default})")
+
+
+def add_size_options(p, seqlen: int | list[int] = 8192, multiple: bool = False,
+                     model_dim: bool = False) -> None:
+    """The problem's size: --seqlen (or --seqlens), --total-tokens, --heads,
+    --gqa (and --model-dim where asked)."""
+    if multiple:
+        p.add_argument("--seqlens", type=csv_list(positive_int), default=seqlen, metavar="LIST",
+                       help="sequence lengths (queries = keys), comma-separated "
+                            f"(default: {','.join(map(str, seqlen))})")
+    else:
+        p.add_argument("--seqlen", type=positive_int, default=seqlen,
+                       help=f"sequence length, queries = keys (default: {seqlen})")
+    p.add_argument("--total-tokens", type=positive_int, default=16384,
+                   help="tokens per call: batch = total_tokens // seqlen, at least 1 "
+                        "(default: 16384)")
+    if model_dim:
+        p.add_argument("--model-dim", type=positive_int, default=MODEL_DIM,
+                       help="query heads = model_dim // head_dim unless --heads "
+                            f"(default: {MODEL_DIM})")
+    p.add_argument("--heads", type=positive_int, default=None,
+                   help=f"query heads (default: {MODEL_DIM} // head dim"
+                        + (", or --model-dim // head dim" if model_dim else "") + ")")
+    p.add_argument("--gqa", type=positive_int, default=1,
+                   help="query heads per K/V head; must divide the query heads (default: 1)")
+
+
+def heads_for(args, head_dim: int) -> int:
+    """The query heads of add_size_options' arguments at one head dim."""
+    return args.heads or default_heads(head_dim, getattr(args, "model_dim", MODEL_DIM))
+
+
+def check_gqa(parser, args, head_dims) -> None:
+    """parser.error unless --gqa divides the query heads at every head dim."""
+    for head_dim in head_dims:
+        heads = heads_for(args, head_dim)
+        if heads % args.gqa:
+            parser.error(f"--gqa: expected a divisor of the {heads} query heads at head dim "
+                         f"{head_dim}, got {args.gqa}")

@@ -29,7 +29,9 @@ cubins.
 
 fa4 compiles with the tile its interface picks (forward: 128x128 at d=128,
 192x128 at d=64; backward: its _tile_size_bwd_sm90): give ours the same with
---vary to compare like with like.
+--vary to compare like with like. --fa4 needs flash-attn-4, the peers extra:
+pip install "cute-fa[peers]". Prints the table and writes nothing (the
+kernels are compiled in a temporary folder).
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ import os
 import tempfile
 from collections import Counter
 
-from .kernel_info import loop_liveness, main_loop_mix, sass_text, unmasked_step_count
-from .sweep import parse_vary
+from .backends import require_fa4
+from .cli import INSTALL_PEERS, add_kernel_option, command_parser, config_overrides, config_with
+from .kernel_info import (loop_liveness, main_loop_mix, nvdisasm_path, ptxas_path, sass_text,
+                          unmasked_step_count)
+from .problem import add_causal_option, add_head_dim_option
+
+NVDISASM = "nvdisasm (pip install nvidia-cuda-nvdisasm, or the CUDA toolkit's, on PATH)"
+PTXAS = "ptxas (the CUDA toolkit's: $CUDA_HOME/bin or PATH)"
 
 
 def _one(dump_dir: str, suffix: str) -> str:
@@ -59,7 +67,7 @@ def _compiled(compile_fn, dump_dir: str, kernel_subdir: str = "") -> tuple[str, 
     kernel_dir = os.path.join(dump_dir, kernel_subdir)
     sass = sass_text(_one(kernel_dir, ".cubin"))
     if sass is None:
-        raise SystemExit("profiling.sass_loop: needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+        raise SystemExit(f"profiling.sass_loop: needs {NVDISASM}")
     return sass, _one(kernel_dir, ".ptx")
 
 
@@ -175,28 +183,40 @@ def _measure(label, sass, ptx, steps, columns, bodies, unmasked, liveness, want_
         liveness[label] = loop_liveness(ptx, steps)
 
 
-def main(argv=None) -> dict:
-    from cute_fa.kernels.config import default_bwd_config, default_fwd_config
-
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.sass_loop", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--causal", choices=["no", "yes"], default="no")
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("sass_loop", __doc__)
+    add_kernel_option(p)
+    add_head_dim_option(p)
+    add_causal_option(p)
     p.add_argument("--vary", nargs="*", default=[], metavar="FIELD=VALUE",
-                   help="config fields to set (one value each)")
-    p.add_argument("--fa4", action="store_true", help="flash-attn-4's loop beside ours")
+                   help="config fields to set on the op's default config, one value each, "
+                        "e.g. tile_n=128 kv_stages=3 (booleans: 0/1) (default: none)")
+    p.add_argument("--fa4", action="store_true",
+                   help=f"flash-attn-4's loop beside ours (needs the peers extra: "
+                        f"{INSTALL_PEERS})")
     p.add_argument("--liveness", action="store_true",
-                   help="live registers at the loop's entry and peak (needs ptxas)")
+                   help="live registers at the loop's entry and peak (needs ptxas of the "
+                        "CUDA toolkit)")
     p.add_argument("--print-loop", action="store_true", help="also print our loop's SASS")
+    return p
+
+
+def main(argv=None) -> dict:
+    p = build_parser()
     args = p.parse_args(argv)
     causal = args.causal == "yes"
     kind = args.kernel
-    config = (default_fwd_config if kind == "fwd" else default_bwd_config)(args.head_dim, causal)
-    for field, values in parse_vary(args.vary, kind).items():
-        if len(values) != 1:
-            p.error(f"--vary {field}: expected one value, got {values}")
-        config = config.replace(**{field: values[0]})
+    try:
+        overrides = config_overrides(args.vary, kind)
+    except ValueError as exc:
+        p.error(f"--vary: {exc}")
+    config = config_with(p, "--vary", kind, args.head_dim, causal, overrides)
+    if nvdisasm_path() is None:
+        raise SystemExit(f"profiling.sass_loop: needs {NVDISASM}")
+    if args.liveness and ptxas_path() is None:
+        raise SystemExit(f"profiling.sass_loop: --liveness needs {PTXAS}")
+    if args.fa4:
+        require_fa4("sass_loop --fa4")
     columns: dict[str, Counter] = {}
     bodies, unmasked, liveness = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:

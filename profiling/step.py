@@ -1,6 +1,6 @@
 """Where the host time of one training step goes, every backend side by side.
 
-    python -m cute_fa.profiling.step --compile                      # issue 5's model and step
+    python -m cute_fa.profiling.step --compile                      # the default model's step
     python -m cute_fa.profiling.step --compile --backends cute,sdpa_cudnn --top 30
 
 Without a CUDA graph the model's training step is paced by its host
@@ -18,6 +18,8 @@ optional torch.compile) for each backend and reports:
   per step, and each attention op's host time per call (CPU total, launches
   and allocations inside it included) and GPU time per call.
 --top N also prints the N ops with the most self CPU time per backend.
+Prints its tables and writes nothing but the training data's cache (see
+profiling.data; --data reads another file).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from torch.autograd import DeviceType
 from cute_fa.attention_backends import BACKEND_NAMES
 from cute_fa.model import Transformer
 
-from .backends import check_items, csv_list
-from .data import ensure_dataset
-from .train import CONFIGS, Trainer, model_config
+from .backends import add_backends_option
+from .cli import add_device_option, command_parser, nonnegative_int, positive_int
+from .data import add_data_option, ensure_dataset
+from .train import Trainer, add_model_options, add_step_options, model_config
 from .train import parse_args as train_args
 
 # Host-side records of a kernel launch, by API (driver, runtime).
@@ -47,33 +50,33 @@ ATTENTION_OP_PREFIXES = ("cute_fa::", "aten::_scaled_dot_product_", "aten::_flas
                          "aten::_efficient_attention", "aten::_cudnn_attention")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("step", __doc__)
+    add_backends_option(p, ["cute", "sdpa_cudnn", "sdpa_flash"], BACKEND_NAMES)
+    add_model_options(p)
+    add_step_options(p)
+    p.add_argument("--warmup-steps", type=positive_int, default=5,
+                   help="untimed steps per backend first: compilation, allocator warm-up "
+                        "(default: 5)")
+    p.add_argument("--rounds", type=positive_int, default=6,
+                   help="timed rounds, backends taking turns (default: 6)")
+    p.add_argument("--steps-per-round", type=positive_int, default=10,
+                   help="steps per backend and timed round (default: 10)")
+    p.add_argument("--profile-steps", type=positive_int, default=5,
+                   help="steps per backend and profiled round (default: 5)")
+    p.add_argument("--profile-rounds", type=positive_int, default=3,
+                   help="profiled rounds under torch.profiler, backends taking turns "
+                        "(default: 3)")
+    p.add_argument("--top", type=nonnegative_int, default=0, metavar="N",
+                   help="also print the N ops with the most self CPU time per backend "
+                        "(default: 0, none)")
+    add_data_option(p)
+    add_device_option(p)
+    return p
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", type=csv_list(), default=["cute", "sdpa_cudnn", "sdpa_flash"])
-    p.add_argument("--config", choices=sorted(CONFIGS), default="default")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="the step captured in a CUDA graph (host time then all but vanishes)")
-    p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps-per-round", type=int, default=10)
-    p.add_argument("--profile-steps", type=int, default=5)
-    p.add_argument("--profile-rounds", type=int, default=3)
-    p.add_argument("--top", type=int, default=0, metavar="N",
-                   help="also print the N ops with the most self CPU time per backend")
-    p.add_argument("--data", default="data/stdlib.parquet")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    args = p.parse_args(argv)
-    check_items(p, "--backends", args.backends, BACKEND_NAMES)
-    for name in ("warmup_steps", "rounds", "steps_per_round", "profile_steps",
-                 "profile_rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: expected a positive integer, "
-                    f"got {getattr(args, name)}")
-    return args
+    return build_parser().parse_args(argv)
 
 
 def _trainer_args(args) -> argparse.Namespace:
@@ -146,7 +149,7 @@ def measure(args) -> list[StepCost]:
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    ensure_dataset(args.data)
+    args.data = ensure_dataset(args.data)
     targs = _trainer_args(args)
     torch.manual_seed(0)
     init_state = copy.deepcopy(Transformer(model_config(args.config, args.seq)).state_dict())

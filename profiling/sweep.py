@@ -2,16 +2,20 @@
 
     python -m cute_fa.profiling.sweep --head-dim 128 --seqlen 8192 --causal \\
         --vary persistent=0,1 pingpong=0,1 intra_wg_overlap=0,1 kv_stages=2,3
-    python -m cute_fa.profiling.sweep --kernel bwd --head-dim 64 --vary tile_m=64,128
+    python -m cute_fa.profiling.sweep --kernel bwd --head-dim 64 --vary tile_m=64,128 --out sweep1
 
-Every variant is first checked against the fp32 reference on a short version
-of the problem (same config, head dim, causal, GQA; seqlen_q/k cut to
---check-seqlen and made ragged): the output (forward) or dQ, dK, dV
-(backward) within twice torch's low-precision error. Only variants that pass
-are timed (the backward: preprocess + main kernel + postprocess, on a saved
-forward). Variants that fail validation (FwdConfig/BwdConfig.validate),
-compilation or the check are listed with the reason. Ranked table last; JSON
-with every variant to <out>.json.
+Every variant (the cartesian product of the --vary values over the op's
+default config for the problem) is first checked against the fp32 reference
+on a short version of the problem (same config, head dim, causal, GQA;
+seqlen_q/k cut to --check-seqlen and made ragged): the output (forward) or
+dQ, dK, dV (backward) within twice torch's low-precision error. Only variants
+that pass are timed (the backward: preprocess + main kernel + postprocess, on
+a saved forward). Variants that fail validation (FwdConfig/BwdConfig.validate),
+compilation or the check are listed with the reason. One line per variant as
+it is done, the ranked table last; with --out PREFIX also <PREFIX>.json with
+every variant (nothing is written without it). The config fields are those of
+cute_fa.kernels.config (FwdConfig, BwdConfig); a bad field name is answered
+with the list. Needs an sm_90 CUDA GPU (H100/H200).
 """
 
 from __future__ import annotations
@@ -23,21 +27,53 @@ import os
 
 import torch
 
-from cute_fa.kernels.config import default_config, parse_field
+from cute_fa.kernels.config import default_config
 
+from .cli import (Progress, add_kernel_option, command_parser, config_vary, positive_int,
+                  require_cuda)
 from .flops import attention_flops, tflops
-from .problem import DTYPES, make_qkv, problem_shape
+from .problem import (DTYPES, add_causal_option, add_dtype_option, add_head_dim_option,
+                      add_size_options, check_gqa, make_qkv, problem_shape)
+
+# What a sweep without --vary compares, per kernel.
+DEFAULT_VARY = {"fwd": ["persistent=0,1"], "bwd": ["qdo_stages=1,2"]}
 
 
-def parse_vary(items: list[str], kind: str = "fwd") -> dict[str, list]:
-    out = {}
-    for item in items:
-        name, _, values = item.partition("=")
-        try:
-            out[name] = [parse_field(name, v, kind) for v in values.split(",") if v]
-        except ValueError as exc:
-            raise SystemExit(f"--vary: {exc}") from None
-    return out
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("sweep", __doc__)
+    add_kernel_option(p)
+    add_dtype_option(p)
+    add_head_dim_option(p)
+    add_size_options(p, 8192)
+    add_causal_option(p)
+    p.add_argument("--vary", nargs="+", default=None, metavar="FIELD=V1,V2",
+                   help="config fields and the values to try, e.g. kv_stages=2,3 pingpong=0,1 "
+                        "(booleans: 0/1); every combination is a variant (default: "
+                        + ", ".join(f"{k}: {' '.join(v)}" for k, v in DEFAULT_VARY.items()) + ")")
+    p.add_argument("--check-seqlen", type=positive_int, default=1000,
+                   help="sequence length of the correctness check before timing (queries "
+                        "+7, keys +29: ragged) (default: 1000)")
+    p.add_argument("--repeats", type=positive_int, default=30,
+                   help="timed calls per variant, the median reported (default: 30)")
+    p.add_argument("--out", default=None, metavar="PREFIX",
+                   help="write every variant to <PREFIX>.json, creating the folder "
+                        "(default: write nothing)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_gqa(p, args, [args.head_dim])
+    defaulted = args.vary is None
+    if defaulted:
+        args.vary = DEFAULT_VARY[args.kernel]
+    try:
+        args.vary_values = config_vary(args.vary, args.kernel)
+    except ValueError as exc:
+        p.error(f"--vary: {exc}" + (f" (the default, {' '.join(args.vary)}, no longer fits "
+                                    "the config: give --vary)" if defaulted else ""))
+    return args
 
 
 def variants(base, vary: dict[str, list]) -> list:
@@ -46,30 +82,11 @@ def variants(base, vary: dict[str, list]) -> list:
             for combo in itertools.product(*(vary[n] for n in names))]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", default="fwd", choices=["fwd", "bwd"])
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--total-tokens", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--gqa", type=int, default=1)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--vary", nargs="+", default=None,
-                   help="FIELD=v1,v2 ... (cartesian product over the default config)")
-    p.add_argument("--check-seqlen", type=int, default=1000)
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--out", default="bench_out/sweep")
-    args = p.parse_args(argv)
-    if args.vary is None:
-        args.vary = ["persistent=0,1"] if args.kernel == "fwd" else ["qdo_stages=1,2"]
-    vary = parse_vary(args.vary, args.kernel)
-    if not torch.cuda.is_available():
-        raise SystemExit("profiling.sweep: needs a CUDA GPU")
+def run_variants(args, configs: list) -> list[dict]:
+    """Check and time each config: one result row each, with its status."""
     from .timing import time_cuda
 
+    causal = args.causal == "yes"
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     scale = args.head_dim ** -0.5
 
@@ -79,41 +96,62 @@ def main(argv=None):
     check_inputs = make(1, args.check_seqlen + 7, args.check_seqlen + 29)
     problem = make(batch, args.seqlen, args.seqlen)
     case = (_forward_case if args.kernel == "fwd" else _backward_case)(
-        check_inputs, problem, scale, args.causal)
-    flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, args.causal,
-                            "fwd" if args.kernel == "fwd" else "bwd")
-
-    base = default_config(args.kernel, args.head_dim, args.causal)
+        check_inputs, problem, scale, causal)
+    flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, causal,
+                            args.kernel)
+    varied = list(args.vary_values)
     results = []
-    for config in variants(base, vary):
-        row = {"config": config.__dict__.copy(), "status": "ok"}
-        try:
-            config.validate(args.head_dim)
-            row["max_error"] = case.check(config)
-            t = time_cuda(lambda: case.run(config), repeats=args.repeats)
-            row.update(median_ms=t.median_ms, tflops=tflops(flops, t.median_ms))
-        except Exception as exc:
-            # the DSL's errors can open with a blank line: keep the first words
-            first = next((l.strip() for l in str(exc).splitlines() if l.strip()), "")
-            row["status"] = f"{type(exc).__name__}: {first[:140]}"
-        results.append(row)
-        print(f"  {row['status']:<4} {row.get('tflops') or 0:7.1f} TFLOP/s  {row['config']}",
-              flush=True)
+    with Progress(len(configs), "sweep", "variant") as bar:
+        for config in configs:
+            label = ", ".join(f"{n}={getattr(config, n)}" for n in varied)
+            bar.working_on(label)
+            row = {"config": config.__dict__.copy(), "status": "ok"}
+            try:
+                config.validate(args.head_dim)
+                row["max_error"] = case.check(config)
+                t = time_cuda(lambda: case.run(config), repeats=args.repeats)
+                row.update(median_ms=t.median_ms, tflops=tflops(flops, t.median_ms))
+            except Exception as exc:
+                # the DSL's errors can open with a blank line: keep the first words
+                first = next((l.strip() for l in str(exc).splitlines() if l.strip()), "")
+                row["status"] = f"{type(exc).__name__}: {first[:140]}"
+            results.append(row)
+            bar.write(f"  {row['status']:<4} {row.get('tflops') or 0:7.1f} TFLOP/s  "
+                      f"{row['config']}")
+            bar.update(1, label)
+    return results
 
+
+def format_ranking(results: list[dict], varied: list[str]) -> str:
+    """The variants that ran, fastest first, then those that did not, with why."""
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: -r["tflops"])
-    varied = list(vary)
-    print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} seqlen={args.seqlen} batch={batch} "
-          f"heads={heads} gqa={args.gqa} causal={args.causal}; base {base}")
-    print(f"{'rank':>4} {'TFLOP/s':>8} {'ms':>8}  " + "  ".join(f"{n:>16}" for n in varied))
+    lines = [f"{'rank':>4} {'TFLOP/s':>8} {'ms':>8}  " + "  ".join(f"{n:>16}" for n in varied)]
     for i, r in enumerate(ok, 1):
-        print(f"{i:>4} {r['tflops']:8.1f} {r['median_ms']:8.3f}  "
-              + "  ".join(f"{str(r['config'][n]):>16}" for n in varied))
+        lines.append(f"{i:>4} {r['tflops']:8.1f} {r['median_ms']:8.3f}  "
+                     + "  ".join(f"{str(r['config'][n]):>16}" for n in varied))
     for r in results:
         if r["status"] != "ok":
-            print(f"   -  {r['status']}  " + ", ".join(f"{n}={r['config'][n]}" for n in varied))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"arguments": vars(args), "results": results}, f, indent=1)
+            lines.append(f"   -  {r['status']}  "
+                         + ", ".join(f"{n}={r['config'][n]}" for n in varied))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    require_cuda("sweep")
+    causal = args.causal == "yes"
+    base = default_config(args.kernel, args.head_dim, causal)
+    results = run_variants(args, variants(base, args.vary_values))
+    batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
+    print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} seqlen={args.seqlen} "
+          f"batch={batch} heads={heads} gqa={args.gqa} causal={causal}; base {base}")
+    print(format_ranking(results, list(args.vary_values)))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        arguments = {k: v for k, v in vars(args).items() if k != "vary_values"}
+        with open(args.out + ".json", "w") as f:
+            json.dump({"arguments": arguments, "results": results}, f, indent=1)
+        print(f"\nwrote {args.out}.json")
     return results
 
 

@@ -4,6 +4,7 @@
     python -m cute_fa.profiling.train --backends cute,sdpa_cudnn,sdpa_flash,fa4 --steps 1000 --compile
     python -m cute_fa.profiling.train --backends cute,sdpa_cudnn --cuda-graph [--compile]
     python -m cute_fa.profiling.train --backends cute,sdpa_cudnn,sdpa_flash --compile --interleave 10
+    python -m cute_fa.profiling.train --config tiny --seq 64 --steps 20 --device cpu --out train_out
 
 AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast.
 --cuda-graph captures the whole training step (forward, backward, clipping,
@@ -15,9 +16,12 @@ batches. Logged every --log-every steps: loss, tokens/s, TFLOP/s and MFU, with
     model FLOPs per token = 6·N + 6·n_layers·seq·dim
 (N: parameters except the input embedding; the second term is causal attention,
 QKᵀ and P·V, forward and backward) and MFU against the H100 SXM dense bf16 peak
-of 989.4 TFLOP/s. Writes <out>/<backend>.csv (row by row, as each window is
-logged), <out>/<backend>.json, <out>/compare.json, <out>/train.png (loss and
-tokens/s per backend) and prints the comparison table. A backend that fails is
+of 989.4 TFLOP/s. Prints the comparison table; with --out DIR also writes
+DIR/<backend>.csv (row by row, as each window is logged), DIR/<backend>.json,
+DIR/compare.json, DIR/train.png (loss and tokens/s per backend) and, with
+--save-checkpoint, DIR/<backend>.pt. Without --out it writes nothing but the
+training data's cache (profiling.data: the Python standard library's source,
+prepared on first use into the per-user cache folder). A backend that fails is
 a row with its error; the run goes on.
 --interleave N alternates the backends every N steps instead of running each
 to the end in turn, so that the host's drift in speed (the steps are
@@ -48,8 +52,10 @@ from cute_fa.attention_backends import BACKEND_NAMES
 from cute_fa.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, ModelConfig, Transformer,
                               count_parameters, training_flops_per_token)
 
-from .backends import check_items
-from .data import TokenStream, ensure_dataset, load_split
+from .backends import backends_help
+from .cli import (INSTALL_BENCH, Progress, add_device_option, choice_list, command_parser,
+                  int_at_least, nonnegative_int, positive_float, positive_int, require_module)
+from .data import TokenStream, add_data_option, ensure_dataset, load_split
 
 CONFIGS = {"default": DEFAULT, "tiny": TINY}
 LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s"]
@@ -96,7 +102,7 @@ class Trainer:
     def __init__(self, backend: str, init_state: dict, args, device,
                  bar_position: int | None = 0, csv_log: bool = True):
         """bar_position: the row of its progress bar; None: no bar. csv_log:
-        write <args.out>/<backend>.csv."""
+        write <args.out>/<backend>.csv (where args.out is given)."""
         self.backend, self.args, self.device = backend, args, device
         config = model_config(args.config, args.seq)
         torch.manual_seed(args.seed)
@@ -134,13 +140,15 @@ class Trainer:
         self.log, self.step, self.busy_s = [], 0, 0.0
         # Each window's row goes to <out>/<backend>.csv as it is logged, so a
         # run cut short (a time limit, a later backend's crash) keeps its logs.
-        self.csv_path = os.path.join(args.out, f"{backend}.csv") if csv_log else None
+        self.csv_path = (os.path.join(args.out, f"{backend}.csv") if csv_log and args.out
+                         else None)
         if self.csv_path:
             os.makedirs(args.out, exist_ok=True)
             with open(self.csv_path, "w", newline="") as f:
                 csv.writer(f).writerow(LOG_FIELDS)
         self.bar = (None if bar_position is None
-                    else _progress_bar(args.steps, f"train {backend}", bar_position))
+                    else Progress(args.steps, f"train {backend}", "step", every=args.log_every,
+                                  position=bar_position))
 
     def run(self, steps: int) -> None:
         """The next `steps` training steps (a multiple of --log-every, or the rest)."""
@@ -149,6 +157,7 @@ class Trainer:
         window_start = chunk_start = time.perf_counter()
         window_tokens = 0
         for step in range(self.step, min(self.step + steps, args.steps)):
+            note = None
             set_lr(self.optimizer, lr_at(step, args.lr, args.warmup, args.steps))
             x, y = self.stream.next_batch(self.device)
             loss, grad_norm = self.step_runner(x, y)
@@ -170,12 +179,11 @@ class Trainer:
                 if self.csv_path:
                     with open(self.csv_path, "a", newline="") as f:
                         csv.DictWriter(f, fieldnames=LOG_FIELDS).writerow(self.log[-1])
-                if self.bar is not None:
-                    self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+                note = f"loss {loss_value:.3f}, {tokens_per_s:,.0f} tokens/s"
                 window_tokens, window_start = 0, time.perf_counter()
             self.step = step + 1
             if self.bar is not None:
-                self.bar.update(1)
+                self.bar.update(1, note)
         self.sync()
         self.busy_s += time.perf_counter() - chunk_start
 
@@ -253,14 +261,6 @@ def train_interleaved(init_state: dict, args, device, stop_at: float = math.inf)
                     trainer.bar.close()
                 del trainers[backend]
     return [results[b] for b in args.backend_list]
-
-
-def _progress_bar(total: int, desc: str, position: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, unit="step", position=position)
 
 
 def _failed(backend: str, exc: Exception) -> dict:
@@ -341,6 +341,7 @@ def evaluate(model, args, device, batches: int = 8) -> float:
 
 
 def write_outputs(results: list[dict], out: str) -> None:
+    """<out>/<backend>.json, <out>/compare.json and the plot <out>/train.png."""
     os.makedirs(out, exist_ok=True)
     for r in results:
         if r["status"] != "ok":
@@ -351,7 +352,7 @@ def write_outputs(results: list[dict], out: str) -> None:
         json.dump([{k: v for k, v in r.items() if k != "log"} for r in results], f, indent=1)
     ok = [r for r in results if r["status"] == "ok"]
     if ok:
-        import matplotlib
+        matplotlib = require_module("matplotlib", INSTALL_BENCH, "train's plot (--out)")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
@@ -433,49 +434,84 @@ def format_comparison(results: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cute_fa.profiling.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default=None, help="one backend (default: cute)")
-    p.add_argument("--backends", default=None, help="comma-separated, run in sequence")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="default")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True)")
+def add_model_options(p, seq: int = 4096, batch: int = 1) -> None:
+    """The model and its input: --config, --seq, --batch (train, step, infer)."""
+    p.add_argument("--config", choices=sorted(CONFIGS), default="default",
+                   help="model size: default (24 layers, dim 1024, 8 query and 4 K/V heads of "
+                        "128) or tiny (2 layers, dim 128, for the CPU) (default: default)")
+    p.add_argument("--seq", type=int_at_least(2), default=seq,
+                   help=f"tokens per sequence (default: {seq})")
+    p.add_argument("--batch", type=positive_int, default=batch,
+                   help=f"sequences per step (default: {batch})")
+
+
+def add_step_options(p) -> None:
+    """How the training step runs: --compile, --cuda-graph (train, step)."""
+    p.add_argument("--compile", action="store_true",
+                   help="run the model through torch.compile(fullgraph=True)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="capture the whole training step in a CUDA graph and replay it")
-    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="capture the whole training step in a CUDA graph after "
+                        f"{GRAPH_WARMUP_STEPS} eager steps and replay it (host time then all "
+                        "but vanishes; needs a CUDA device)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser("train", __doc__)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--backend", choices=BACKEND_NAMES, default=None,
+                       help="the one attention backend to train with (default: cute). "
+                            + backends_help(BACKEND_NAMES))
+    which.add_argument("--backends", type=choice_list(BACKEND_NAMES), default=None,
+                       metavar="LIST", help="several backends, comma-separated, from "
+                       f"{', '.join(BACKEND_NAMES)}: trained one after the other (or in turns, "
+                       "--interleave), each from the same weights and batches")
+    add_model_options(p)
+    p.add_argument("--steps", type=positive_int, default=1000,
+                   help="training steps per backend; the learning-rate schedule spans them "
+                        "(default: 1000)")
+    p.add_argument("--lr", type=positive_float, default=5e-5,
+                   help="peak learning rate of AdamW (default: 5e-5)")
+    p.add_argument("--warmup", type=nonnegative_int, default=100,
+                   help="steps of linear learning-rate warm-up before the cosine decay "
+                        "(default: 100)")
+    p.add_argument("--clip", type=positive_float, default=1.0,
+                   help="gradient clipping: the largest gradient norm (default: 1.0)")
+    p.add_argument("--log-every", type=positive_int, default=10,
+                   help="steps per log window: loss, tokens/s, TFLOP/s, MFU (default: 10)")
+    add_step_options(p)
+    p.add_argument("--interleave", type=nonnegative_int, default=0, metavar="N",
                    help="with several backends, alternate them every N steps (a multiple "
-                        "of --log-every) instead of running each to the end in turn")
-    p.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                        "of --log-every) instead of running each to the end in turn "
+                        "(default: 0, in turn)")
+    p.add_argument("--max-minutes", type=positive_float, default=None, metavar="M",
                    help="stop after about M minutes (at the next log window, or with "
                         "--interleave the next round), evaluate and report the steps done; "
-                        "the learning-rate schedule still spans --steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default="data/stdlib.parquet")
-    p.add_argument("--out", default="train_out")
-    p.add_argument("--save-checkpoint", action="store_true")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+                        "the learning-rate schedule still spans --steps (default: no limit)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights and the batches (default: 0)")
+    add_data_option(p)
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the logs, summaries and plot into this folder, creating it "
+                        "(default: write nothing, print the table only)")
+    p.add_argument("--save-checkpoint", action="store_true",
+                   help="also write each backend's weights and optimizer state to "
+                        "<DIR>/<backend>.pt (needs --out)")
+    add_device_option(p)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
-    names = (args.backends.split(",") if args.backends else [args.backend or "cute"])
-    check_items(p, "--backends", names, BACKEND_NAMES)
-    args.backend_list = names
+    args.backend_list = args.backends or [args.backend or "cute"]
     if args.cuda_graph and args.steps <= GRAPH_WARMUP_STEPS:
         p.error(f"--steps: expected more than {GRAPH_WARMUP_STEPS} with --cuda-graph "
                 f"(eager warm-up steps before capture), got {args.steps}")
-    if args.interleave and (args.interleave < 0 or args.interleave % args.log_every):
-        p.error(f"--interleave: expected a positive multiple of --log-every "
+    if args.interleave % args.log_every:
+        p.error(f"--interleave: expected a multiple of --log-every "
                 f"({args.log_every}), got {args.interleave}")
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        p.error(f"--max-minutes: expected a positive number, got {args.max_minutes}")
-    if args.steps < 1 or args.seq < 2 or args.batch < 1:
-        p.error(f"--steps, --seq, --batch: expected positive values (seq >= 2), got "
-                f"{args.steps}, {args.seq}, {args.batch}")
+    if args.save_checkpoint and not args.out:
+        p.error("--save-checkpoint: needs --out DIR, the folder of <backend>.pt")
     return args
 
 
@@ -484,7 +520,7 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.cuda_graph and device.type != "cuda":
         raise SystemExit(f"--cuda-graph: needs a CUDA device, got --device {device}")
-    ensure_dataset(args.data)
+    args.data = ensure_dataset(args.data)
     config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
     init_state = copy.deepcopy(Transformer(config).state_dict())
@@ -504,7 +540,8 @@ def main(argv=None) -> list[dict]:
                 results.append(_failed(backend, exc))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    write_outputs(results, args.out)
+    if args.out:
+        write_outputs(results, args.out)
     print(format_comparison(results, args.steps))
     return results
 

@@ -52,7 +52,8 @@ def _fa4(q, k, v, causal, softmax_scale):
     try:
         from flash_attn.cute import flash_attn_func as fa4_func
     except Exception as exc:  # ImportError, or a DSL/runtime mismatch at import
-        raise BackendUnavailable(f"flash_attn.cute not importable: {exc}") from exc
+        raise BackendUnavailable(f"flash_attn.cute not importable (flash-attn-4, the peers "
+                                 f"extra: pip install \"cute-fa[peers]\"): {exc}") from exc
     if q.device.type != "cuda":
         raise BackendUnavailable(f"flash_attn.cute runs on CUDA tensors only, got {q.device}")
     out = fa4_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
