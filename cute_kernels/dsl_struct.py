@@ -17,25 +17,23 @@ _STATIC = (bool, int, float, str, type(None))
 
 
 class DslStruct:
-    def _dynamic_names(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self)
-                if not isinstance(getattr(self, f.name), _STATIC)]
+    def _dynamic_fields(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, _STATIC):
+                yield f.name, value
 
     def __extract_mlir_values__(self):
-        values, sizes = [], []
-        for name in self._dynamic_names():
-            field_values = cutlass.extract_mlir_values(getattr(self, name))
-            values += field_values
-            sizes.append(len(field_values))
-        self._field_sizes = sizes
-        return values
+        return [v for _, field in self._dynamic_fields()
+                for v in cutlass.extract_mlir_values(field)]
 
     def __new_from_mlir_values__(self, values):
-        changes, pos = {}, 0
-        for name, size in zip(self._dynamic_names(), self._field_sizes):
-            changes[name] = cutlass.new_from_mlir_values(getattr(self, name),
-                                                         values[pos:pos + size])
-            pos += size
-        rebuilt = dataclasses.replace(self, **changes)
-        rebuilt._field_sizes = self._field_sizes
-        return rebuilt
+        # Each dynamic field takes as many values as its own template (the
+        # field in self) flattens to; the order is that of the extraction.
+        rest = list(values)
+        rebuilt = {}
+        for name, template in self._dynamic_fields():
+            count = len(cutlass.extract_mlir_values(template))
+            rebuilt[name] = cutlass.new_from_mlir_values(template, rest[:count])
+            rest = rest[count:]
+        return dataclasses.replace(self, **rebuilt)

@@ -37,10 +37,10 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
 
 
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of a shared-memory tensor (V -> Vᵀ for P·V)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+    """The same shared-memory tensor with its first two modes exchanged
+    (V -> Vᵀ for P·V); later modes keep their place."""
+    modes = [1, 0] + list(range(2, cute.rank(t)))
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
 
 
 def tiled_mma_ss(dtype, warpgroups: int, n: int):
@@ -67,19 +67,20 @@ def tiled_mma(dtype, a_major_k: bool, b_major_k: bool, atom_layout_mnk, n: int,
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
          zero_init: cutlass.Constexpr[bool], wait_groups: cutlass.Constexpr[int]):
-    """Issue one warpgroup GEMM over all K blocks and commit it as one group.
+    """acc (+)= a·b over all K blocks, issued as one WGMMA commit group.
 
+    zero_init: the first K block overwrites acc instead of adding to it.
     wait_groups < 0 returns with the group in flight; otherwise waits until at
     most `wait_groups` groups are outstanding.
     """
-    warpgroup.fence()
-    # A fresh atom per GEMM: its ACCUMULATE field is mutated below, and a
-    # shared atom would be an SSA value defined in another region.
+    # The ACCUMULATE flag is a field of the atom, set per K block; the atom is
+    # built here, inside the caller's region, because an atom created outside
+    # a dynamic loop cannot be modified inside it.
     atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    warpgroup.fence()
     for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+        atom.set(warpgroup.Field.ACCUMULATE, k > 0 or not zero_init)
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if cutlass.const_expr(wait_groups >= 0):
         warpgroup.wait_group(wait_groups)
@@ -102,14 +103,22 @@ def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
                             cute.composition(acc.layout, rows_cols_layout(acc.layout.shape)))
 
 
+def _ptx(result_type, body: str, constraints: str, operands, loc, ip):
+    """One pure inline-PTX expression over DSL scalars."""
+    return llvm.inline_asm(result_type, [x.ir_value(loc=loc, ip=ip) for x in operands], body,
+                           constraints, has_side_effects=False, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @dsl_user_op
-def _cvt_pack2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> cutlass.Int32:
-    # cvt.rn.{bf16x2,f16x2}.f32 d, hi, lo: one instruction for two values.
-    kind = "bf16x2" if to_bf16 else "f16x2"
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+def _pack_rounded(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> cutlass.Int32:
+    # Two fp32 values rounded to nearest even into one word, lo in bits 0-15:
+    # cvt's first source operand fills the upper half. Inline PTX rather than
+    # a vector truncation so that the conversion stays where the kernel puts
+    # it relative to its barrier waits.
+    pair = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return cutlass.Int32(_ptx(T.i32(), f"cvt.rn.{pair}.f32 $0, $1, $2;", "=r,f,f",
+                              (Float32(hi), Float32(lo)), loc, ip))
 
 
 @dsl_user_op
@@ -123,9 +132,7 @@ def _unpack_half(word: cutlass.Int32, high: bool, bf16: bool, *, loc=None, ip=No
     else:
         part = "hi" if high else "lo"
         body = f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {part}; }}"
-    return Float32(llvm.inline_asm(
-        T.f32(), [cutlass.Int32(word).ir_value(loc=loc, ip=ip)], body, "=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Float32(_ptx(T.f32(), body, "=f,r", (cutlass.Int32(word),), loc, ip))
 
 
 @cute.jit
@@ -141,11 +148,11 @@ def read_16bit_as_f32(packed: cute.Tensor, acc_shape: cutlass.Constexpr, r: cutl
 
 @cute.jit
 def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
-    """fp32 registers -> packed bf16/fp16 registers, in register order."""
-    dst_words = cute.recast_tensor(dst, cutlass.Int32)
-    to_bf16 = cutlass.const_expr(dst.element_type is cutlass.BFloat16)
-    for i in cutlass.range_constexpr(cute.size(dst_words)):
-        dst_words[i] = _cvt_pack2(src[2 * i], src[2 * i + 1], to_bf16)
+    """fp32 registers -> bf16/fp16 registers of the same layout (round to
+    nearest even, two neighbours per cvt)."""
+    words = cute.recast_tensor(dst, cutlass.Int32)
+    for w in cutlass.range_constexpr(cute.size(words)):
+        words[w] = _pack_rounded(src[2 * w], src[2 * w + 1], dst.element_type)
 
 
 @cute.jit

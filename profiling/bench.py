@@ -3,12 +3,20 @@
     python -m cute_fa.profiling.bench                                  # default grid
     python -m cute_fa.profiling.bench --head-dims 128 --causal both --seqlens 2048,16384
     python -m cute_fa.profiling.bench --backends cute,fa4,sdpa_cudnn --out bench_out/run1
+    python -m cute_fa.profiling.bench --report reports/h100              # a shareable report
 
 Prints the table (one row per problem and backend: median time, TFLOP/s,
-ratio to the best peer, peak memory, status). Writes files only with --out
-PREFIX: <PREFIX>.json (every row and the environment) and the plots
-<PREFIX>_tflops.png, <PREFIX>_memory.png. Needs an sm_90 CUDA GPU (H100/H200);
-a backend that cannot run (e.g. fa4 without the peers extra) is a row saying why.
+ratio to the best peer, peak memory, status). Writes files only when asked:
+--out PREFIX: <PREFIX>.json (every row and the environment) and the plots
+<PREFIX>_tflops.png, <PREFIX>_memory.png;
+--report DIR: DIR/README.md, a markdown report (date, machine: GPU, SMs,
+clocks, driver, CUDA, torch, DSL and peer versions; the command line; how it
+was measured; one table per direction and dtype with each backend's TFLOP/s
+and ours / best peer), DIR/bench.json (the rows) and the plots
+DIR/bench_tflops.png, DIR/bench_memory.png, linked from the README.
+Both may be given; --no-plots leaves the plots out of either. Needs an sm_90
+CUDA GPU (H100/H200); a backend that cannot run (e.g. fa4 without the peers
+extra) is a row saying why.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shlex
+import sys
 
 import torch
 
@@ -25,7 +35,8 @@ from .cli import INSTALL_BENCH, command_parser, positive_int, progress, require_
 from .flops import attention_flops, batch_for, tflops
 from .problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
                       add_head_dim_option, add_size_options, check_gqa, heads_for, make_qkv)
-from .report import add_ratios, environment, format_table, write_json, write_plots
+from .report import (add_ratios, environment, format_table, write_json, write_markdown,
+                     write_plots)
 
 DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 
@@ -49,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the host queues the call ahead, see timing.py)")
     p.add_argument("--out", default=None, metavar="PREFIX",
                    help="write <PREFIX>.json and the plots <PREFIX>_tflops.png, "
-                        "<PREFIX>_memory.png, creating the folder (default: write nothing)")
+                        "<PREFIX>_memory.png, creating the folder (default: none)")
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="write a markdown report DIR/README.md (machine, command line, "
+                        "method, TFLOP/s tables), DIR/bench.json and the plots "
+                        "DIR/bench_*.png, creating the folder (default: no report)")
     p.add_argument("--no-plots", action="store_true",
-                   help="with --out: write the JSON only, no PNG plots")
+                   help="with --out or --report: no PNG plots (and no need for matplotlib)")
     return p
 
 
@@ -59,7 +74,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, args.head_dims)
+    if args.report is not None and os.path.exists(args.report) \
+            and not os.path.isdir(args.report):
+        p.error(f"--report: expected a folder, got {args.report!r}, an existing file")
     return args
+
+
+def command_line(argv) -> str:
+    """The shell command that runs bench with `argv` again."""
+    return shlex.join(["python", "-m", "cute_fa.profiling.bench", *argv])
 
 
 def problems(args) -> list[dict]:
@@ -118,9 +141,10 @@ def _label(problem: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     require_cuda("bench")
-    if args.out and not args.no_plots:  # before the run, not after it
+    if (args.out or args.report) and not args.no_plots:  # before the run, not after it
         require_module("matplotlib", INSTALL_BENCH, "bench's plots (--no-plots: none)")
 
     backends = [OURS] + [b for b in args.backends if b != OURS] if OURS in args.backends \
@@ -130,11 +154,21 @@ def main(argv=None) -> list[dict]:
         rows += run_problem(problem, backends, args)
     add_ratios(rows)
     env = environment()
+    command = command_line(argv)
+    arguments = dict(vars(args), command=command)
     written = []
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        write_json(args.out + ".json", rows, env, vars(args))
-        written = [args.out + ".json"] + ([] if args.no_plots else write_plots(args.out, rows))
+        write_json(args.out + ".json", rows, env, arguments)
+        written += [args.out + ".json"] + ([] if args.no_plots else write_plots(args.out, rows))
+    if args.report:
+        os.makedirs(args.report, exist_ok=True)
+        data = os.path.join(args.report, "bench.json")
+        write_json(data, rows, env, arguments)
+        plots = [] if args.no_plots else write_plots(os.path.join(args.report, "bench"), rows)
+        readme = os.path.join(args.report, "README.md")
+        write_markdown(readme, rows, env, command, arguments, plots)
+        written += [readme, data] + plots
     print(f"\n{env.get('gpu')} | torch {env.get('torch')} | DSL {env.get('nvidia-cutlass-dsl')}"
           f" | driver {env.get('driver')}")
     print(format_table(rows))

@@ -3,14 +3,14 @@
     python -m cute_fa.profiling.host                        # the default model's attention
     python -m cute_fa.profiling.host --seqlen 8192 --heads 16 --heads-kv 16 --head-dim 64
 
-A training step that is not captured in a CUDA graph is paced by its host
-(profiling/RESULTS.md: ~51 ms of host work for ~30 ms of kernels per compiled
-step), so the Python and dispatcher cost of each attention call matters there
-as much as its kernels. This command measures that cost alone: a long GPU spin
-is queued first, so every launch of the timed calls waits on the device while
-the host runs ahead, and the wall time of the calls is host time only. It is
-checked that the spin outlasted the calls (the GPU was still busy at the end),
-else the run says so.
+A training step that is not captured in a CUDA graph is paced by its host (the
+default model's compiled step on an H100 took ~51 ms of wall time for ~30 ms
+of GPU work under torch.profiler), so the Python and dispatcher cost of each
+attention call matters there as much as its kernels. This command measures
+that cost alone: a long GPU spin is queued first, so every launch of the timed
+calls waits on the device while the host runs ahead, and the wall time of the
+calls is host time only. It is checked that the spin outlasted the calls (the
+GPU was still busy at the end), else the run says so.
 
 Modes, each over the same inputs:
 - fwd:              forward, no autograd graph;

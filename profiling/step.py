@@ -3,10 +3,10 @@
     python -m cute_fa.profiling.step --compile                      # the default model's step
     python -m cute_fa.profiling.step --compile --backends cute,sdpa_cudnn --top 30
 
-Without a CUDA graph the model's training step is paced by its host
-(profiling/RESULTS.md), so two backends whose kernels differ by a few ms per
-step can rank the other way round in tokens/s. This command runs the step of
-`profiling.train` (the same Trainer: model, AdamW, clipping, bf16 autocast,
+Without a CUDA graph the model's training step is paced by its host (its host
+work outlasts its kernels), so two backends whose kernels differ by a few ms
+per step can rank the other way round in tokens/s. This command runs the step
+of `profiling.train` (the same Trainer: model, AdamW, clipping, bf16 autocast,
 optional torch.compile) for each backend and reports:
 - ms/step: wall time per step, median of --rounds interleaved rounds of
   --steps-per-round steps (backends take turns, so the host's drift falls on

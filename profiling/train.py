@@ -235,7 +235,7 @@ def train_one(backend: str, init_state: dict, args, device, stop_at: float = mat
 
 def train_interleaved(init_state: dict, args, device, stop_at: float = math.inf) -> list[dict]:
     """All backends in rounds of --interleave steps each (A, B, C, A, B, C, ...):
-    the host's speed drifts during a run (±15 % on the H100 machine), and
+    the host's speed drifts during a run (±15 % measured on an H100 host), and
     rounds spread that drift over every backend alike instead of letting it
     favour whichever ran in a fast stretch. Every model, optimizer and
     compiled graph stays alive for the whole run. At stop_at the round under

@@ -2,7 +2,7 @@
 
 A compiled training step without a CUDA graph is paced by its host, and the
 Python CUDA kernels of cute_fa::fwd / cute_fa::bwd cost more host time per
-call than ATen's attention ops (profiling/RESULTS.md). The extension does the
+call than ATen's attention ops (docs/findings.md, "Host path"). The extension does the
 same per-call work in C++; what runs once per new problem stays here:
 
 - the planners: device check, config choice (cute_kernels/config.py), DSL

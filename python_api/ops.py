@@ -158,7 +158,7 @@ def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministi
 
 # The host path below runs once per attention call; a compiled training step
 # without a CUDA graph is paced by its host, so it avoids what costs there:
-# context managers, generators and repeated lookups (profiling/RESULTS.md).
+# context managers, generators and repeated lookups (docs/findings.md, "Host path").
 
 def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                  causal: bool, config: FwdConfig | None = None,
@@ -251,7 +251,7 @@ def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 # per-call wrappers cost ~28 us of host time per call (measured on this
 # project's CPU machine: 34.6 vs 6.6 us for an empty op). Host time is what
 # sets the pace of a compiled training step without CUDA graphs
-# (profiling/RESULTS.md), and the compiled graph calls both ops once per layer.
+# (docs/findings.md, "Host path"), and the compiled graph calls both ops once per layer.
 _lib = torch.library.Library("cute_fa", "DEF")
 _lib.define("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
             "bool deterministic=False) -> (Tensor, Tensor)")

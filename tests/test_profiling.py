@@ -7,7 +7,8 @@ import torch
 
 from cute_fa.profiling import bench, flops, report
 from cute_fa.profiling.backends import BACKENDS, make_callable
-from cute_fa.profiling.sweep import parse_vary, variants
+from cute_fa.profiling.cli import config_overrides, config_vary
+from cute_fa.profiling.sweep import variants
 from cute_fa.kernels.config import FwdConfig
 
 
@@ -82,14 +83,53 @@ def test_json_and_plots(tmp_path):
     assert all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in written)
 
 
+def test_markdown_report_with_a_failure_row(tmp_path):
+    import datetime
+
+    rows = report.add_ratios(_rows() + [dict(r, causal=True) for r in _rows()]
+                             + [dict(r, direction="bwd") for r in _rows()])
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "sms": 132, "sm_clock_max_mhz": "1980",
+           "driver": "570.86.15", "cuda": "12.8", "torch": "2.8.0",
+           "nvidia-cutlass-dsl": "4.8.1", "flash-attn-4": None}
+    command = bench.command_line(["--head-dims", "128", "--report", "my run"])
+    path = tmp_path / "README.md"
+    report.write_markdown(str(path), rows, env, command, {"repeats": 30},
+                          [str(tmp_path / "bench_tflops.png")],
+                          date=datetime.datetime(2025, 1, 2, 3, 4,
+                                                 tzinfo=datetime.timezone.utc))
+    text = path.read_text()
+    # The exact command that produced it, quoted for the shell.
+    assert "python -m cute_fa.profiling.bench --head-dims 128 --report 'my run'" in text
+    assert "2025-01-02 03:04 UTC" in text
+    assert "NVIDIA H100 80GB HBM3, 132 SMs" in text and "570.86.15" in text
+    assert "4.8.1" in text and "flash-attn-4 not installed" in text
+    assert "median of 30" in text and "L2" in text and "round-robin" in text
+    # One table per (direction, dtype), a column per backend, ours first.
+    assert text.count("| head dim | causal | batch×heads×seqlen | cute | fa4 | sdpa_cudnn | "
+                      "sdpa_math | ours / best peer |") == 2
+    assert "### fwd, bf16" in text and "### bwd, bf16" in text
+    table = [line for line in text.splitlines() if line.startswith("| 128 | no |")][0]
+    cells = [c.strip() for c in table.strip("|").split("|")]
+    assert cells[2] == "4×16×4096" and cells[3:6] == ["600.0", "550.0", "650.0"]
+    assert cells[6] == "failed: OutOfMemoryError: CUDA out of memory"  # its status
+    assert cells[7] == "0.923 (sdpa_cudnn)"
+    assert "(bench_tflops.png)" in text  # plots linked beside the report
+
+
 def test_sweep_variants_are_the_cartesian_product():
-    vary = parse_vary(["persistent=0,1", "kv_stages=2,3"])
+    from cute_fa.profiling import sweep
+
+    vary = config_vary(["persistent=0,1", "kv_stages=2,3"])
     configs = variants(FwdConfig(), vary)
     assert len(configs) == 4
     assert {(c.persistent, c.kv_stages) for c in configs} == {(False, 2), (False, 3),
                                                               (True, 2), (True, 3)}
+    with pytest.raises(ValueError, match="unknown FwdConfig field 'tile_k'"):
+        config_vary(["tile_k=1"])
+    # On the command line the same mistake is an argparse error, not a traceback.
+    assert sweep.parse_args(["--vary", "kv_stages=2,3"]).vary_values == {"kv_stages": [2, 3]}
     with pytest.raises(SystemExit):
-        parse_vary(["tile_k=1"])
+        sweep.parse_args(["--vary", "tile_k=1"])
 
 
 def test_ncu_summary_from_recorded_csv(monkeypatch):
@@ -139,15 +179,20 @@ def test_ncu_source_hotspots_from_a_recorded_source_page():
 
 
 def test_ncu_config_overrides_are_typed():
-    from cute_fa.profiling.ncu import parse_overrides
+    from cute_fa.profiling import ncu
 
-    assert parse_overrides("tile_n=160,pingpong=0") == {"tile_n": 160, "pingpong": False}
-    with pytest.raises(SystemExit):
-        parse_overrides("tile_k=3")
-    assert parse_overrides("qdo_stages=3,deterministic=1", "bwd") == {
+    assert config_overrides(["tile_n=160,pingpong=0"]) == {"tile_n": 160, "pingpong": False}
+    with pytest.raises(ValueError, match="unknown FwdConfig field 'tile_k'"):
+        config_overrides(["tile_k=3"])
+    assert config_overrides(["qdo_stages=3,deterministic=1"], "bwd") == {
         "qdo_stages": 3, "deterministic": True}
-    with pytest.raises(SystemExit, match="unknown BwdConfig field 'pingpong'"):
-        parse_overrides("pingpong=0", "bwd")
+    with pytest.raises(ValueError, match="unknown BwdConfig field 'pingpong'"):
+        config_overrides(["pingpong=0"], "bwd")
+    # ncu --config reads the same assignments, checked before anything runs.
+    assert ncu.parse_args(["--config", "tile_n=160,pingpong=0"]).overrides == {
+        "tile_n": 160, "pingpong": False}
+    with pytest.raises(SystemExit):
+        ncu.parse_args(["--config", "tile_k=3"])
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd", "fwd_bwd"])
