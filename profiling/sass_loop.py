@@ -98,7 +98,7 @@ def fa4(kind: str, head_dim: int, causal: bool, dump_dir: str):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_fa.compile_cache import _fake_bshd, _fake_rows, _sym
+    from cute_fa.kernel_compile import _fake_bshd, _fake_rows, _sym
 
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     b, sq, sk, h = _sym(), _sym(), _sym(), _sym()

@@ -1,14 +1,11 @@
-"""JIT compilation of the DSL kernels, cached by their static key.
+"""Compiled kernels by their static key: in memory for the process, on disk
+across processes (kernel_store.py), compiled (kernel_compile.py) only when
+neither has them.
 
-Kernels are compiled once per (kernel, dtype, head_dim, causal, config) against
-symbolic tensors: batch, sequence lengths and head counts are runtime values,
-so a new problem size reuses the compiled kernel. The compiled function is
-called through TVM-FFI with torch tensors directly, on the current stream.
-
-On a machine without a GPU the kernels are compiled for sm_90a to PTX and
-cubin: `CUTE_DSL_ARCH=sm_90a` is set here when no CUDA device is visible, and
-every compile also names the target (`--gpu-arch`), since the DSL reads the
-variable once, at its first use, which may come before this module's import.
+Keys: (kernel, dtype, head_dim, causal, config[, has_grad_lse]); batch,
+sequence lengths and head counts are runtime values of the compiled kernels.
+This module does not import the DSL: loading every kernel from the store
+costs milliseconds, where importing the DSL alone costs about a second.
 """
 
 from __future__ import annotations
@@ -20,68 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernel_store
+from .kernels.config import BwdConfig, FwdConfig
 
 # The kernels' target where no GPU is visible to detect one from.
 CPU_TARGET_ARCH = "sm_90a"
-
-
-def _ensure_arch_env() -> None:
-    # Without a GPU the DSL would default to another architecture and reject
-    # warpgroup instructions. The variable only helps a DSL that has not read
-    # it yet (it caches the first read); _compile names the target as well.
-    if "CUTE_DSL_ARCH" not in os.environ and not torch.cuda.is_available():
-        os.environ["CUTE_DSL_ARCH"] = CPU_TARGET_ARCH
-
-
-_ensure_arch_env()
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-
-from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
-                                       GroupSum)
-from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
-from .kernels.config import BwdConfig, FwdConfig  # noqa: E402
-from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
-
-TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-_ALIGN_ELEMS = 8  # 16-byte TMA alignment for 16-bit elements
-
-
-def _sym():
-    return cute.sym_int()
-
-
-def _fake_bshd(dtype, batch, seqlen, heads, head_dim):
-    """(batch, seq, heads, head_dim) with head_dim contiguous, strides symbolic."""
-    stride = (cute.sym_int64(divisibility=_ALIGN_ELEMS), cute.sym_int64(divisibility=_ALIGN_ELEMS),
-              cute.sym_int64(divisibility=_ALIGN_ELEMS), 1)
-    return cute.runtime.make_fake_tensor(dtype, (batch, seqlen, heads, head_dim), stride=stride,
-                                         assumed_align=16)
-
-
-def _fake_rows(dtype, batch, heads, length, divisibility: int = 1, align: int = 4):
-    """(batch, heads, length) with the last dim contiguous: LSE, D, the dQ accumulator."""
-    stride = (cute.sym_int64(divisibility=divisibility), cute.sym_int64(divisibility=divisibility),
-              1)
-    return cute.runtime.make_fake_tensor(dtype, (batch, heads, length), stride=stride,
-                                         assumed_align=align)
-
-
-def _target_option() -> str:
-    """The compile option naming sm_90a where no GPU is visible, else "":
-    `import cutlass` before this module (fa4's import does it) fixes the DSL's
-    target at its CPU default, sm_100a, whatever the variable says later."""
-    return "" if torch.cuda.is_available() else f" --gpu-arch {CPU_TARGET_ARCH}"
-
-
-def _compile(kernel, *args, dump_dir: str | None = None):
-    options = "--enable-tvm-ffi" + _target_option()
-    if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *args, stream, options=options)
 
 
 @dataclass
@@ -89,30 +29,16 @@ class CompiledKernel:
     # the TVM-FFI callable: fn(q, k, v, out, lse, counters, partials, scale_log2, num_sms,
     # full_tiles, tail_parts)
     fn: object
-    compile_seconds: float
+    compile_seconds: float  # compiling, or loading from the kernel store
+    from_disk: bool = False
+
+    def launches(self) -> dict:
+        return {"fwd": self.fn}
 
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> tuple:
     # FwdConfig is frozen, so hashable: the key costs no copying on the hot path.
     return ("fwd_sm90", dtype, head_dim, bool(causal), config)
-
-
-def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-                dump_dir: str | None = None) -> CompiledKernel:
-    cute_dtype = TORCH_TO_CUTE[dtype]
-    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config)
-    batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
-    q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
-    k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-    v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-    o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
-    lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
-    counters = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, n)
-    partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
-    start = time.perf_counter()
-    fn = _compile(kernel, q, k, v, o, lse, counters, partials, cutlass.Float32(1.0),
-                  cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), dump_dir=dump_dir)
-    return CompiledKernel(fn, time.perf_counter() - start)
 
 
 @dataclass
@@ -126,7 +52,12 @@ class CompiledBackward:
     main: object
     postprocess: object
     group_sum: object | None
-    compile_seconds: float
+    compile_seconds: float  # compiling, or loading from the kernel store
+    from_disk: bool = False
+
+    def launches(self) -> dict:
+        names = ("preprocess", "main", "postprocess", "group_sum")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
@@ -134,42 +65,20 @@ def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
     return ("bwd_sm90", dtype, head_dim, bool(causal), config, bool(has_grad_lse))
 
 
+def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
+                dump_dir: str | None = None) -> CompiledKernel:
+    """Compile the forward kernel now (no cache); dump_dir keeps its PTX and cubin."""
+    from . import kernel_compile
+
+    return kernel_compile.compile_fwd(dtype, head_dim, causal, config, dump_dir)
+
+
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
                 has_grad_lse: bool = False, dump_dir: str | None = None) -> CompiledBackward:
-    cute_dtype = TORCH_TO_CUTE[dtype]
-    f32 = cutlass.Float32
-    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config)
-    batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
-    padded_q = cute.sym_int(divisibility=config.tile_m)
-    accum_len = cute.sym_int(divisibility=config.tile_m * head_dim)
-    q, do = (_fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim) for _ in range(2))
-    k, v = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
-    if config.split_gqa:  # fp32 partials per query head
-        dk, dv = (_fake_bshd(f32, batch, seqlen_k, heads_q, head_dim) for _ in range(2))
-    else:
-        dk, dv = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
-    lse2, dsum = (_fake_rows(f32, batch, heads_q, padded_q, config.tile_m, 16) for _ in range(2))
-    dq_accum = _fake_rows(f32, batch, heads_q, accum_len, config.tile_m * head_dim, 16)
-    semaphore = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # tiny unless deterministic
-    lse, dlse = (_fake_rows(f32, batch, heads_q, seqlen_q) for _ in range(2))
-    dq = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
-    start = time.perf_counter()
-    fns = (
-        _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse), q, do, lse, dlse, lse2,
-                 dsum, dq_accum, semaphore,
-                 dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
-        _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, f32(1.0), f32(1.0),
-                 cutlass.Int32(1), dump_dir=dump_dir and os.path.join(dump_dir, "main")),
-        _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
-                 dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
-    )
-    group_sum = None
-    if config.split_gqa:
-        dk16, dv16 = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-                      for _ in range(2))
-        group_sum = _compile(GroupSum(cute_dtype, head_dim), dk, dv, dk16, dv16,
-                             dump_dir=dump_dir and os.path.join(dump_dir, "group_sum"))
-    return CompiledBackward(*fns, group_sum, compile_seconds=time.perf_counter() - start)
+    """Compile the backward's kernels now (no cache); dump_dir keeps PTX and cubins."""
+    from . import kernel_compile
+
+    return kernel_compile.compile_bwd(dtype, head_dim, causal, config, has_grad_lse, dump_dir)
 
 
 _cache: dict[tuple, object] = {}
@@ -187,12 +96,36 @@ def _cached(key: tuple, build):
     return kernel
 
 
+def target_arch() -> str:
+    """The architecture the kernels are built for: the current GPU's, else sm_90a."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}a"
+    return os.environ.get("CUTE_DSL_ARCH", CPU_TARGET_ARCH)
+
+
+def _stored(key: tuple, compile_variant, assemble):
+    """compile_variant() from the kernel store when it holds the key, else compiled
+    and stored (kernel_store.py). assemble(launches, seconds, from_disk) rebuilds
+    the Compiled* object from its launches by name."""
+    start = time.perf_counter()
+    launches, from_disk = kernel_store.load_or_build(
+        key, target_arch(), lambda: compile_variant().launches())
+    return assemble(launches, time.perf_counter() - start, from_disk)
+
+
 def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> CompiledKernel:
-    return _cached(fwd_key(dtype, head_dim, causal, config),
-                   lambda: compile_fwd(dtype, head_dim, causal, config))
+    key = fwd_key(dtype, head_dim, causal, config)
+    return _cached(key, lambda: _stored(
+        key, lambda: compile_fwd(dtype, head_dim, causal, config),
+        lambda fns, seconds, from_disk: CompiledKernel(fns["fwd"], seconds, from_disk)))
 
 
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
             has_grad_lse: bool) -> CompiledBackward:
-    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse),
-                   lambda: compile_bwd(dtype, head_dim, causal, config, has_grad_lse))
+    key = bwd_key(dtype, head_dim, causal, config, has_grad_lse)
+    return _cached(key, lambda: _stored(
+        key, lambda: compile_bwd(dtype, head_dim, causal, config, has_grad_lse),
+        lambda fns, seconds, from_disk: CompiledBackward(
+            fns["preprocess"], fns["main"], fns["postprocess"], fns.get("group_sum"),
+            seconds, from_disk)))

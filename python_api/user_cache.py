@@ -6,6 +6,7 @@ project never share (or overwrite) what they built.
     $XDG_CACHE_HOME/cute_fa          else, if that is set
     ~/.cache/cute_fa                 else
         <version>/native-<digest>/   the C++ host layer's build (native.py)
+        <version>/kernels/           compiled kernels (kernel_store.py)
         <version>/data/              prepared training data (profiling.data)
 
 Everything else a command writes goes where its --out says.

@@ -1,0 +1,138 @@
+"""Compiling the DSL kernels (compile_cache.py keeps and looks them up).
+
+Kernels are compiled against symbolic tensors: batch, sequence lengths and
+head counts are runtime values, so a new problem size reuses the compiled
+kernel. The compiled function is called through TVM-FFI with torch tensors
+directly, on the current stream.
+
+On a machine without a GPU the kernels are compiled for sm_90a to PTX and
+cubin: `CUTE_DSL_ARCH=sm_90a` is set here when no CUDA device is visible, and
+every compile also names the target (`--gpu-arch`), since the DSL reads the
+variable once, at its first use, which may come before this module's import.
+Imported only to compile: a process whose kernels all come from the kernel
+store never imports the DSL.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from .compile_cache import CPU_TARGET_ARCH, CompiledBackward, CompiledKernel
+
+
+def _ensure_arch_env() -> None:
+    # Without a GPU the DSL would default to another architecture and reject
+    # warpgroup instructions. The variable only helps a DSL that has not read
+    # it yet (it caches the first read); _compile names the target as well.
+    if "CUTE_DSL_ARCH" not in os.environ and not torch.cuda.is_available():
+        os.environ["CUTE_DSL_ARCH"] = CPU_TARGET_ARCH
+
+
+_ensure_arch_env()
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+
+from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
+                                       GroupSum)
+from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
+from .kernels.config import BwdConfig, FwdConfig  # noqa: E402
+from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
+
+TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+_ALIGN_ELEMS = 8  # 16-byte TMA alignment for 16-bit elements
+
+
+def _sym():
+    return cute.sym_int()
+
+
+def _fake_bshd(dtype, batch, seqlen, heads, head_dim):
+    """(batch, seq, heads, head_dim) with head_dim contiguous, strides symbolic."""
+    stride = (cute.sym_int64(divisibility=_ALIGN_ELEMS), cute.sym_int64(divisibility=_ALIGN_ELEMS),
+              cute.sym_int64(divisibility=_ALIGN_ELEMS), 1)
+    return cute.runtime.make_fake_tensor(dtype, (batch, seqlen, heads, head_dim), stride=stride,
+                                         assumed_align=16)
+
+
+def _fake_rows(dtype, batch, heads, length, divisibility: int = 1, align: int = 4):
+    """(batch, heads, length) with the last dim contiguous: LSE, D, the dQ accumulator."""
+    stride = (cute.sym_int64(divisibility=divisibility), cute.sym_int64(divisibility=divisibility),
+              1)
+    return cute.runtime.make_fake_tensor(dtype, (batch, heads, length), stride=stride,
+                                         assumed_align=align)
+
+
+def _target_option() -> str:
+    """The compile option naming sm_90a where no GPU is visible, else "":
+    `import cutlass` before this module (fa4's import does it) fixes the DSL's
+    target at its CPU default, sm_100a, whatever the variable says later."""
+    return "" if torch.cuda.is_available() else f" --gpu-arch {CPU_TARGET_ARCH}"
+
+
+def _compile(kernel, *args, dump_dir: str | None = None):
+    options = "--enable-tvm-ffi" + _target_option()
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *args, stream, options=options)
+
+
+def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
+                dump_dir: str | None = None) -> CompiledKernel:
+    cute_dtype = TORCH_TO_CUTE[dtype]
+    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config)
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
+    q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
+    k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
+    v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
+    o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
+    lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
+    counters = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, n)
+    partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
+    start = time.perf_counter()
+    fn = _compile(kernel, q, k, v, o, lse, counters, partials, cutlass.Float32(1.0),
+                  cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), dump_dir=dump_dir)
+    return CompiledKernel(fn, time.perf_counter() - start)
+
+
+def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
+                has_grad_lse: bool = False, dump_dir: str | None = None) -> CompiledBackward:
+    cute_dtype = TORCH_TO_CUTE[dtype]
+    f32 = cutlass.Float32
+    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config)
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
+    padded_q = cute.sym_int(divisibility=config.tile_m)
+    accum_len = cute.sym_int(divisibility=config.tile_m * head_dim)
+    q, do = (_fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim) for _ in range(2))
+    k, v = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
+    if config.split_gqa:  # fp32 partials per query head
+        dk, dv = (_fake_bshd(f32, batch, seqlen_k, heads_q, head_dim) for _ in range(2))
+    else:
+        dk, dv = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
+    lse2, dsum = (_fake_rows(f32, batch, heads_q, padded_q, config.tile_m, 16) for _ in range(2))
+    dq_accum = _fake_rows(f32, batch, heads_q, accum_len, config.tile_m * head_dim, 16)
+    semaphore = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # tiny unless deterministic
+    lse, dlse = (_fake_rows(f32, batch, heads_q, seqlen_q) for _ in range(2))
+    dq = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
+    start = time.perf_counter()
+    fns = (
+        _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse), q, do, lse, dlse, lse2,
+                 dsum, dq_accum, semaphore,
+                 dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
+        _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, f32(1.0), f32(1.0),
+                 cutlass.Int32(1), dump_dir=dump_dir and os.path.join(dump_dir, "main")),
+        _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
+                 dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
+    )
+    group_sum = None
+    if config.split_gqa:
+        dk16, dv16 = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
+                      for _ in range(2))
+        group_sum = _compile(GroupSum(cute_dtype, head_dim), dk, dv, dk16, dv16,
+                             dump_dir=dump_dir and os.path.join(dump_dir, "group_sum"))
+    return CompiledBackward(*fns, group_sum, compile_seconds=time.perf_counter() - start)

@@ -1,0 +1,150 @@
+"""Fill the kernel store ahead of time, so that no process pays the JIT.
+
+    python -m cute_fa.precompile                                  # every variant the op may pick
+    python -m cute_fa.precompile --head-dims 128 --dtypes bf16 --causal yes --jobs 8
+
+For each dtype, head dim and causal flag: the forward's default kernel and
+the backward's default kernels with and without `deterministic`, each with
+and without split_gqa (which the op picks for GQA problems too small to fill
+the GPU otherwise), and with --lse-grad also the backward variants that
+take a gradient through the LSE output. Variants already in the store are
+loaded, not compiled. Kernels are stored per architecture: run it on the
+machine (or the GPU type) that will use them, or with no GPU for sm_90a.
+See kernel_store.py for where they go and how to move or disable the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    direction: str  # "fwd" or "bwd"
+    dtype: str  # "bf16" or "fp16"
+    head_dim: int
+    causal: bool
+    deterministic: bool = False
+    split_gqa: bool = False
+    lse_grad: bool = False
+
+    def label(self) -> str:
+        text = f"{self.direction} {self.dtype} d{self.head_dim} {'causal' if self.causal else 'full'}"
+        flags = [name for name in ("deterministic", "split_gqa", "lse_grad") if getattr(self, name)]
+        return text + "".join(f" {f}" for f in flags)
+
+
+def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool) -> list[Variant]:
+    out = []
+    for dtype, head_dim, causal in itertools.product(dtypes, head_dims, causal_flags):
+        if "fwd" in directions:
+            out.append(Variant("fwd", dtype, head_dim, causal))
+        if "bwd" in directions:
+            for det, split, grad in itertools.product((False, True), (False, True),
+                                                      (False, True) if lse_grad else (False,)):
+                out.append(Variant("bwd", dtype, head_dim, causal, det, split, grad))
+    return out
+
+
+def build(variant: Variant) -> tuple[float, bool]:
+    """Load or compile one variant; returns (seconds, loaded from the store)."""
+    import torch
+
+    from . import compile_cache
+    from .kernels.config import default_bwd_config, default_fwd_config
+
+    dtype = getattr(torch, DTYPES[variant.dtype])
+    if variant.direction == "fwd":
+        kernel = compile_cache.get_fwd(dtype, variant.head_dim, variant.causal,
+                                       default_fwd_config(variant.head_dim, variant.causal))
+    else:
+        config = default_bwd_config(variant.head_dim, variant.causal, variant.deterministic,
+                                    split_gqa=variant.split_gqa)
+        kernel = compile_cache.get_bwd(dtype, variant.head_dim, variant.causal, config,
+                                       variant.lse_grad)
+    return kernel.compile_seconds, kernel.from_disk
+
+
+def _csv(choices, kind=str):
+    def parse(text: str) -> list:
+        items = [x for x in text.split(",") if x]
+        try:
+            values = [kind(x) for x in items]
+        except ValueError:
+            values = None
+        if not items or values is None or any(v not in choices for v in values):
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list from {', '.join(map(str, choices))}, "
+                f"got {text!r}")
+        return values
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .kernels.config import SUPPORTED_HEAD_DIMS
+
+    p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", type=_csv(SUPPORTED_HEAD_DIMS, int),
+                   default=list(SUPPORTED_HEAD_DIMS),
+                   help="head dims, comma-separated (default: all supported, "
+                        f"{','.join(map(str, SUPPORTED_HEAD_DIMS))})")
+    p.add_argument("--dtypes", type=_csv(tuple(DTYPES)), default=list(DTYPES),
+                   help="bf16, fp16 or both, comma-separated (default: bf16,fp16)")
+    p.add_argument("--causal", choices=tuple(CAUSAL), default="both",
+                   help="the causal flag's values to build (default: both)")
+    p.add_argument("--directions", type=_csv(("fwd", "bwd")), default=["fwd", "bwd"],
+                   help="fwd, bwd or both, comma-separated (default: fwd,bwd)")
+    p.add_argument("--lse-grad", action="store_true",
+                   help="also the backward variants for a gradient through the returned LSE")
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes compiling at once (default: the CPU count, at most 8)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected a positive integer, got {args.jobs}")
+    from . import kernel_store
+
+    if not kernel_store.enabled():
+        parser.error(f"the kernel store is off ({kernel_store.ENABLE_ENV_VAR}="
+                     f"{os.environ[kernel_store.ENABLE_ENV_VAR]}): nothing to fill")
+    todo = variants(args.head_dims, args.dtypes, CAUSAL[args.causal], args.directions,
+                    args.lse_grad)
+    print(f"{len(todo)} kernel variants into {kernel_store.folder()}", file=sys.stderr,
+          flush=True)
+    start, failures = time.perf_counter(), 0
+    # spawn: a forked child would inherit the parent's CUDA and DSL state.
+    with ProcessPoolExecutor(max_workers=min(args.jobs, len(todo)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(build, v): v for v in todo}
+        for done, future in enumerate(as_completed(futures), 1):
+            variant = futures[future]
+            try:
+                seconds, loaded = future.result()
+                what = f"{'loaded' if loaded else 'compiled'} in {seconds:.1f} s"
+            except Exception as exc:  # report and go on: one variant is not the rest
+                failures += 1
+                what = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            print(f"[{done}/{len(todo)}] {variant.label()}: {what}", file=sys.stderr,
+                  flush=True)
+    print(f"done in {time.perf_counter() - start:.0f} s"
+          + (f", {failures} failed" if failures else ""), file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The on-disk kernel store: hits, misses, keys, concurrent writers, damaged
+entries and the off switch (CPU; one test compiles a real kernel for sm_90a)."""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cute_fa import kernel_store
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A private cache folder; export/load replaced by identity on bytes, so
+    the mechanics are tested without compiling."""
+    monkeypatch.setenv("CUTE_FA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(kernel_store.ENABLE_ENV_VAR, raising=False)
+    monkeypatch.setattr(kernel_store, "export", lambda fn, name: fn)
+    monkeypatch.setattr(kernel_store, "load", lambda name, data: data)
+    return tmp_path
+
+
+def _builder(calls, objects=None):
+    def build():
+        calls.append(1)
+        return dict(objects or {"main": b"\x7fELF main", "post": b"\x7fELF post"})
+    return build
+
+
+def test_miss_then_hit(store):
+    calls = []
+    first, loaded = kernel_store.load_or_build(("fwd", 1), "sm_90a", _builder(calls))
+    assert not loaded and calls == [1]
+    second, loaded = kernel_store.load_or_build(("fwd", 1), "sm_90a", _builder(calls))
+    assert loaded and calls == [1] and second == first
+
+
+def test_every_key_part_makes_a_new_entry(store, monkeypatch):
+    calls = []
+    kernel_store.load_or_build(("fwd", "config A"), "sm_90a", _builder(calls))
+    kernel_store.load_or_build(("fwd", "config B"), "sm_90a", _builder(calls))
+    kernel_store.load_or_build(("fwd", "config A"), "sm_100a", _builder(calls))
+    assert len(calls) == 3
+    monkeypatch.setattr(kernel_store, "_versions", lambda: ("9.9", "x", "y"))
+    kernel_store.load_or_build(("fwd", "config A"), "sm_90a", _builder(calls))
+    monkeypatch.setattr(kernel_store, "source_digest", lambda: "edited sources")
+    kernel_store.load_or_build(("fwd", "config A"), "sm_90a", _builder(calls))
+    assert len(calls) == 5
+    assert len(list(kernel_store.folder().glob("*.kernels"))) == 5
+
+
+def test_source_digest_covers_the_kernels():
+    from cute_fa import kernels
+
+    digest = kernel_store.source_digest()
+    assert len(digest) == 64
+    assert os.path.exists(os.path.join(os.path.dirname(kernels.__file__), "fwd_sm90.py"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_byte", "other_key", "garbage", "empty"])
+def test_a_damaged_entry_is_rebuilt_not_loaded(store, damage):
+    calls = []
+    key = ("bwd", 2)
+    kernel_store.load_or_build(key, "sm_90a", _builder(calls))
+    path = kernel_store.entry_path(kernel_store.describe(key, "sm_90a"))
+    blob = path.read_bytes()
+    if damage == "truncate":
+        blob = blob[:-3]
+    elif damage == "flip_byte":
+        blob = blob[:-1] + bytes([blob[-1] ^ 1])
+    elif damage == "other_key":
+        blob = blob.replace(b"bwd", b"fwd", 1)
+    elif damage == "garbage":
+        blob = os.urandom(len(blob))
+    else:
+        blob = b""
+    path.write_bytes(blob)
+    assert kernel_store.read(kernel_store.describe(key, "sm_90a")) is None
+    fresh = {"main": b"rebuilt", "post": b"rebuilt too"}
+    got, loaded = kernel_store.load_or_build(key, "sm_90a", _builder(calls, fresh))
+    assert not loaded and got == fresh and len(calls) == 2
+    assert kernel_store.read(kernel_store.describe(key, "sm_90a")) == fresh
+
+
+def test_off_switch_reads_and_writes_nothing(store, monkeypatch):
+    monkeypatch.setenv(kernel_store.ENABLE_ENV_VAR, "0")
+    calls = []
+    for _ in range(2):
+        _, loaded = kernel_store.load_or_build(("fwd", 3), "sm_90a", _builder(calls))
+        assert not loaded
+    assert len(calls) == 2
+    assert not list(store.rglob("*.kernels"))
+
+
+def test_unwritable_cache_costs_the_cache_not_the_call(tmp_path, monkeypatch):
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("CUTE_FA_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(kernel_store, "export", lambda fn, name: fn)
+    with pytest.warns(UserWarning, match="kernel cache"):
+        got, loaded = kernel_store.load_or_build(("fwd", 4), "sm_90a",
+                                                 _builder([], {"main": b"x"}))
+    assert got == {"main": b"x"} and not loaded
+
+
+def _write_many(folder: str, payload: bytes, rounds: int) -> None:
+    os.environ["CUTE_FA_CACHE_DIR"] = folder
+    for _ in range(rounds):
+        kernel_store.write("shared key", {"main": payload})
+
+
+def test_processes_writing_one_entry_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_FA_CACHE_DIR", str(tmp_path))
+    payload = os.urandom(1 << 20)  # large enough for writes to interleave
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_write_many, args=(str(tmp_path), payload, 20))
+               for _ in range(4)]
+    for w in workers:
+        w.start()
+    seen = 0
+    while any(w.is_alive() for w in workers):
+        got = kernel_store.read("shared key")
+        assert got in (None, {"main": payload})  # never a partial entry
+        seen += got is not None
+    for w in workers:
+        w.join()
+        assert w.exitcode == 0
+    assert kernel_store.read("shared key") == {"main": payload}
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_a_new_process_loads_a_compiled_kernel(tmp_path):
+    """A real forward kernel: compiled and stored by one process, loaded (not
+    compiled, and without importing the DSL) by the next; a config change is a
+    new entry; without a C compiler the DSL's object file is stored and loaded."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from cute_fa import compile_cache
+        from cute_fa.kernels.config import default_fwd_config
+        config = default_fwd_config(64, False).replace(tile_n=int(sys.argv[1]))
+        k = compile_cache.get_fwd(torch.bfloat16, 64, False, config)
+        print("FROM_DISK", k.from_disk, type(k.fn).__name__, "cutlass" in sys.modules)
+    """)
+
+    def run(tile_n, cache, **env_changes):
+        env = dict(os.environ, CUTE_FA_CACHE_DIR=str(tmp_path / cache), **env_changes)
+        env.pop(kernel_store.ENABLE_ENV_VAR, None)
+        out = subprocess.run([sys.executable, "-c", script, str(tile_n)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [l for l in out.stdout.splitlines() if l.startswith("FROM_DISK")][0]
+
+    from cute_fa.kernels.config import default_fwd_config
+
+    tile_n = default_fwd_config(64, False).tile_n
+    assert run(tile_n, "a").startswith("FROM_DISK False")
+    assert run(tile_n, "a") == "FROM_DISK True Function False"
+    assert run(tile_n // 2, "a").startswith("FROM_DISK False")
+    assert len(list((tmp_path / "a").rglob("*.kernels"))) == 2
+    # no C compiler: the object file, loaded through the DSL
+    assert run(tile_n, "b", CC="false").startswith("FROM_DISK False")
+    assert run(tile_n, "b", CC="false") == "FROM_DISK True Function True"
+
+
+_GPU_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from cute_fa import flash_attn_func, compile_cache
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g,
+                           requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    from_disk = sorted(str(c.from_disk) for c in compile_cache._cache.values())
+    torch.save({"out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(),
+                "dv": v.grad.cpu(), "from_disk": from_disk}, sys.argv[1])
+""")
+
+
+@pytest.mark.gpu
+def test_stored_kernels_compute_what_compiled_ones_do(tmp_path):
+    """Forward and backward in a process that compiles them and in one that
+    loads them from the store: the same bits."""
+    env = dict(os.environ, CUTE_FA_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop(kernel_store.ENABLE_ENV_VAR, None)
+    results = []
+    for run in ("compiled", "loaded"):
+        path = tmp_path / f"{run}.pt"
+        out = subprocess.run([sys.executable, "-c", _GPU_SCRIPT, str(path)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results.append(torch.load(path))
+    compiled, loaded = results
+    assert set(compiled["from_disk"]) == {"False"} and set(loaded["from_disk"]) == {"True"}
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.equal(compiled[name], loaded[name]), name
+
+
+def test_precompile_command_line():
+    from cute_fa import precompile
+
+    parser = precompile.build_parser()
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help, action.dest
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--head-dims", "80"])
+    assert exc.value.code == 2
+    todo = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd", "bwd"], False)
+    assert len(todo) == 2 * 2 * (1 + 4)  # fwd + bwd x deterministic x split_gqa
+    assert len({v.label() for v in todo}) == len(todo)
