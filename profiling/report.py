@@ -14,6 +14,8 @@ import platform
 import subprocess
 from collections import defaultdict
 
+from cute_fa.user_cache import installed_version
+
 from .backends import OURS
 
 PROBLEM_KEYS = ("direction", "dtype", "head_dim", "causal", "seqlen_q", "seqlen_k", "batch",
@@ -98,8 +100,6 @@ def _git_commit() -> str | None:
 def environment() -> dict:
     """What a benchmark ran on: GPU (name, SMs, clocks), driver, CUDA, torch,
     cuDNN, the DSL and the peer's versions (None where unknown or absent)."""
-    import importlib.metadata as md
-
     env = {"python": platform.python_version()}
     gpu = None
     try:
@@ -118,10 +118,7 @@ def environment() -> dict:
     except ImportError:
         pass
     for name in ("cute-fa",) + PACKAGES:
-        try:
-            env[name] = md.version(name)
-        except Exception:
-            env[name] = None
+        env[name] = installed_version(name)
     env["cute-fa commit"] = _git_commit()
     for field, key in GPU_QUERY.items():
         env[key] = _nvidia_smi(field, gpu)

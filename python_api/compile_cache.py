@@ -35,6 +35,10 @@ class CompiledKernel:
     def launches(self) -> dict:
         return {"fwd": self.fn}
 
+    @classmethod
+    def from_launches(cls, launches: dict, seconds: float, from_disk: bool) -> CompiledKernel:
+        return cls(launches["fwd"], seconds, from_disk)
+
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> tuple:
     # FwdConfig is frozen, so hashable: the key costs no copying on the hot path.
@@ -58,6 +62,11 @@ class CompiledBackward:
     def launches(self) -> dict:
         names = ("preprocess", "main", "postprocess", "group_sum")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    @classmethod
+    def from_launches(cls, launches: dict, seconds: float, from_disk: bool) -> CompiledBackward:
+        return cls(launches["preprocess"], launches["main"], launches["postprocess"],
+                   launches.get("group_sum"), seconds, from_disk)
 
 
 def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
@@ -85,14 +94,16 @@ _cache: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-def _cached(key: tuple, build):
+def _cached(key: tuple, kind, compile_variant, *args):
+    """The kernel of `key`: from memory, else from the kernel store, else
+    compile_variant(*args) (then stored). No closures: the op's Python path
+    looks its kernel up here on every call."""
     kernel = _cache.get(key)
     if kernel is None:
         with _lock:
             kernel = _cache.get(key)
             if kernel is None:
-                kernel = build()
-                _cache[key] = kernel
+                kernel = _cache[key] = _stored(key, kind, compile_variant, args)
     return kernel
 
 
@@ -104,28 +115,21 @@ def target_arch() -> str:
     return os.environ.get("CUTE_DSL_ARCH", CPU_TARGET_ARCH)
 
 
-def _stored(key: tuple, compile_variant, assemble):
-    """compile_variant() from the kernel store when it holds the key, else compiled
-    and stored (kernel_store.py). assemble(launches, seconds, from_disk) rebuilds
-    the Compiled* object from its launches by name."""
+def _stored(key: tuple, kind, compile_variant, args: tuple):
+    """A kind (CompiledKernel or CompiledBackward) from the kernel store when it
+    holds the key, else compiled and stored (kernel_store.py)."""
     start = time.perf_counter()
     launches, from_disk = kernel_store.load_or_build(
-        key, target_arch(), lambda: compile_variant().launches())
-    return assemble(launches, time.perf_counter() - start, from_disk)
+        key, target_arch(), lambda: compile_variant(*args).launches())
+    return kind.from_launches(launches, time.perf_counter() - start, from_disk)
 
 
 def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> CompiledKernel:
-    key = fwd_key(dtype, head_dim, causal, config)
-    return _cached(key, lambda: _stored(
-        key, lambda: compile_fwd(dtype, head_dim, causal, config),
-        lambda fns, seconds, from_disk: CompiledKernel(fns["fwd"], seconds, from_disk)))
+    return _cached(fwd_key(dtype, head_dim, causal, config), CompiledKernel, compile_fwd,
+                   dtype, head_dim, causal, config)
 
 
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
             has_grad_lse: bool) -> CompiledBackward:
-    key = bwd_key(dtype, head_dim, causal, config, has_grad_lse)
-    return _cached(key, lambda: _stored(
-        key, lambda: compile_bwd(dtype, head_dim, causal, config, has_grad_lse),
-        lambda fns, seconds, from_disk: CompiledBackward(
-            fns["preprocess"], fns["main"], fns["postprocess"], fns.get("group_sum"),
-            seconds, from_disk)))
+    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse), CompiledBackward,
+                   compile_bwd, dtype, head_dim, causal, config, has_grad_lse)

@@ -52,18 +52,9 @@ def folder() -> Path:
     return user_cache.folder("kernels")
 
 
-@functools.lru_cache(maxsize=None)
 def _versions() -> tuple:
-    from importlib import metadata
-
-    def version_of(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "none"
-
-    return (user_cache.version(), version_of("nvidia-cutlass-dsl"),
-            version_of("apache-tvm-ffi"))
+    return (user_cache.version(), user_cache.installed_version("nvidia-cutlass-dsl"),
+            user_cache.installed_version("apache-tvm-ffi"))
 
 
 @functools.lru_cache(maxsize=None)

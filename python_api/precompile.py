@@ -24,8 +24,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
+from .profiling.cli import choice_list, positive_int
+from .profiling.problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
+                                add_head_dim_option)
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,10 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool) -> lis
 
 def build(variant: Variant) -> tuple[float, bool]:
     """Load or compile one variant; returns (seconds, loaded from the store)."""
-    import torch
-
     from . import compile_cache
     from .kernels.config import default_bwd_config, default_fwd_config
 
-    dtype = getattr(torch, DTYPES[variant.dtype])
+    dtype = DTYPES[variant.dtype]
     if variant.direction == "fwd":
         kernel = compile_cache.get_fwd(dtype, variant.head_dim, variant.causal,
                                        default_fwd_config(variant.head_dim, variant.causal))
@@ -75,39 +74,20 @@ def build(variant: Variant) -> tuple[float, bool]:
     return kernel.compile_seconds, kernel.from_disk
 
 
-def _csv(choices, kind=str):
-    def parse(text: str) -> list:
-        items = [x for x in text.split(",") if x]
-        try:
-            values = [kind(x) for x in items]
-        except ValueError:
-            values = None
-        if not items or values is None or any(v not in choices for v in values):
-            raise argparse.ArgumentTypeError(
-                f"expected a comma-separated list from {', '.join(map(str, choices))}, "
-                f"got {text!r}")
-        return values
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .kernels.config import SUPPORTED_HEAD_DIMS
 
     p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", type=_csv(SUPPORTED_HEAD_DIMS, int),
-                   default=list(SUPPORTED_HEAD_DIMS),
-                   help="head dims, comma-separated (default: all supported, "
-                        f"{','.join(map(str, SUPPORTED_HEAD_DIMS))})")
-    p.add_argument("--dtypes", type=_csv(tuple(DTYPES)), default=list(DTYPES),
-                   help="bf16, fp16 or both, comma-separated (default: bf16,fp16)")
-    p.add_argument("--causal", choices=tuple(CAUSAL), default="both",
-                   help="the causal flag's values to build (default: both)")
-    p.add_argument("--directions", type=_csv(("fwd", "bwd")), default=["fwd", "bwd"],
-                   help="fwd, bwd or both, comma-separated (default: fwd,bwd)")
+    add_head_dim_option(p, default=list(SUPPORTED_HEAD_DIMS), multiple=True,
+                        help_default="all")
+    add_dtype_option(p, default=list(DTYPES), multiple=True)
+    add_causal_option(p, default="both", allow_both=True)
+    p.add_argument("--directions", type=choice_list(("fwd", "bwd")), default=["fwd", "bwd"],
+                   metavar="LIST", help="fwd, bwd or both, comma-separated (default: fwd,bwd)")
     p.add_argument("--lse-grad", action="store_true",
                    help="also the backward variants for a gradient through the returned LSE")
-    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+    p.add_argument("--jobs", type=positive_int, default=min(8, os.cpu_count() or 1),
                    help="processes compiling at once (default: the CPU count, at most 8)")
     return p
 
@@ -115,14 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs: expected a positive integer, got {args.jobs}")
     from . import kernel_store
 
     if not kernel_store.enabled():
         parser.error(f"the kernel store is off ({kernel_store.ENABLE_ENV_VAR}="
                      f"{os.environ[kernel_store.ENABLE_ENV_VAR]}): nothing to fill")
-    todo = variants(args.head_dims, args.dtypes, CAUSAL[args.causal], args.directions,
+    todo = variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
                     args.lse_grad)
     print(f"{len(todo)} kernel variants into {kernel_store.folder()}", file=sys.stderr,
           flush=True)

@@ -22,14 +22,19 @@ ENV_VAR = "CUTE_FA_CACHE_DIR"
 
 
 @functools.lru_cache(maxsize=None)
-def version() -> str:
-    """The installed distribution's version ("0+unknown" when not installed)."""
+def installed_version(distribution: str) -> str | None:
+    """An installed distribution's version, None when it is not installed."""
     from importlib import metadata
 
     try:
-        return metadata.version("cute-fa")
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
-        return "0+unknown"
+        return None
+
+
+def version() -> str:
+    """This project's installed version ("0+unknown" when not installed)."""
+    return installed_version("cute-fa") or "0+unknown"
 
 
 def root() -> Path:
