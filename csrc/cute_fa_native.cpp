@@ -1,43 +1,44 @@
 // The CUDA kernels of cute_fa::fwd and cute_fa::bwd, on the host side, in C++.
 //
 // Why: a compiled training step without a CUDA graph is paced by its host
-// (profiling/RESULTS.md), and the Python kernels of the ops cost ~80 us (fwd)
-// and ~155 us (bwd) of host time per call on the H100 machine, against ~55 us
-// for SDPA's cuDNN forward. Here the same work (checks, per-problem plan
+// (docs/findings.md, "Host path"), and the Python kernels of the ops cost
+// ~80 us (fwd) and ~155 us (bwd) of host time per call on the H100 machine,
+// against ~55 us for SDPA's cuDNN forward. Here the same work (checks, plan
 // lookup, TMA-ready inputs, allocation, NVTX range, TVM-FFI launches) runs
 // without the interpreter.
 //
-// What stays in Python (python_api/native.py, ops.py): compiling the DSL
-// kernels and choosing their config, called once per new problem through the
-// planner callbacks and cached here; the error messages for bad input (a
+// What is launched how is the launch plan's (launch_plan.h), run here and by
+// the op's Python path alike; tests/test_native_gpu.py checks the two
+// bitwise against each other. What stays in Python (python_api/native.py):
+// choosing a problem's config and compiling its kernels, called once per new
+// problem through the planner callbacks; the error messages for bad input (a
 // failed fast check calls the Python validator, which raises the error that
 // names the argument); the fake and CPU kernels and autograd.
-//
-// The launches mirror ops.forward_cuda / ops.backward_cuda argument for
-// argument; tests/test_native_gpu.py checks them bitwise against each other.
 
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <dlpack/dlpack.h>
 #include <nvtx3/nvToolsExt.h>
-#include <tvm/ffi/c_api.h>
-#include <tvm/ffi/extra/c_env_api.h>
 
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <list>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "launch_plan.h"
+#include "plan_launcher.h"
+
 namespace py = pybind11;
 
 namespace {
-
-constexpr double kLog2E = 1.4426950408889634;  // math.log2(math.e), as in ops.py
 
 // ---------------------------------------------------------------- TVM-FFI
 
@@ -65,77 +66,6 @@ DLTensor dl_view(const at::Tensor& t) {
   return d;
 }
 
-TVMFFIAny any_tensor(DLTensor* t) {
-  TVMFFIAny a{};
-  a.type_index = kTVMFFIDLTensorPtr;
-  a.v_ptr = t;
-  return a;
-}
-
-TVMFFIAny any_float(double x) {
-  TVMFFIAny a{};
-  a.type_index = kTVMFFIFloat;
-  a.v_float64 = x;
-  return a;
-}
-
-TVMFFIAny any_int(int64_t x) {
-  TVMFFIAny a{};
-  a.type_index = kTVMFFIInt;
-  a.v_int64 = x;
-  return a;
-}
-
-// Calls one compiled kernel's launcher. The tensors come first, in the
-// launcher's order, then the scalars.
-void launch(TVMFFIObjectHandle fn, std::initializer_list<const at::Tensor*> tensors,
-            std::initializer_list<TVMFFIAny> scalars) {
-  std::array<DLTensor, 12> views;
-  std::array<TVMFFIAny, 16> args;
-  size_t n = 0;
-  for (const at::Tensor* t : tensors) {
-    views[n] = dl_view(*t);
-    args[n] = any_tensor(&views[n]);
-    ++n;
-  }
-  for (const TVMFFIAny& s : scalars) args[n++] = s;
-  TVMFFIAny result{};
-  result.type_index = kTVMFFINone;
-  if (TVMFFIFunctionCall(fn, args.data(), static_cast<int32_t>(n), &result) != 0) {
-    TVMFFIObjectHandle err = nullptr;
-    TVMFFIErrorMoveFromRaised(&err);
-    std::string message = "cute_fa native: kernel launch failed";
-    if (err != nullptr) {
-      // The error's cell follows its object header (c_api.h, TVMFFIErrorCell).
-      const auto* cell = reinterpret_cast<const TVMFFIErrorCell*>(
-          reinterpret_cast<const char*>(err) + sizeof(TVMFFIObject));
-      message += ": " + std::string(cell->kind.data, cell->kind.size) + ": " +
-                 std::string(cell->message.data, cell->message.size);
-      TVMFFIObjectDecRef(err);
-    }
-    TORCH_CHECK(false, message);
-  }
-  if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
-}
-
-// The kernels read the stream from TVM-FFI's environment (they were compiled
-// with use_tvm_ffi_env_stream); it is set to torch's current stream for the
-// calls and restored after.
-class EnvStream {
- public:
-  explicit EnvStream(const at::Tensor& t) : device_(static_cast<int32_t>(t.device().index())) {
-    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    void* stream = impl->getStream(t.device()).native_handle();
-    TORCH_CHECK(TVMFFIEnvSetStream(kDLCUDA, device_, stream, &previous_) == 0,
-                "cute_fa native: TVMFFIEnvSetStream failed");
-  }
-  ~EnvStream() { TVMFFIEnvSetStream(kDLCUDA, device_, previous_, nullptr); }
-
- private:
-  int32_t device_;
-  TVMFFIStreamHandle previous_ = nullptr;
-};
-
 class NvtxRange {
  public:
   explicit NvtxRange(const std::string& name) { nvtxRangePushA(name.c_str()); }
@@ -144,29 +74,22 @@ class NvtxRange {
 
 // ------------------------------------------------------------- the plans
 
-// What one problem needs at launch time, built once by the Python planner.
-struct Plan {
-  std::vector<TVMFFIObjectHandle> kernels;  // fwd: [fn]; bwd: [pre, main, post, group_sum?]
-  int64_t num_sms = 0;
-  int64_t tile_m = 0;              // bwd: padded query length unit
-  int64_t consumer_warpgroups = 0;  // bwd: semaphore slots per query tile
-  bool split_gqa = false;
-  bool deterministic = false;
-  bool dynamic_tiles = false;  // the config's: a tile counter of the call's own
-  // fwd: the zeroed counters (tile counter, split tiles') and the split tail's
-  // fp32 workspace one call reads (ops.fwd_workspace_sizes); 0: none.
-  int64_t fwd_counters = 0;
-  std::array<int64_t, 3> fwd_partials{0, 0, 0};
-  int64_t full_tiles = 0;  // fwd: the tail plan (cute_kernels/tail_plan.py)
-  int64_t tail_parts = 1;
-  std::string nvtx_name;
-  at::Tensor unused_semaphore;  // stands in for the bwd semaphore outside deterministic mode
-                                // and for the fwd counters where none are read
-  at::Tensor unused_partials;   // and for the fwd workspace without a split tail
-  PyObject* keepalive = nullptr;  // the compiled kernels; never released (see state)
+// The compiled launches of one kernel variant, from the Python planner.
+// Never released: they are the compile cache's, which lives as long as the
+// process, and must not be released after the interpreter has shut down.
+struct KernelSet {
+  std::vector<TVMFFIObjectHandle> launches;  // in the plan's kernel order
 };
 
-using PlanKey = std::array<int64_t, 12>;
+// What one problem needs at launch time.
+struct PlanEntry {
+  CuteFaPlan plan;
+  const KernelSet* kernels = nullptr;
+  std::string nvtx_name;
+  at::Tensor unused_i32, unused_f32;  // stand in for the buffers the variant never reads
+};
+
+using PlanKey = std::array<int64_t, 11>;
 
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
@@ -176,11 +99,19 @@ struct PlanKeyHash {
   }
 };
 
+// The plans of recent problems, least recently used evicted beyond
+// kMaxPlans (a server with ever new sequence lengths would otherwise grow
+// without bound). Entries are shared: an evicted plan stays valid for the
+// call that holds it.
+constexpr size_t kMaxPlans = 512;
+
 struct State {
-  // The autograd engine runs backward ops on its own thread: the map is
+  // The autograd engine runs backward ops on its own thread: the cache is
   // guarded, and never while the GIL is taken (a planner runs Python).
   std::mutex mutex;
-  std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+  std::list<std::pair<PlanKey, std::shared_ptr<const PlanEntry>>> recent;  // front: newest
+  std::unordered_map<PlanKey, decltype(recent)::iterator, PlanKeyHash> plans;
+  std::unordered_map<PyObject*, std::unique_ptr<KernelSet>> kernel_sets;
   PyObject* fwd_planner = nullptr;
   PyObject* bwd_planner = nullptr;
   PyObject* explain_fwd = nullptr;
@@ -194,50 +125,123 @@ State& state() {
   return *s;
 }
 
-Plan make_plan(PyObject* planner, py::tuple args) {
-  TORCH_CHECK(planner != nullptr, "cute_fa native: no planner set (python_api.native.load)");
-  py::tuple r = py::reinterpret_borrow<py::object>(planner)(*args);
-  Plan plan;
-  for (py::handle h : r[0].cast<py::tuple>())
-    plan.kernels.push_back(reinterpret_cast<TVMFFIObjectHandle>(h.cast<uintptr_t>()));
-  plan.num_sms = r[1].cast<int64_t>();
-  plan.tile_m = r[2].cast<int64_t>();
-  plan.consumer_warpgroups = r[3].cast<int64_t>();
-  plan.split_gqa = r[4].cast<bool>();
-  plan.deterministic = r[5].cast<bool>();
-  plan.nvtx_name = r[6].cast<std::string>();
-  plan.keepalive = r[7].ptr();
-  Py_INCREF(plan.keepalive);
-  plan.dynamic_tiles = r[8].cast<bool>();
-  plan.fwd_counters = r[9].cast<int64_t>();
-  py::tuple partials = r[10].cast<py::tuple>();
-  for (size_t i = 0; i < 3; ++i) plan.fwd_partials[i] = partials[i].cast<int64_t>();
-  plan.full_tiles = r[11].cast<int64_t>();
-  plan.tail_parts = r[12].cast<int64_t>();
-  return plan;
+// The kernel set of the planner's `kernels` object (held for the process).
+const KernelSet* kernel_set(State& s, py::handle kernels, py::handle handles) {
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto& slot = s.kernel_sets[kernels.ptr()];
+  if (!slot) {
+    slot = std::make_unique<KernelSet>();
+    for (py::handle h : handles)
+      slot->launches.push_back(reinterpret_cast<TVMFFIObjectHandle>(h.cast<uintptr_t>()));
+    Py_INCREF(kernels.ptr());
+  }
+  return slot.get();
 }
 
-// The plan of one problem; a new problem asks the Python planner (which
-// compiles the kernels the first time). References stay valid: the map is
-// node-based and plans are never erased while in use.
-const Plan& plan_for(const PlanKey& key, bool backward, const at::Device& device,
-                     const std::function<py::tuple()>& args) {
+template <typename Variant>
+Variant read_variant(py::handle variant) {
+  const std::string bytes = variant.cast<py::bytes>();
+  TORCH_CHECK(bytes.size() == sizeof(Variant), "cute_fa native: the planner's variant has ",
+              bytes.size(), " bytes, launch_plan.h's ", sizeof(Variant));
+  Variant v;
+  std::memcpy(&v, bytes.data(), sizeof(Variant));
+  return v;
+}
+
+// Asks the Python planner (which compiles the kernels the first time) and
+// plans the problem: python_api/native.py, NativeVariant.
+std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool backward,
+                                     const CuteFaShape& shape) {
+  TORCH_CHECK(planner != nullptr, "cute_fa native: no planner set (python_api.native.load)");
+  py::object r = py::reinterpret_borrow<py::object>(planner)(*args);
+  auto entry = std::make_shared<PlanEntry>();
+  entry->kernels = kernel_set(state(), r.attr("kernels"), r.attr("handles"));
+  entry->nvtx_name = r.attr("nvtx_name").cast<std::string>();
+  const int64_t num_sms = r.attr("num_sms").cast<int64_t>();
+  int status;
+  if (backward) {
+    const auto v = read_variant<CuteFaBwdVariant>(r.attr("variant"));
+    status = cute_fa_plan_bwd(&v, &shape, num_sms, &entry->plan);
+  } else {
+    const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
+    status = cute_fa_plan_fwd(&v, &shape, num_sms, 0, 0, &entry->plan);
+  }
+  TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");
+  return entry;
+}
+
+// The plan of one problem, from the cache or planned now.
+std::shared_ptr<const PlanEntry> plan_for(const PlanKey& key, bool backward,
+                                          const at::Tensor& like, const CuteFaShape& shape,
+                                          const std::function<py::tuple()>& args) {
   State& s = state();
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     auto it = s.plans.find(key);
-    if (it != s.plans.end()) return it->second;
+    if (it != s.plans.end()) {
+      s.recent.splice(s.recent.begin(), s.recent, it->second);
+      return it->second->second;
+    }
   }
-  Plan plan;
+  std::shared_ptr<PlanEntry> entry;
   {
     py::gil_scoped_acquire gil;
-    plan = make_plan(backward ? s.bwd_planner : s.fwd_planner, args());
+    entry = make_plan(backward ? s.bwd_planner : s.fwd_planner, args(), backward, shape);
   }
-  plan.unused_semaphore = at::empty({1, 1, 1}, at::TensorOptions().dtype(at::kInt).device(device));
-  plan.unused_partials =
-      at::empty({1, 1, 1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  entry->unused_i32 = at::empty({1, 1, 1}, like.options().dtype(at::kInt));
+  entry->unused_f32 = at::empty({1, 1, 1}, like.options().dtype(at::kFloat));
   std::lock_guard<std::mutex> lock(s.mutex);
-  return s.plans.emplace(key, std::move(plan)).first->second;  // keeps a racing thread's
+  auto it = s.plans.find(key);
+  if (it != s.plans.end()) return it->second->second;  // a racing thread's
+  s.recent.emplace_front(key, entry);
+  s.plans[key] = s.recent.begin();
+  if (s.recent.size() > kMaxPlans) {
+    s.plans.erase(s.recent.back().first);
+    s.recent.pop_back();
+  }
+  return entry;
+}
+
+// Runs a plan: allocates its buffers like the call's first input, launches
+// on torch's current stream inside the problem's NVTX range, and returns
+// the output buffers.
+std::vector<at::Tensor> execute(const PlanEntry& e, std::vector<at::Tensor>& buffers,
+                                double softmax_scale) {
+  const CuteFaPlan& plan = e.plan;
+  const at::Tensor& first = buffers[0];
+  for (int32_t i = plan.num_inputs; i < plan.num_buffers; ++i) {
+    const CuteFaBuffer& b = plan.buffers[i];
+    const at::ScalarType dtype = b.dtype == CUTE_FA_F32   ? at::kFloat
+                                 : b.dtype == CUTE_FA_I32 ? at::kInt
+                                                          : first.scalar_type();
+    if (b.init == CUTE_FA_UNUSED) {
+      buffers.push_back(dtype == at::kInt ? e.unused_i32 : e.unused_f32);
+      continue;
+    }
+    const at::IntArrayRef shape(b.shape, b.ndim);
+    const auto options = first.options().dtype(dtype);
+    buffers.push_back(b.init == CUTE_FA_ZERO ? at::zeros(shape, options)
+                                             : at::empty(shape, options));
+  }
+  std::array<DLTensor, CUTE_FA_PLAN_MAX_BUFFERS> views;
+  for (int32_t i = 0; i < plan.num_buffers; ++i) views[i] = dl_view(buffers[i]);
+  {
+    NvtxRange range(e.nvtx_name);
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    const int32_t device = static_cast<int32_t>(first.device().index());
+    cute_fa::EnvStream stream(device, impl->getStream(first.device()).native_handle());
+    TORCH_CHECK(stream.ok(), "cute_fa native: TVMFFIEnvSetStream failed");
+    const std::string error =
+        cute_fa::run_launches(plan, e.kernels->launches.data(), views.data(), softmax_scale);
+    TORCH_CHECK(error.empty(), "cute_fa native: ", error);
+  }
+  std::vector<at::Tensor> outputs;
+  for (int32_t i = 0; i < plan.num_outputs; ++i) outputs.push_back(buffers[plan.outputs[i]]);
+  return outputs;
+}
+
+CuteFaShape shape_of(const at::Tensor& q, const at::Tensor& k) {
+  return CuteFaShape{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
 }
 
 // --------------------------------------------------------------- checks
@@ -284,29 +288,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             bool causal, bool deterministic) {
   if (!attention_tensors_ok(q, k, v, scale))
     explain(state().explain_fwd, [&] { return py::make_tuple(q, k, v, scale); });
-  const int64_t b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3);
-  const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), b, sq,
-                    k.size(1), h, k.size(2), d, causal, 0, 0, 0};
-  const Plan& plan =
-      plan_for(key, false, q.device(), [&] { return py::make_tuple(q, k, causal); });
-  const double softmax_scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(d));
-  const at::Tensor qr = tma_ready(q), kr = tma_ready(k), vr = tma_ready(v);
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({b, h, sq}, q.options().dtype(at::kFloat));
-  // Counters and workspace shared between calls would be raced by launches
-  // on other streams.
-  at::Tensor counters =
-      plan.fwd_counters ? at::zeros({1, 1, plan.fwd_counters}, q.options().dtype(at::kInt))
-                        : plan.unused_semaphore;
-  at::Tensor partials = plan.fwd_partials[0]
-                            ? at::empty(plan.fwd_partials, q.options().dtype(at::kFloat))
-                            : plan.unused_partials;
-  NvtxRange range(plan.nvtx_name);
-  EnvStream stream(q);
-  launch(plan.kernels[0], {&qr, &kr, &vr, &out, &lse, &counters, &partials},
-         {any_float(softmax_scale * kLog2E), any_int(plan.num_sms), any_int(plan.full_tiles),
-          any_int(plan.tail_parts)});
-  return {out, lse};
+  const CuteFaShape shape = shape_of(q, k);
+  const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
+                    shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
+                    shape.head_dim, causal, 0, 0};
+  const auto entry =
+      plan_for(key, false, q, shape, [&] { return py::make_tuple(q, k, causal); });
+  const double softmax_scale =
+      scale ? *scale : 1.0 / std::sqrt(static_cast<double>(shape.head_dim));
+  std::vector<at::Tensor> buffers{tma_ready(q), tma_ready(k), tma_ready(v)};
+  buffers.reserve(CUTE_FA_PLAN_MAX_BUFFERS);
+  auto out = execute(*entry, buffers, softmax_scale);
+  return {out[0], out[1]};
 }
 
 bool backward_inputs_ok(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
@@ -334,48 +327,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   if (!backward_inputs_ok(grad_out, q, k, v, out, lse, scale, grad_lse))
     explain(state().explain_bwd,
             [&] { return py::make_tuple(grad_out, q, k, v, out, lse, scale, grad_lse); });
-  const int64_t b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3);
-  const int64_t sk = k.size(1), hkv = k.size(2);
-  const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), b, sq, sk, h,
-                    hkv, d, causal, deterministic, grad_lse.has_value(), 1};
-  const Plan& plan = plan_for(key, true, q.device(), [&] {
+  const CuteFaShape shape = shape_of(q, k);
+  const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
+                    shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
+                    shape.head_dim, causal, deterministic, 1 + grad_lse.has_value()};
+  const auto entry = plan_for(key, true, q, shape, [&] {
     return py::make_tuple(q, k, causal, deterministic, grad_lse.has_value());
   });
-  const at::Tensor qr = tma_ready(q), kr = tma_ready(k), vr = tma_ready(v);
-  const at::Tensor outr = tma_ready(out), dor = tma_ready(grad_out);
   const at::Tensor lse_c = lse.contiguous();
-  const at::Tensor dlse = grad_lse ? grad_lse->to(at::kFloat).contiguous() : lse_c;
-  const auto f32 = q.options().dtype(at::kFloat);
-  const int64_t padded_q = (sq + plan.tile_m - 1) / plan.tile_m * plan.tile_m;
-  at::Tensor lse2 = at::empty({b, h, padded_q}, f32);
-  at::Tensor dsum = at::empty({b, h, padded_q}, f32);
-  at::Tensor dq_accum = at::empty({b, h, padded_q * d}, f32);
-  // With dynamic_tiles its first element is the tile counter, zeroed by the
-  // preprocess: one per call, as a shared one would be raced across streams.
-  at::Tensor semaphore =
-      plan.deterministic
-          ? at::zeros({b, h, padded_q / plan.tile_m * plan.consumer_warpgroups},
-                      q.options().dtype(at::kInt))
-      : plan.dynamic_tiles ? at::empty({1, 1, 1}, q.options().dtype(at::kInt))
-                           : plan.unused_semaphore;
-  at::Tensor grad_q = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
-  at::Tensor dk_main = dk, dv_main = dv;
-  if (plan.split_gqa) {  // fp32 partials per query head, summed over each group after
-    dk_main = at::empty({b, sk, h, d}, f32);
-    dv_main = at::empty({b, sk, h, d}, f32);
-  }
-  NvtxRange range(plan.nvtx_name);
-  EnvStream stream(q);
-  launch(plan.kernels[0], {&outr, &dor, &lse_c, &dlse, &lse2, &dsum, &dq_accum, &semaphore},
-         {});
-  launch(plan.kernels[1],
-         {&qr, &kr, &vr, &dor, &lse2, &dsum, &dq_accum, &dk_main, &dv_main, &semaphore},
-         {any_float(scale * kLog2E), any_float(scale), any_int(plan.num_sms)});
-  launch(plan.kernels[2], {&dq_accum, &grad_q}, {any_float(scale)});
-  if (plan.split_gqa) launch(plan.kernels[3], {&dk_main, &dv_main, &dk, &dv}, {});
-  return {grad_q, dk, dv};
+  std::vector<at::Tensor> buffers{tma_ready(grad_out), tma_ready(q),   tma_ready(k),
+                                  tma_ready(v),        tma_ready(out), lse_c,
+                                  grad_lse ? grad_lse->to(at::kFloat).contiguous() : lse_c};
+  buffers.reserve(CUTE_FA_PLAN_MAX_BUFFERS);
+  auto grads = execute(*entry, buffers, scale);
+  return {grads[0], grads[1], grads[2]};
 }
 
 // Registered on demand (register_cuda_kernels), not at load time, so that the
@@ -419,4 +384,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("grad_lse") = py::none(), py::arg("deterministic") = false);
   m.def("cached_plans", [] { return state().plans.size(); });
+  m.def("plan_capacity", [] { return kMaxPlans; });
+  // What a prebuilt module (CMake) was built against; native.py compares it
+  // with the torch it runs under.
+  m.attr("built_for_torch") = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                              std::to_string(TORCH_VERSION_MINOR) + "." +
+                              std::to_string(TORCH_VERSION_PATCH);
 }

@@ -89,7 +89,7 @@ class FwdConfig(_KernelConfig):
     split_tail: non-causal, persistent: the tiles of the last, partial round
         are cut into key ranges that every SM shares, and the last part of
         each merges the others' rows (tail_split.py; the op picks the number
-        of parts per problem, tail_plan.py).
+        of parts per problem, csrc/launch_plan.cpp).
     pv_wait_after_exp2: with intra_wg_overlap, the K stage's release is
         ordered after row 0's exp2 of this column (1-based; 0: no order), so
         the wait for the previous P·V, which ptxas keeps behind that release,

@@ -20,7 +20,7 @@ every SM, and the parts' results are merged by whichever finishes last:
   O_p·exp(lse_p - lse), lse = log sum_p exp(lse_p); the same bits whichever
   part is last) and runs the ordinary epilogue; the others skip it.
 
-tail_plan.py chooses `full_tiles` and `parts` on the host.
+The launch plan (csrc/launch_plan.cpp) chooses `full_tiles` and `parts` on the host.
 """
 
 from __future__ import annotations

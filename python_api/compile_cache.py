@@ -59,6 +59,11 @@ class CompiledBackward:
     compile_seconds: float  # compiling, or loading from the kernel store
     from_disk: bool = False
 
+    def __post_init__(self):
+        # in the order of the launch plan's kernel indices (csrc/launch_plan.h)
+        self.launch_list = [f for f in (self.preprocess, self.main, self.postprocess,
+                                        self.group_sum) if f is not None]
+
     def launches(self) -> dict:
         names = ("preprocess", "main", "postprocess", "group_sum")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}

@@ -5,16 +5,17 @@ Python CUDA kernels of cute_fa::fwd / cute_fa::bwd cost more host time per
 call than ATen's attention ops (docs/findings.md, "Host path"). The extension does the
 same per-call work in C++; what runs once per new problem stays here:
 
-- the planners: device check, config choice (cute_kernels/config.py), DSL
-  compilation (compile_cache.py) and the NVTX range name, handed to C++ as
-  TVM-FFI function handles, cached there per problem;
+- the planners: device check, config choice and DSL compilation
+  (variants.py) and the NVTX range name, handed to C++ as a NativeVariant:
+  TVM-FFI function handles and the variant's numbers, from which C++ makes
+  the problem's launch plan (csrc/launch_plan.h) and caches it;
 - the validators: a call that fails the C++ fast check is explained by the
   Python checks (validate.py), which raise the error naming the argument.
 
 It is built with torch.utils.cpp_extension on first use on a CUDA machine
-(about a minute) from the C++ source shipped in the package (cute_fa.csrc),
-into the per-version cache folder (user_cache.py), under a name that digests
-the source, torch and Python, so that two versions of the project, or two
+(about a minute) from the C++ sources shipped in the package (cute_fa.csrc),
+or with CMake (CMakeLists.txt), into the per-version cache folder
+(user_cache.py), under a name that digests the sources, torch and Python, so that two versions of the project, or two
 torch installs, never load each other's build. Without a compiler, the
 TVM-FFI or NVTX headers, or with CUTE_FA_NATIVE=0, `load` returns None and
 ops.py keeps its Python kernels, with a warning saying why.
@@ -28,6 +29,7 @@ import hashlib
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from importlib import resources
 
 from . import user_cache
@@ -35,19 +37,24 @@ from . import user_cache
 ENV_SWITCH = "CUTE_FA_NATIVE"
 
 
-def source_path() -> str:
-    """The extension's C++ source, shipped as package data."""
-    return str(resources.files("cute_fa.csrc").joinpath("cute_fa_native.cpp"))
+SOURCES = ("cute_fa_native.cpp", "launch_plan.cpp")
+HEADERS = ("launch_plan.h", "plan_launcher.h")
 
 
-def build_folder(source: str) -> str:
-    """The build's folder in the per-version cache: one per source, torch and
+def source_folder() -> str:
+    """The extension's C++ sources, shipped as package data."""
+    return str(resources.files("cute_fa.csrc"))
+
+
+def build_folder() -> str:
+    """The build's folder in the per-version cache: one per sources, torch and
     Python, since the module links against torch's C++ ABI."""
     import torch
 
     digest = hashlib.sha256()
-    with open(source, "rb") as f:
-        digest.update(f.read())
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(source_folder(), name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
     digest.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
     return str(user_cache.folder(f"native-{digest.hexdigest()[:16]}"))
 
@@ -75,6 +82,24 @@ def _nvtx_include() -> str:
                             f"nvidia-nvtx wheel)")
 
 
+def prebuilt():
+    """The module that CMake built and installed into the package
+    (CMakeLists.txt), where it was built for the torch that runs; else None."""
+    import torch
+
+    try:
+        from . import cute_fa_native as module
+    except ImportError:
+        return None
+    running = torch.__version__.split("+")[0]
+    if getattr(module, "built_for_torch", None) != running:
+        warnings.warn(f"cute_fa: ignoring the installed C++ op kernels, built for torch "
+                      f"{getattr(module, 'built_for_torch', '?')} (this is {running}); "
+                      f"building them from source", stacklevel=2)
+        return None
+    return module
+
+
 def build(verbose: bool = False):
     """Compile (or load the cached build of) the extension module."""
     import tvm_ffi
@@ -82,9 +107,10 @@ def build(verbose: bool = False):
 
     ffi_root = os.path.dirname(tvm_ffi.__file__)
     ffi_lib = os.path.join(ffi_root, "lib")
-    source = source_path()
-    return load(name="cute_fa_native", sources=[source], build_directory=build_folder(source),
-                extra_include_paths=[os.path.join(ffi_root, "include"), _nvtx_include()],
+    folder = source_folder()
+    return load(name="cute_fa_native", sources=[os.path.join(folder, n) for n in SOURCES],
+                build_directory=build_folder(),
+                extra_include_paths=[folder, os.path.join(ffi_root, "include"), _nvtx_include()],
                 extra_cflags=["-O2"],
                 extra_ldflags=[f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"],
                 verbose=verbose)
@@ -98,32 +124,37 @@ def _ffi_handle(compiled) -> int:
     return (inner() if inner is not None else compiled).__chandle__()
 
 
-def _fwd_plan(q, k, causal):
-    from . import ops
+@dataclass(frozen=True)
+class NativeVariant:
+    """What the C++ host layer asks of Python once per new problem: the
+    compiled launches of the problem's kernel variant and the planner's view
+    of that variant (launch_plan.h); C++ plans the launches itself."""
+    kernels: object  # the compiled kernels (CompiledKernel / CompiledBackward), kept alive
+    handles: tuple  # their TVM-FFI function handles, in the plan's kernel order
+    variant: bytes  # a CuteFaFwdVariant / CuteFaBwdVariant
+    num_sms: int
+    nvtx_name: str
+
+
+def _fwd_plan(q, k, causal) -> NativeVariant:
+    from . import launch_plan, variants
     from . import nvtx as nvtx_ranges
 
-    kernel, config, device_index = ops.fwd_kernel_for(q, k, causal)
-    num_sms = ops._num_sms(device_index)
-    tail = ops.fwd_tail_plan(config, q, k, num_sms)
-    counters, partials = ops.fwd_workspace_sizes(config, q, tail)
-    return ((_ffi_handle(kernel.fn),), num_sms, 0, 0, False, False,
-            nvtx_ranges.range_name("fwd", q, k, causal), kernel, config.dynamic_tiles,
-            counters, partials or (0, 0, 0), tail.full_tiles, tail.parts)
+    kernel, config, device_index = variants.fwd_kernel_for(q, k, causal)
+    return NativeVariant(kernel, (_ffi_handle(kernel.fn),),
+                         bytes(launch_plan.fwd_variant(config, q.shape[3])),
+                         variants.num_sms(device_index), nvtx_ranges.range_name("fwd", q, k, causal))
 
 
-def _bwd_plan(q, k, causal, deterministic, has_grad_lse):
-    from . import ops
+def _bwd_plan(q, k, causal, deterministic, has_grad_lse) -> NativeVariant:
+    from . import launch_plan, variants
     from . import nvtx as nvtx_ranges
 
-    kernels, config, device_index = ops.bwd_kernels_for(q, k, causal, deterministic,
+    kernels, config, device_index = variants.bwd_kernels_for(q, k, causal, deterministic,
                                                         has_grad_lse)
-    fns = (kernels.preprocess, kernels.main, kernels.postprocess)
-    if config.split_gqa:
-        fns += (kernels.group_sum,)
-    return (tuple(_ffi_handle(f) for f in fns), ops._num_sms(device_index), config.tile_m,
-            config.consumer_warpgroups, config.split_gqa, config.deterministic,
-            nvtx_ranges.range_name("bwd", q, k, causal), kernels, config.dynamic_tiles,
-            0, (0, 0, 0), 0, 1)
+    return NativeVariant(kernels, tuple(_ffi_handle(f) for f in kernels.launch_list),
+                         bytes(launch_plan.bwd_variant(config)), variants.num_sms(device_index),
+                         nvtx_ranges.range_name("bwd", q, k, causal))
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,7 +166,7 @@ def load():
     from .validate import check_attention_inputs, check_backward_inputs
 
     try:
-        module = build()
+        module = prebuilt() or build()
     except Exception as exc:  # no compiler, headers or ninja: the Python kernels serve
         warnings.warn(f"cute_fa: the C++ op kernels could not be built ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "

@@ -3,9 +3,9 @@ implementations.
 
 `cute_fa::fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False) -> (out, lse)`
 (softmax_scale None means 1/sqrt(headdim); inputs are validated here, once.)
-- CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py), launched from
-  C++ (csrc/cute_fa_native.cpp, native.py) where that builds, else from
-  forward_cuda below;
+- CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py), launched by
+  its launch plan (csrc/launch_plan.h) from C++ (csrc/cute_fa_native.cpp,
+  native.py) where that builds, else from forward_cuda below;
 - CPU: the reference math (reference.py), so the op runs anywhere;
 - fake: shapes only, so torch.compile(fullgraph=True) traces callers.
 Every real call runs inside an NVTX range named after the problem (nvtx.py).
@@ -21,89 +21,15 @@ that autograd can hand it on) makes the gradients bitwise reproducible.
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
+from . import launch_plan, native
 from .kernels import tail_plan
-from .kernels.config import (WARPGROUP_THREADS, BwdConfig, FwdConfig,
-                                 bwd_config_for_problem, default_fwd_config)
-
-from . import native
+from .kernels.config import BwdConfig, FwdConfig
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
-from .validate import check_attention_inputs, check_backward_inputs, check_cuda_device
-
-LOG2_E = math.log2(math.e)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _checked_device(device_index: int) -> None:
-    check_cuda_device(torch.device("cuda", device_index))
-
-
-def _device_index(t: torch.Tensor) -> int:
-    """The tensor's CUDA device, checked once per device to be an sm_90 GPU."""
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    _checked_device(index)
-    return index
-
-
-@functools.lru_cache(maxsize=None)
-def _stand_in(device_index: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    # The backward reads its semaphore only in deterministic mode, the
-    # forward its counters only with dynamic_tiles or a split tail and its
-    # partials only with the latter; one tiny tensor per device and dtype
-    # stands in for them otherwise.
-    return torch.empty((1, 1, 1), dtype=dtype, device=torch.device("cuda", device_index))
-
-
-def _fwd_num_tiles(config: FwdConfig, q: torch.Tensor) -> int:
-    batch, seqlen_q, heads, _ = q.shape
-    return -(-seqlen_q // config.tile_m) * heads * batch
-
-
-def fwd_tail_plan(config: FwdConfig, q: torch.Tensor, k: torch.Tensor,
-                  num_sms: int) -> tail_plan.TailPlan:
-    """How the forward splits its last round of tiles (split_tail), or not."""
-    if not config.split_tail:
-        return tail_plan.NO_SPLIT
-    return tail_plan.plan(_fwd_num_tiles(config, q), num_sms, -(-k.shape[1] // config.tile_n))
-
-
-def fwd_workspace_sizes(config: FwdConfig, q: torch.Tensor,
-                        tail: tail_plan.TailPlan) -> tuple[int, tuple[int, int, int] | None]:
-    """(counters, partials shape) that one forward call reads: the int32
-    counters, zero at launch (dynamic_tiles' tile counter, then one per split
-    tile and consumer warpgroup; 0: none read), and the fp32 workspace of a
-    split tail (None: none). Also the C++ kernels' planner (native.py) uses it."""
-    split_tiles = tail.split_tiles(_fwd_num_tiles(config, q))
-    counters = 0
-    if config.dynamic_tiles or split_tiles:
-        counters = tail_plan.FIRST_COUNTER + split_tiles * config.consumer_warpgroups
-    partials = None
-    if split_tiles:
-        partials = (split_tiles * tail.parts, tail_plan.partial_floats(q.shape[3]),
-                    WARPGROUP_THREADS * config.consumer_warpgroups)
-    return counters, partials
-
-
-def fwd_workspace(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailPlan,
-                  device_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counters, partials) of one forward call (fwd_workspace_sizes): fresh
-    per call where read (shared ones would be raced by launches on other
-    streams), tiny stand-ins otherwise."""
-    counters, partials = fwd_workspace_sizes(config, q, tail)
-    return (torch.zeros((1, 1, counters), dtype=torch.int32, device=q.device) if counters
-            else _stand_in(device_index),
-            torch.empty(partials, dtype=torch.float32, device=q.device) if partials
-            else _stand_in(device_index, torch.float32))
+from .validate import check_attention_inputs, check_backward_inputs
+from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -118,44 +44,6 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-_compile_cache = None
-
-
-def _kernels():
-    """compile_cache, imported at the first kernel call (it imports cutlass,
-    which the CPU and fake paths never need) and then held: an import
-    statement costs ~2 us on every call."""
-    global _compile_cache
-    if _compile_cache is None:
-        from . import compile_cache
-        _compile_cache = compile_cache
-    return _compile_cache
-
-
-def fwd_kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool,
-                   config: FwdConfig | None = None):
-    """(compiled forward, its config, device index) for a problem: the device
-    checked, `config` or the per-problem default. Also the C++ kernels'
-    planner (native.py) uses it, once per problem."""
-    device_index = _device_index(q)
-    head_dim = q.shape[3]
-    config = config or default_fwd_config(head_dim, causal)
-    return _kernels().get_fwd(q.dtype, head_dim, causal, config), config, device_index
-
-
-def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,
-                    has_grad_lse: bool, config: BwdConfig | None = None):
-    """(compiled backward launches, their config, device index) for a
-    problem, as fwd_kernel_for."""
-    device_index = _device_index(q)
-    batch, _, heads, head_dim = q.shape
-    config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch,
-                                              k.shape[1], heads, k.shape[2],
-                                              _num_sms(device_index))
-    return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse), config,
-            device_index)
-
-
 # The host path below runs once per attention call; a compiled training step
 # without a CUDA graph is paced by its host, so it avoids what costs there:
 # context managers, generators and repeated lookups (docs/findings.md, "Host path").
@@ -163,15 +51,27 @@ def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministi
 def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                  causal: bool, config: FwdConfig | None = None,
                  tail: tail_plan.TailPlan | None = None):
-    """Run the DSL forward kernel; `config` overrides the per-problem default
-    (this is how profiling.sweep A/Bs kernel variants), `tail` the split of
-    the last round that a split_tail config would choose."""
+    """Run the DSL forward kernel by its launch plan (launch_plan.py);
+    `config` overrides the per-problem default (this is how profiling.sweep
+    A/Bs kernel variants), `tail` the split of the last round that a
+    split_tail config would choose."""
     kernel, config, device_index = fwd_kernel_for(q, k, causal, config)
-    num_sms = _num_sms(device_index)
-    if tail is None:
-        tail = fwd_tail_plan(config, q, k, num_sms)
-    elif tail.split:
-        num_tiles = _fwd_num_tiles(config, q)
+    if tail is not None:
+        _check_forced_tail(config, q, tail)
+    plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k), num_sms(device_index), tail)
+    inputs = [_tma_ready(q), _tma_ready(k), _tma_ready(v)]
+    nvtx_ranges.push(nvtx_ranges.range_name("fwd", q, k, causal))
+    try:
+        out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale)
+    finally:
+        nvtx_ranges.pop()
+    return out, lse
+
+
+def _check_forced_tail(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailPlan) -> None:
+    batch, seqlen_q, heads, _ = q.shape
+    num_tiles = -(-seqlen_q // config.tile_m) * heads * batch
+    if tail.split:
         if (not config.split_tail or not 0 <= tail.full_tiles <= num_tiles
                 or tail.parts > tail_plan.MAX_PARTS):
             raise ValueError(f"tail: expected a split of a split_tail config with full_tiles "
@@ -179,67 +79,28 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
                              f"got {tail} (split_tail={config.split_tail})")
     elif tail.parts != 1:
         raise ValueError(f"tail: expected parts >= 1, got {tail}")
-    batch, seqlen_q, heads, head_dim = q.shape
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    nvtx_ranges.push(nvtx_ranges.range_name("fwd", q, k, causal))
-    try:
-        kernel.fn(q, k, v, out, lse, *fwd_workspace(config, q, tail, device_index),
-                  softmax_scale * LOG2_E, num_sms, tail.full_tiles, tail.parts)
-    finally:
-        nvtx_ranges.pop()
-    return out, lse
 
 
 def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
                   grad_lse: torch.Tensor | None = None, deterministic: bool = False, *,
                   config: BwdConfig | None = None):
-    """Run preprocess, the DSL backward kernel and the dQ postprocess (the
-    arguments of cute_fa::bwd); `config` overrides the per-problem default
+    """Run preprocess, the DSL backward kernel, the dQ postprocess (and the
+    group sum of split_gqa) by their launch plan, with the arguments of
+    cute_fa::bwd; `config` overrides the per-problem default
     (profiling.sweep), deterministic included."""
     kernels, config, device_index = bwd_kernels_for(q, k, causal, deterministic,
                                                     grad_lse is not None, config)
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k = k.shape[1]
-    q, k, v, out, grad_out = (_tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(out),
-                              _tma_ready(grad_out))
+    plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k), num_sms(device_index))
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
-    device = q.device
-    padded_q = -(-seqlen_q // config.tile_m) * config.tile_m
-    lse2 = torch.empty((batch, heads, padded_q), dtype=torch.float32, device=device)
-    dsum = torch.empty_like(lse2)
-    dq_accum = torch.empty((batch, heads, padded_q * head_dim), dtype=torch.float32,
-                           device=device)
-    if config.deterministic:
-        semaphore = torch.zeros((batch, heads, padded_q // config.tile_m
-                                 * config.consumer_warpgroups), dtype=torch.int32, device=device)
-    elif config.dynamic_tiles:  # the tile counter, zeroed by the preprocess; one per call
-        semaphore = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
-    else:
-        semaphore = _stand_in(device_index)
-    grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    if config.split_gqa:  # fp32 partials per query head, summed over each group after
-        dk_main = torch.empty((batch, seqlen_k, heads, head_dim), dtype=torch.float32,
-                              device=device)
-        dv_main = torch.empty_like(dk_main)
-    else:
-        dk_main, dv_main = dk, dv
+    inputs = [_tma_ready(grad_out), _tma_ready(q), _tma_ready(k), _tma_ready(v),
+              _tma_ready(out), lse, grad_lse]
     nvtx_ranges.push(nvtx_ranges.range_name("bwd", q, k, causal))
     try:
-        kernels.preprocess(out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore)
-        kernels.main(q, k, v, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore,
-                     softmax_scale * LOG2_E, softmax_scale, _num_sms(device_index))
-        kernels.postprocess(dq_accum, grad_q, softmax_scale)
-        if config.split_gqa:
-            kernels.group_sum(dk_main, dv_main, dk, dv)
+        return launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale)
     finally:
         nvtx_ranges.pop()
-    return grad_q, dk, dv
 
 
 def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:

@@ -57,28 +57,39 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool) -> lis
     return out
 
 
-def build(variant: Variant) -> tuple[float, bool]:
-    """Load or compile one variant; returns (seconds, loaded from the store)."""
-    from . import compile_cache
+def config_of(variant: Variant):
+    """The config the op uses for a variant (FwdConfig or BwdConfig)."""
     from .kernels.config import default_bwd_config, default_fwd_config
 
-    dtype = DTYPES[variant.dtype]
     if variant.direction == "fwd":
-        kernel = compile_cache.get_fwd(dtype, variant.head_dim, variant.causal,
-                                       default_fwd_config(variant.head_dim, variant.causal))
-    else:
-        config = default_bwd_config(variant.head_dim, variant.causal, variant.deterministic,
-                                    split_gqa=variant.split_gqa)
-        kernel = compile_cache.get_bwd(dtype, variant.head_dim, variant.causal, config,
-                                       variant.lse_grad)
+        return default_fwd_config(variant.head_dim, variant.causal)
+    return default_bwd_config(variant.head_dim, variant.causal, variant.deterministic,
+                              split_gqa=variant.split_gqa)
+
+
+def kernels_of(variant: Variant, cached: bool = True):
+    """A variant's compiled kernels (CompiledKernel or CompiledBackward): through
+    compile_cache's memory and store, or (cached=False) compiled now."""
+    from . import compile_cache
+
+    dtype, config = DTYPES[variant.dtype], config_of(variant)
+    if variant.direction == "fwd":
+        get = compile_cache.get_fwd if cached else compile_cache.compile_fwd
+        return get(dtype, variant.head_dim, variant.causal, config)
+    get = compile_cache.get_bwd if cached else compile_cache.compile_bwd
+    return get(dtype, variant.head_dim, variant.causal, config, variant.lse_grad)
+
+
+def build(variant: Variant) -> tuple[float, bool]:
+    """Load or compile one variant; returns (seconds, loaded from the store)."""
+    kernel = kernels_of(variant)
     return kernel.compile_seconds, kernel.from_disk
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_variant_options(p: argparse.ArgumentParser) -> None:
+    """The options that choose kernel variants (also python -m cute_fa.aot's)."""
     from .kernels.config import SUPPORTED_HEAD_DIMS
 
-    p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_head_dim_option(p, default=list(SUPPORTED_HEAD_DIMS), multiple=True,
                         help_default="all")
     add_dtype_option(p, default=list(DTYPES), multiple=True)
@@ -89,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the backward variants for a gradient through the returned LSE")
     p.add_argument("--jobs", type=positive_int, default=min(8, os.cpu_count() or 1),
                    help="processes compiling at once (default: the CPU count, at most 8)")
+
+
+def chosen_variants(args: argparse.Namespace) -> list[Variant]:
+    return variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
+                    args.lse_grad)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_variant_options(p)
     return p
 
 
@@ -100,8 +122,7 @@ def main(argv=None) -> int:
     if not kernel_store.enabled():
         parser.error(f"the kernel store is off ({kernel_store.ENABLE_ENV_VAR}="
                      f"{os.environ[kernel_store.ENABLE_ENV_VAR]}): nothing to fill")
-    todo = variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
-                    args.lse_grad)
+    todo = chosen_variants(args)
     print(f"{len(todo)} kernel variants into {kernel_store.folder()}", file=sys.stderr,
           flush=True)
     start, failures = time.perf_counter(), 0

@@ -75,6 +75,21 @@ def test_native_serves_the_ops_and_the_public_function():
     assert native.cached_plans() > before
 
 
+def test_the_plan_cache_is_bounded():
+    # A server meets ever new sequence lengths: the C++ host layer keeps the
+    # plans of the most recent problems only, and replans an evicted one.
+    native = _native()
+    capacity = native.plan_capacity()
+    q0, k0, v0 = _inputs(1, 8, 8, 2, 2, 64, torch.bfloat16, seed=4)
+    first = native.fwd(q0, k0, v0, None, False)[0]
+    q, k, v = _inputs(1, 8, capacity + 40, 2, 2, 64, torch.bfloat16, seed=5)
+    for seqlen_k in range(9, capacity + 40):  # a new problem each
+        native.fwd(q, k[:, :seqlen_k], v[:, :seqlen_k], None, False)
+        assert native.cached_plans() <= capacity
+    assert native.cached_plans() == capacity
+    assert torch.equal(native.fwd(q0, k0, v0, None, False)[0], first)
+
+
 def test_native_copies_inputs_tma_cannot_read():
     # A q whose base is 2 bytes past a 16-byte boundary, and a packed q/k/v
     # whose head stride is fine: the first is copied, the second read in place.

@@ -1,0 +1,240 @@
+// The launch plans of launch_plan.h.
+//
+// The forward's split tail (cute_kernels/tail_split.py is the kernel side):
+// a tail of R tiles on P SMs costs UNSPLIT_TAIL_SHARE * n_blocks without the
+// split and ceil(R * parts / P) * (n_blocks / parts + UNIT_OVERHEAD_BLOCKS)
+// with it, in units of one K/V block. Both constants are fitted to forced
+// plans timed on the H100 (docs/findings.md, "Split tail").
+
+#include "launch_plan.h"
+
+#include <cstring>
+#include <initializer_list>
+
+namespace {
+
+// A unit's cost beyond its blocks: its first block (no softmax overlap), the
+// partial's write, fence and count, and for the last part the merge.
+constexpr double kUnitOverheadBlocks = 4.0;
+// A last round on few SMs runs faster than a full one.
+constexpr double kUnsplitTailShare = 0.85;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+double tail_cost(int64_t tail_tiles, int64_t num_sms, int64_t n_blocks, int64_t parts) {
+  if (parts == 1) return kUnsplitTailShare * static_cast<double>(n_blocks);
+  const int64_t rounds = ceil_div(tail_tiles * parts, num_sms);
+  return static_cast<double>(rounds) *
+         (static_cast<double>(n_blocks) / static_cast<double>(parts) + kUnitOverheadBlocks);
+}
+
+// Appends to a plan under construction.
+class Builder {
+ public:
+  explicit Builder(CuteFaPlan* plan) : plan_(plan) { std::memset(plan, 0, sizeof(*plan)); }
+
+  int input(int32_t dtype, int32_t ndim, const int64_t* shape, bool tma) {
+    const int index = buffer(dtype, CUTE_FA_EMPTY, ndim, shape);
+    plan_->buffers[index].tma = tma;
+    plan_->num_inputs = index + 1;
+    return index;
+  }
+
+  int buffer(int32_t dtype, int32_t init, int32_t ndim, const int64_t* shape) {
+    if (plan_->num_buffers == CUTE_FA_PLAN_MAX_BUFFERS) { ok_ = false; return 0; }
+    CuteFaBuffer& b = plan_->buffers[plan_->num_buffers];
+    b.dtype = dtype;
+    b.init = init;
+    b.ndim = ndim;
+    for (int i = 0; i < ndim; ++i) b.shape[i] = shape[i];
+    return plan_->num_buffers++;
+  }
+
+  int buffer3(int32_t dtype, int32_t init, int64_t a, int64_t b, int64_t c) {
+    const int64_t shape[3] = {a, b, c};
+    return buffer(dtype, init, 3, shape);
+  }
+
+  int buffer4(int32_t dtype, int64_t a, int64_t b, int64_t c, int64_t d) {
+    const int64_t shape[4] = {a, b, c, d};
+    return buffer(dtype, CUTE_FA_EMPTY, 4, shape);
+  }
+
+  // A launch of kernel `kernel`: tensors first, in the launcher's order, then scalars.
+  CuteFaLaunch* launch(int32_t kernel) {
+    if (plan_->num_launches == CUTE_FA_PLAN_MAX_LAUNCHES) { ok_ = false; return &scratch_; }
+    CuteFaLaunch* l = &plan_->launches[plan_->num_launches++];
+    l->kernel = kernel;
+    return l;
+  }
+
+  void arg(CuteFaLaunch* l, int32_t kind, int32_t index = 0, int64_t value = 0) {
+    if (l->num_args == CUTE_FA_PLAN_MAX_ARGS) { ok_ = false; return; }
+    l->args[l->num_args++] = CuteFaArg{kind, index, value};
+  }
+
+  void tensors(CuteFaLaunch* l, std::initializer_list<int> buffers) {
+    for (int b : buffers) arg(l, CUTE_FA_ARG_BUFFER, b);
+  }
+
+  void output(int buffer) {
+    if (plan_->num_outputs == CUTE_FA_PLAN_MAX_OUTPUTS) { ok_ = false; return; }
+    plan_->outputs[plan_->num_outputs++] = buffer;
+  }
+
+  int status() const { return ok_ ? 0 : -1; }
+
+ private:
+  CuteFaPlan* plan_;
+  CuteFaLaunch scratch_{};
+  bool ok_ = true;
+};
+
+bool shape_ok(const CuteFaShape* s) {
+  return s->batch > 0 && s->seqlen_q > 0 && s->seqlen_k > 0 && s->heads > 0 &&
+         s->heads_kv > 0 && s->heads % s->heads_kv == 0 && s->head_dim > 0;
+}
+
+}  // namespace
+
+extern "C" int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_t n_blocks,
+                                      int64_t max_parts) {
+  if (num_sms <= 0) return 1;
+  const int64_t tail = num_tiles % num_sms;
+  if (tail == 0 || n_blocks < 2) return 1;
+  int64_t best = 1;
+  double best_cost = tail_cost(tail, num_sms, n_blocks, 1);
+  const int64_t last = max_parts < n_blocks ? max_parts : n_blocks;
+  for (int64_t parts = 2; parts <= last; ++parts) {
+    const double cost = tail_cost(tail, num_sms, n_blocks, parts);
+    if (cost < best_cost) {  // ties keep the fewer parts
+      best_cost = cost;
+      best = parts;
+    }
+  }
+  return best;
+}
+
+extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
+                                int64_t num_sms, int64_t forced_full_tiles,
+                                int64_t forced_parts, CuteFaPlan* plan) {
+  if (!shape_ok(s) || v->tile_m <= 0 || v->tile_n <= 0 || num_sms <= 0) return -1;
+  Builder b(plan);
+  const int64_t bshd_q[4] = {s->batch, s->seqlen_q, s->heads, s->head_dim};
+  const int64_t bshd_k[4] = {s->batch, s->seqlen_k, s->heads_kv, s->head_dim};
+  const int q = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
+  const int k = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
+  const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
+
+  const int64_t num_tiles = ceil_div(s->seqlen_q, v->tile_m) * s->heads * s->batch;
+  int64_t full_tiles = 0, parts = 1;
+  if (forced_parts > 0) {
+    full_tiles = forced_full_tiles;
+    parts = forced_parts;
+  } else if (v->split_tail) {
+    parts = cute_fa_tail_parts(num_tiles, num_sms, ceil_div(s->seqlen_k, v->tile_n),
+                               v->max_parts);
+    full_tiles = parts > 1 ? num_tiles - num_tiles % num_sms : 0;
+  }
+  if (parts > 1 && (!v->split_tail || full_tiles < 0 || full_tiles > num_tiles ||
+                    parts > v->max_parts))
+    return -1;
+  if (parts == 1) full_tiles = 0;
+  const int64_t split_tiles = parts > 1 ? num_tiles - full_tiles : 0;
+  plan->full_tiles = full_tiles;
+  plan->tail_parts = parts;
+
+  const int out = b.buffer4(CUTE_FA_INPUT_DTYPE, s->batch, s->seqlen_q, s->heads, s->head_dim);
+  const int lse = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, s->batch, s->heads, s->seqlen_q);
+  // Fresh per call where read: shared ones would be raced by launches on other streams.
+  const int counters =
+      (v->dynamic_tiles || split_tiles)
+          ? b.buffer3(CUTE_FA_I32, CUTE_FA_ZERO, 1, 1,
+                      v->first_split_counter + split_tiles * v->consumer_warpgroups)
+          : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
+  const int partials =
+      split_tiles ? b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, split_tiles * parts,
+                              v->partial_floats,
+                              int64_t{v->threads_per_warpgroup} * v->consumer_warpgroups)
+                  : b.buffer3(CUTE_FA_F32, CUTE_FA_UNUSED, 1, 1, 1);
+
+  CuteFaLaunch* fwd = b.launch(0);
+  b.tensors(fwd, {q, k, vv, out, lse, counters, partials});
+  b.arg(fwd, CUTE_FA_ARG_SCALE_LOG2);
+  b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
+  b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);
+  b.arg(fwd, CUTE_FA_ARG_INT, 0, parts);
+  b.output(out);
+  b.output(lse);
+  return b.status();
+}
+
+extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
+                                int64_t num_sms, CuteFaPlan* plan) {
+  if (!shape_ok(s) || v->tile_m <= 0 || num_sms <= 0) return -1;
+  Builder b(plan);
+  plan->tail_parts = 1;
+  const int64_t B = s->batch, SQ = s->seqlen_q, SK = s->seqlen_k, H = s->heads,
+                HKV = s->heads_kv, D = s->head_dim;
+  const int64_t bshd_q[4] = {B, SQ, H, D};
+  const int64_t bshd_k[4] = {B, SK, HKV, D};
+  const int64_t rows[3] = {B, H, SQ};
+  const int grad_out = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
+  const int q = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
+  const int k = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
+  const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
+  const int out = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
+  const int lse = b.input(CUTE_FA_F32, 3, rows, false);
+  const int grad_lse = b.input(CUTE_FA_F32, 3, rows, false);
+
+  const int64_t padded_q = ceil_div(SQ, v->tile_m) * v->tile_m;
+  const int lse2 = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q);
+  const int dsum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q);
+  const int dq_accum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q * D);
+  // Deterministic: a semaphore per query tile and consumer warpgroup. With
+  // dynamic_tiles its first element is the tile counter, zeroed by the
+  // preprocess; one per call, as a shared one would be raced across streams.
+  const int semaphore =
+      v->deterministic
+          ? b.buffer3(CUTE_FA_I32, CUTE_FA_ZERO, B, H,
+                      padded_q / v->tile_m * v->consumer_warpgroups)
+      : v->dynamic_tiles ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, 1, 1, 1)
+                         : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
+  const int grad_q = b.buffer4(CUTE_FA_INPUT_DTYPE, B, SQ, H, D);
+  const int grad_k = b.buffer4(CUTE_FA_INPUT_DTYPE, B, SK, HKV, D);
+  const int grad_v = b.buffer4(CUTE_FA_INPUT_DTYPE, B, SK, HKV, D);
+  int dk_main = grad_k, dv_main = grad_v;
+  if (v->split_gqa) {
+    dk_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
+    dv_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
+  }
+
+  CuteFaLaunch* pre = b.launch(0);
+  b.tensors(pre, {out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore});
+  CuteFaLaunch* main = b.launch(1);
+  b.tensors(main, {q, k, vv, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore});
+  b.arg(main, CUTE_FA_ARG_SCALE_LOG2);
+  b.arg(main, CUTE_FA_ARG_SCALE);
+  b.arg(main, CUTE_FA_ARG_INT, 0, num_sms);
+  CuteFaLaunch* post = b.launch(2);
+  b.tensors(post, {dq_accum, grad_q});
+  b.arg(post, CUTE_FA_ARG_SCALE);
+  if (v->split_gqa) {
+    CuteFaLaunch* group_sum = b.launch(3);
+    b.tensors(group_sum, {dk_main, dv_main, grad_k, grad_v});
+  }
+  b.output(grad_q);
+  b.output(grad_k);
+  b.output(grad_v);
+  return b.status();
+}
+
+extern "C" void cute_fa_plan_layout(int64_t* version, int64_t* sizes, int32_t num_sizes) {
+  *version = CUTE_FA_PLAN_LAYOUT_VERSION;
+  const int64_t all[] = {sizeof(CuteFaShape), sizeof(CuteFaFwdVariant), sizeof(CuteFaBwdVariant),
+                         sizeof(CuteFaBuffer), sizeof(CuteFaArg), sizeof(CuteFaLaunch),
+                         sizeof(CuteFaPlan)};
+  for (int32_t i = 0; i < num_sizes && i < static_cast<int32_t>(sizeof(all) / sizeof(all[0]));
+       ++i)
+    sizes[i] = all[i];
+}

@@ -1,0 +1,123 @@
+/* The launch plan of one attention problem: which buffers a call allocates
+ * and which kernel launches it makes with which arguments, in order.
+ *
+ * This is the single description of how the ops' kernels are launched. Three
+ * executors run it unchanged: the op's C++ host layer (cute_fa_native.cpp),
+ * the op's Python host path (python_api/launch_plan.py, through this file's
+ * C functions) and the stand-alone driver (cute_fa_run.cpp). A new kernel
+ * variant adds its plan here and nothing to the executors.
+ *
+ * The inputs are what the kernel variant is (a few numbers from its config,
+ * filled by python_api/launch_plan.py or by the ahead-of-time registry that
+ * the same module generates) and the problem's shape. Plain C, so that
+ * Python's ctypes reads the structs as they are; the layout version below
+ * changes with any of them.
+ */
+#ifndef CUTE_FA_LAUNCH_PLAN_H_
+#define CUTE_FA_LAUNCH_PLAN_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CUTE_FA_PLAN_LAYOUT_VERSION 1
+#define CUTE_FA_PLAN_MAX_BUFFERS 20
+#define CUTE_FA_PLAN_MAX_ARGS 16
+#define CUTE_FA_PLAN_MAX_LAUNCHES 4
+#define CUTE_FA_PLAN_MAX_OUTPUTS 4
+
+typedef struct {
+  int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim;
+} CuteFaShape;
+
+/* What the planner needs to know of a forward kernel variant. */
+typedef struct {
+  int32_t tile_m, tile_n;
+  int32_t consumer_warpgroups, threads_per_warpgroup;
+  int32_t dynamic_tiles;  /* a tile counter of the call's own */
+  int32_t split_tail;     /* the last round of tiles may be split into key ranges */
+  int32_t max_parts;      /* the most key ranges the kernel's merge holds */
+  int32_t partial_floats; /* fp32 values one consumer thread leaves per part */
+  int32_t first_split_counter; /* counters[0] is the tile counter */
+} CuteFaFwdVariant;
+
+/* ... and of a backward variant (preprocess, main, postprocess, group sum). */
+typedef struct {
+  int32_t tile_m, consumer_warpgroups;
+  int32_t dynamic_tiles, deterministic;
+  int32_t split_gqa; /* fp32 dK/dV per query head, summed per group after */
+} CuteFaBwdVariant;
+
+enum CuteFaDtype { CUTE_FA_INPUT_DTYPE = 0, CUTE_FA_F32 = 1, CUTE_FA_I32 = 2 };
+
+enum CuteFaInit {
+  CUTE_FA_EMPTY = 0,   /* written before it is read */
+  CUTE_FA_ZERO = 1,    /* zeroed per call (counters, semaphores) */
+  CUTE_FA_UNUSED = 2,  /* never read by this variant: one tiny tensor may stand in */
+};
+
+/* Buffers 0 .. num_inputs-1 are the call's inputs (see the plan functions),
+ * bound by the executor; the others it allocates, compact, per call. */
+typedef struct {
+  int32_t dtype, init, ndim, tma; /* tma (inputs): needs TMA-ready strides */
+  int64_t shape[4];
+} CuteFaBuffer;
+
+enum CuteFaArgKind {
+  CUTE_FA_ARG_BUFFER = 0,     /* buffers[index] */
+  CUTE_FA_ARG_SCALE_LOG2 = 1, /* softmax_scale * log2(e), fp32 */
+  CUTE_FA_ARG_SCALE = 2,      /* softmax_scale, fp32 */
+  CUTE_FA_ARG_INT = 3,        /* value, int32 */
+};
+
+typedef struct {
+  int32_t kind, index;
+  int64_t value;
+} CuteFaArg;
+
+typedef struct {
+  int32_t kernel; /* index into the variant's launches, in their order */
+  int32_t num_args;
+  CuteFaArg args[CUTE_FA_PLAN_MAX_ARGS];
+} CuteFaLaunch;
+
+typedef struct {
+  int32_t num_inputs, num_buffers, num_launches, num_outputs;
+  CuteFaBuffer buffers[CUTE_FA_PLAN_MAX_BUFFERS];
+  CuteFaLaunch launches[CUTE_FA_PLAN_MAX_LAUNCHES];
+  int32_t outputs[CUTE_FA_PLAN_MAX_OUTPUTS];
+  /* forward: the split of the last round (full_tiles whole, then `tail_parts`
+   * key ranges per tile; tail_parts 1: no split) */
+  int64_t full_tiles, tail_parts;
+} CuteFaPlan;
+
+/* Forward. Inputs: q, k, v. Launches: fwd. Outputs: out, lse.
+ * forced_parts 0: the split of the tail from the cost model (launch_plan.cpp);
+ * otherwise forced_full_tiles / forced_parts (a sweep's A/B, checked by the
+ * caller). Returns 0, or -1 for a shape or variant it cannot plan. */
+int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
+                     int64_t num_sms, int64_t forced_full_tiles, int64_t forced_parts,
+                     CuteFaPlan* plan);
+
+/* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
+ * the call has none). Launches: preprocess, main, postprocess[, group_sum].
+ * Outputs: grad_q, grad_k, grad_v. */
+int cute_fa_plan_bwd(const CuteFaBwdVariant* variant, const CuteFaShape* shape,
+                     int64_t num_sms, CuteFaPlan* plan);
+
+/* The key ranges per tile of the forward's split tail for `num_tiles` tiles of
+ * `n_blocks` K/V blocks on `num_sms` persistent CTAs (1: no split). */
+int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_t n_blocks,
+                           int64_t max_parts);
+
+/* CUTE_FA_PLAN_LAYOUT_VERSION and the sizes of the structs, for a caller that
+ * mirrors them (Python's ctypes) to check it reads the same layout. */
+void cute_fa_plan_layout(int64_t* version, int64_t* sizes, int32_t num_sizes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CUTE_FA_LAUNCH_PLAN_H_ */

@@ -1,0 +1,68 @@
+"""Which compiled kernel variant serves a problem: the device checked, the
+config chosen (cute_kernels/config.py), the kernels from compile_cache.py.
+Shared by the op's Python path (ops.py) and the C++ host layer's planner
+(native.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .kernels.config import BwdConfig, FwdConfig, bwd_config_for_problem, default_fwd_config
+from .validate import check_cuda_device
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_device(device_index: int) -> None:
+    check_cuda_device(torch.device("cuda", device_index))
+
+
+def _device_index(t: torch.Tensor) -> int:
+    """The tensor's CUDA device, checked once per device to be an sm_90 GPU."""
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    _checked_device(index)
+    return index
+
+
+_compile_cache = None
+
+
+def _kernels():
+    """compile_cache, imported at the first kernel call (the CPU and fake
+    paths never need it) and then held: an import statement costs ~2 us on
+    every call."""
+    global _compile_cache
+    if _compile_cache is None:
+        from . import compile_cache
+        _compile_cache = compile_cache
+    return _compile_cache
+
+
+def fwd_kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool,
+                   config: FwdConfig | None = None):
+    """(compiled forward, its config, device index) for a problem: the device
+    checked, `config` or the per-problem default. The op's Python path
+    asks it per call, the C++ host layer's planner (native.py) once per problem."""
+    device_index = _device_index(q)
+    head_dim = q.shape[3]
+    config = config or default_fwd_config(head_dim, causal)
+    return _kernels().get_fwd(q.dtype, head_dim, causal, config), config, device_index
+
+
+def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,
+                    has_grad_lse: bool, config: BwdConfig | None = None):
+    """(compiled backward launches, their config, device index) for a
+    problem, as fwd_kernel_for."""
+    device_index = _device_index(q)
+    batch, _, heads, head_dim = q.shape
+    config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch,
+                                              k.shape[1], heads, k.shape[2],
+                                              num_sms(device_index))
+    return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse), config,
+            device_index)

@@ -1,0 +1,175 @@
+"""The launch plans (csrc/launch_plan.cpp, read through python_api/launch_plan.py)
+on the CPU: the forward's split tail, the buffers and launches of each
+variant, and the planner library's build."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cute_fa import launch_plan
+from cute_fa.kernels import tail_plan
+from cute_fa.kernels.config import default_bwd_config, default_fwd_config
+from cute_fa.launch_plan import tail_parts
+
+
+def test_benchmark_tails_split_where_the_model_saves():
+    # d128 non-causal, 16 heads, 16k tokens: 2048 tiles on 132 SMs, 68 in the
+    # last round. 8k keys are 52 blocks of 160: three parts each, two rounds
+    # of units on every SM instead of one round of whole tiles on 68.
+    assert tail_parts(2048, 132, 52) == 3
+    assert tail_parts(2048, 132, 103) == 5  # 16k
+    # 2k and 4k keys (13, 26 blocks): the units' overhead eats the saving
+    assert tail_parts(2048, 132, 13) == 1 and tail_parts(2048, 132, 26) == 1
+    # d64 8k / 16k (192-row tiles): 112 of 132 SMs busy in the last round
+    assert tail_parts(2752, 132, 64) == 1
+    # d64 2k: 44 tiles in the last round, a third of the SMs
+    assert tail_parts(2816, 132, 16) == 3
+
+
+def test_full_rounds_and_tiny_problems():
+    assert tail_parts(2640, 132, 64) == 1  # 20 full rounds
+    assert tail_parts(5, 132, 1) == 1      # one block: nothing to split
+    assert tail_parts(64, 132, 40) == 2    # fewer tiles than SMs: all of them split
+    assert tail_parts(64, 132, 7) == 1     # ... unless they are short
+    for tiles, blocks in ((70, 3), (1, 8), (200, 2)):
+        assert tail_parts(tiles, 132, blocks) <= blocks  # every part has a block
+    for blocks in (9, 40, 1000):
+        assert tail_parts(1, 132, blocks) <= tail_plan.MAX_PARTS  # what the merge holds
+
+
+def test_units_count_the_parts():
+    split = tail_plan.TailPlan(full_tiles=1980, parts=5)
+    assert split.split and split.split_tiles(2048) == 68 and split.units(2048) == 1980 + 340
+    assert not tail_plan.NO_SPLIT.split and tail_plan.NO_SPLIT.split_tiles(2048) == 0
+
+
+def test_non_causal_defaults_split_their_tail():
+    for head_dim in (64, 96, 128):
+        assert default_fwd_config(head_dim, False).split_tail
+        assert not default_fwd_config(head_dim, True).split_tail
+
+
+def _workspace(plan, index):
+    return next(w for w in plan.workspaces if w.index == index)
+
+
+def test_forward_plan():
+    config = default_fwd_config(128, False)
+    shape = (2, 8192, 8192, 16, 4, 128)
+    plan = launch_plan.plan_fwd(config, shape, 132)
+    assert plan.tail == tail_plan.TailPlan(full_tiles=1980, parts=3)
+    assert plan.num_inputs == 3 and len(plan.launches) == 1
+    kernel, args = plan.launches[0]
+    buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
+    # q, k, v, out, lse, counters, partials, then scale·log2(e), SMs and the tail
+    assert buffers == list(range(7)) and plan.outputs == (3, 4)
+    assert [(kind, value) for kind, _, value in args[7:]] == [
+        (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
+        (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3)]
+    assert _workspace(plan, 3).shape == (2, 8192, 16, 128)
+    assert _workspace(plan, 3).dtype == launch_plan.INPUT_DTYPE
+    assert _workspace(plan, 4).shape == (2, 16, 8192)
+    # a counter per split tile and consumer warpgroup after the tile counter,
+    # zeroed per call; per unit, each consumer thread's 64 O values and its
+    # two rows' LSE
+    counters, partials = _workspace(plan, 5), _workspace(plan, 6)
+    assert counters.shape == (1, 1, tail_plan.FIRST_COUNTER + 68 * 2)
+    assert counters.init == launch_plan.ZERO and counters.dtype == launch_plan.I32
+    assert partials.shape == (68 * 3, 64 + 2, 256) and partials.init == launch_plan.EMPTY
+
+    assert launch_plan.plan_fwd(config, shape, 128).tail == tail_plan.NO_SPLIT  # full rounds
+    plain = launch_plan.plan_fwd(config.replace(split_tail=False), shape, 132)
+    assert _workspace(plain, 5).init == _workspace(plain, 6).init == launch_plan.UNUSED
+    causal = launch_plan.plan_fwd(default_fwd_config(128, True), shape, 132)
+    assert _workspace(causal, 5).shape == (1, 1, 1)  # the tile counter alone
+    assert _workspace(causal, 5).init == launch_plan.ZERO
+
+
+def test_forced_tail_plans():
+    config = default_fwd_config(128, False)
+    shape = (2, 8192, 8192, 16, 4, 128)
+    forced = launch_plan.plan_fwd(config, shape, 132, tail_plan.TailPlan(0, 2))
+    assert forced.tail == tail_plan.TailPlan(0, 2)
+    assert _workspace(forced, 6).shape[0] == 2048 * 2
+    assert launch_plan.plan_fwd(config, shape, 132, tail_plan.NO_SPLIT).tail == tail_plan.NO_SPLIT
+    for bad in (tail_plan.TailPlan(0, tail_plan.MAX_PARTS + 1), tail_plan.TailPlan(4096, 2)):
+        with pytest.raises(ValueError, match="no forward launch plan"):
+            launch_plan.plan_fwd(config, shape, 132, bad)
+    with pytest.raises(ValueError, match="no forward launch plan"):
+        launch_plan.plan_fwd(config.replace(split_tail=False), shape, 132,
+                             tail_plan.TailPlan(0, 2))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("split_gqa", [False, True])
+def test_backward_plan(deterministic, split_gqa):
+    config = default_bwd_config(128, True, deterministic, split_gqa)
+    batch, seqlen, heads, heads_kv, d = 2, 1000, 8, 2, 128
+    plan = launch_plan.plan_bwd(config, (batch, seqlen, seqlen, heads, heads_kv, d), 132)
+    padded = -(-seqlen // config.tile_m) * config.tile_m
+    assert plan.num_inputs == 7
+    assert [kernel for kernel, _ in plan.launches] == list(range(4 if split_gqa else 3))
+    shapes = {w.index: w.shape for w in plan.workspaces}
+    lse2, dsum, dq_accum, semaphore = 7, 8, 9, 10
+    assert shapes[lse2] == shapes[dsum] == (batch, heads, padded)
+    assert shapes[dq_accum] == (batch, heads, padded * d)
+    sem = _workspace(plan, semaphore)
+    if deterministic:
+        assert sem.init == launch_plan.ZERO
+        assert sem.shape == (batch, heads, padded // config.tile_m * config.consumer_warpgroups)
+    else:
+        assert sem.shape == (1, 1, 1)
+    grad_q, grad_k, grad_v = plan.outputs
+    assert shapes[grad_q] == (batch, seqlen, heads, d)
+    assert shapes[grad_k] == shapes[grad_v] == (batch, seqlen, heads_kv, d)
+    main_tensors = [i for kind, i, _ in plan.launches[1][1] if kind == launch_plan.ARG_BUFFER]
+    dk_main, dv_main = main_tensors[7:9]
+    if split_gqa:  # fp32 per query head, summed into the outputs by the fourth launch
+        assert shapes[dk_main] == (batch, seqlen, heads, d)
+        assert _workspace(plan, dk_main).dtype == launch_plan.F32
+        group_sum = [i for _, i, _ in plan.launches[3][1]]
+        assert group_sum == [dk_main, dv_main, grad_k, grad_v]
+    else:
+        assert (dk_main, dv_main) == (grad_k, grad_v)
+
+
+def test_bad_shapes_are_not_planned():
+    config = default_fwd_config(64, False)
+    for shape in ((0, 8, 8, 2, 2, 64), (1, 8, 8, 3, 2, 64), (1, 8, 0, 2, 2, 64)):
+        with pytest.raises(ValueError, match="no forward launch plan"):
+            launch_plan.plan_fwd(config, shape, 132)
+
+
+def test_planner_library_is_built_once_per_source(tmp_path):
+    # a fresh cache: built there on first use, then loaded
+    env = dict(os.environ, CUTE_FA_CACHE_DIR=str(tmp_path))
+    code = ("from cute_fa import launch_plan; launch_plan.library(); "
+            "print(launch_plan.library_path())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True)
+    path = out.stdout.strip()
+    assert path.startswith(str(tmp_path)) and os.path.isfile(path)
+    assert not [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".partial")]
+
+
+def test_no_compiler_is_a_clear_error(tmp_path):
+    env = dict(os.environ, CUTE_FA_CACHE_DIR=str(tmp_path), CXX="false")
+    code = "from cute_fa import launch_plan; launch_plan.library()"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "could not build its launch planner with false" in out.stderr
+    env["CXX"], env["PATH"] = "", str(tmp_path)  # no compiler on the PATH either
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "needs a C++ compiler" in out.stderr
+
+
+def test_the_op_module_does_not_import_the_dsl():
+    # The plan runs on the op's per-call path, which the CPU and fake kernels
+    # share; importing cutlass there would also fix the DSL's target before
+    # compile_cache sets it for a machine without a GPU.
+    code = "import sys, cute_fa.ops; print('cutlass' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
