@@ -11,9 +11,10 @@
 // the op's Python path alike; tests/test_native_gpu.py checks the two
 // bitwise against each other. What stays in Python (python_api/native.py):
 // choosing a problem's config and compiling its kernels, called once per new
-// problem through the planner callbacks; the error messages for bad input (a
-// failed fast check calls the Python validator, which raises the error that
-// names the argument); the fake and CPU kernels and autograd.
+// problem through the planner callbacks; every call that fails the fast
+// check (the op's Python CUDA kernel raises the error that names the
+// argument, or runs a valid call this path does not take: padded head dims);
+// the fake and CPU kernels and autograd.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -114,8 +115,8 @@ struct State {
   std::unordered_map<PyObject*, std::unique_ptr<KernelSet>> kernel_sets;
   PyObject* fwd_planner = nullptr;
   PyObject* bwd_planner = nullptr;
-  PyObject* explain_fwd = nullptr;
-  PyObject* explain_bwd = nullptr;
+  PyObject* fallback_fwd = nullptr;
+  PyObject* fallback_bwd = nullptr;
 };
 
 // Leaked on purpose: it holds Python objects, which must not be released
@@ -264,12 +265,15 @@ bool attention_tensors_ok(const at::Tensor& q, const at::Tensor& k, const at::Te
   return !scale || (*scale > 0.0 && std::isfinite(*scale));
 }
 
-void explain(PyObject* explainer, const std::function<py::tuple()>& args) {
+// A call that fails the fast check goes to the op's Python CUDA kernel
+// (ops.py), which validates first: a bad call gets the error that names the
+// argument (propagated to the caller as that Python exception), and a valid
+// one that the C++ path does not take (head dims padded to a kernel's) runs.
+template <typename Result>
+Result fall_back(PyObject* fallback, const std::function<py::tuple()>& args) {
   py::gil_scoped_acquire gil;
-  TORCH_CHECK(explainer != nullptr, "cute_fa native: no validator set (python_api.native.load)");
-  // Raises the error that names the argument (propagated to the caller as
-  // that Python exception); returns when the fast check was only stricter.
-  py::reinterpret_borrow<py::object>(explainer)(*args());
+  TORCH_CHECK(fallback != nullptr, "cute_fa native: no fallback set (python_api.ops)");
+  return py::reinterpret_borrow<py::object>(fallback)(*args()).cast<Result>();
 }
 
 // `t`, or a compact copy where TMA could not read it (ops._tma_ready).
@@ -287,7 +291,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& v, std::optional<double> scale,
                                             bool causal, bool deterministic) {
   if (!attention_tensors_ok(q, k, v, scale))
-    explain(state().explain_fwd, [&] { return py::make_tuple(q, k, v, scale); });
+    return fall_back<std::tuple<at::Tensor, at::Tensor>>(
+        state().fallback_fwd,
+        [&] { return py::make_tuple(q, k, v, scale, causal, deterministic); });
   const CuteFaShape shape = shape_of(q, k);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
@@ -325,8 +331,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& out, const at::Tensor& lse, double scale, bool causal,
     const std::optional<at::Tensor>& grad_lse, bool deterministic) {
   if (!backward_inputs_ok(grad_out, q, k, v, out, lse, scale, grad_lse))
-    explain(state().explain_bwd,
-            [&] { return py::make_tuple(grad_out, q, k, v, out, lse, scale, grad_lse); });
+    return fall_back<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+        state().fallback_bwd, [&] {
+          return py::make_tuple(grad_out, q, k, v, out, lse, scale, causal, grad_lse,
+                                deterministic);
+        });
   const CuteFaShape shape = shape_of(q, k);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
@@ -355,13 +364,18 @@ void register_cuda_kernels() {
   cuda_library->impl("bwd", TORCH_FN(bwd_cuda));
 }
 
-void set_callbacks(py::object fwd_planner, py::object bwd_planner, py::object explain_fwd,
-                   py::object explain_bwd) {
+void set_planners(py::object fwd_planner, py::object bwd_planner) {
   State& s = state();
   for (auto [slot, obj] : {std::pair{&s.fwd_planner, &fwd_planner},
-                           std::pair{&s.bwd_planner, &bwd_planner},
-                           std::pair{&s.explain_fwd, &explain_fwd},
-                           std::pair{&s.explain_bwd, &explain_bwd}}) {
+                           std::pair{&s.bwd_planner, &bwd_planner}}) {
+    Py_XDECREF(*slot);
+    *slot = obj->inc_ref().ptr();
+  }
+}
+
+void set_fallbacks(py::object fwd, py::object bwd) {
+  State& s = state();
+  for (auto [slot, obj] : {std::pair{&s.fallback_fwd, &fwd}, std::pair{&s.fallback_bwd, &bwd}}) {
     Py_XDECREF(*slot);
     *slot = obj->inc_ref().ptr();
   }
@@ -371,7 +385,9 @@ void set_callbacks(py::object fwd_planner, py::object bwd_planner, py::object ex
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cute_fa's CUDA op kernels on the host side (see csrc/cute_fa_native.cpp)";
-  m.def("set_callbacks", &set_callbacks, "planners and validators, from python_api.native");
+  m.def("set_planners", &set_planners, "the planners, from python_api.native");
+  m.def("set_fallbacks", &set_fallbacks,
+        "the ops' Python CUDA kernels, for valid calls the C++ path does not take (ops.py)");
   m.def("register_cuda_kernels", &register_cuda_kernels,
         "serve cute_fa::fwd and cute_fa::bwd on the CUDA key from here");
   // The defaults of the op schemas: the dispatcher leaves out trailing

@@ -22,7 +22,18 @@ WGMMA_M = 64
 SMEM_CAPACITY_BYTES = 227 * 1024
 # 64K 32-bit registers per SM; setmaxnreg moves them between warpgroups.
 REGISTERS_PER_SM = 65536
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128)  # the kernels' own
+# The ops take any multiple of this up to the largest kernel head dim: TMA
+# moves rows of 16 bytes, 8 16-bit elements (kernel_head_dim).
+HEAD_DIM_MULTIPLE = 8
+
+
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The kernels' head dim that serves `head_dim`: itself, else the next one
+    up (the op pads q, k, v with zeros to it); None where none does."""
+    if head_dim <= 0 or head_dim % HEAD_DIM_MULTIPLE:
+        return None
+    return next((d for d in SUPPORTED_HEAD_DIMS if d >= head_dim), None)
 
 
 def _align_1k(n: int) -> int:

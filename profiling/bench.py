@@ -44,7 +44,7 @@ DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 def build_parser() -> argparse.ArgumentParser:
     p = command_parser("bench", __doc__)
     add_dtype_option(p, ["bf16"], multiple=True)
-    add_head_dim_option(p, [64, 128], multiple=True)
+    add_head_dim_option(p, [64, 128], multiple=True, padded=True)
     add_causal_option(p, "both", allow_both=True)
     add_size_options(p, DEFAULT_SEQLENS, multiple=True, model_dim=True)
     add_direction_option(p, ["fwd"], multiple=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS
+from cute_fa.kernels.config import HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS
 
 from .cli import brace, choice_list, csv_list, one_of, positive_int
 
@@ -53,13 +53,23 @@ def add_dtype_option(p, default: str | list[str] | None = "bf16", multiple: bool
                        help=f"input dtype (default: {help_default or default})")
 
 
+# What the ops take: the kernels' head dims as they are, other multiples of 8
+# zero-padded to the next of them (kernels.config.kernel_head_dim).
+OP_HEAD_DIMS = tuple(d for d in range(HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS[-1] + 1,
+                                      HEAD_DIM_MULTIPLE))
+
+
 def add_head_dim_option(p, default: int | list[int] | None = 128, multiple: bool = False,
-                        help_default: str | None = None) -> None:
+                        help_default: str | None = None, padded: bool = False) -> None:
     """--head-dim (one) or --head-dims (a comma-separated list) of the head
-    dims the kernels support."""
+    dims the kernels support; padded: also those the op pads to them."""
     dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+    if padded:
+        dims = (f"multiples of {HEAD_DIM_MULTIPLE} up to {SUPPORTED_HEAD_DIMS[-1]} ({dims} run "
+                f"as they are, the others zero-padded to the next of those)")
     if multiple:
-        p.add_argument("--head-dims", type=choice_list(SUPPORTED_HEAD_DIMS), default=default,
+        choices = OP_HEAD_DIMS if padded else SUPPORTED_HEAD_DIMS
+        p.add_argument("--head-dims", type=choice_list(choices), default=default,
                        metavar="LIST", help=f"head dims, comma-separated, from {dims} (default: "
                        f"{help_default or ','.join(map(str, default))})")
     else:

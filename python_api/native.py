@@ -9,8 +9,10 @@ same per-call work in C++; what runs once per new problem stays here:
   (variants.py) and the NVTX range name, handed to C++ as a NativeVariant:
   TVM-FFI function handles and the variant's numbers, from which C++ makes
   the problem's launch plan (csrc/launch_plan.h) and caches it;
-- the validators: a call that fails the C++ fast check is explained by the
-  Python checks (validate.py), which raise the error naming the argument.
+- the fallbacks (set by ops.py): a call that fails the C++ fast check goes
+  to the op's Python CUDA kernel, which raises the error naming the argument
+  (validate.py) or, for a valid call the C++ path does not take (a head dim
+  padded to a kernel's), runs it.
 
 It is built with torch.utils.cpp_extension on first use on a CUDA machine
 (about a minute) from the C++ sources shipped in the package (cute_fa.csrc),
@@ -163,8 +165,6 @@ def load():
     cannot be built; CUTE_FA_NATIVE=0 turns it off without a warning."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    from .validate import check_attention_inputs, check_backward_inputs
-
     try:
         module = prebuilt() or build()
     except Exception as exc:  # no compiler, headers or ninja: the Python kernels serve
@@ -173,5 +173,5 @@ def load():
                       f"using the Python ones (more host time per call). "
                       f"{ENV_SWITCH}=0 silences this.", stacklevel=2)
         return None
-    module.set_callbacks(_fwd_plan, _bwd_plan, check_attention_inputs, check_backward_inputs)
+    module.set_planners(_fwd_plan, _bwd_plan)
     return module

@@ -25,7 +25,7 @@ import torch
 
 from . import launch_plan, native
 from .kernels import tail_plan
-from .kernels.config import BwdConfig, FwdConfig
+from .kernels.config import BwdConfig, FwdConfig, kernel_head_dim
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
 from .validate import check_attention_inputs, check_backward_inputs
@@ -55,6 +55,12 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     `config` overrides the per-problem default (this is how profiling.sweep
     A/Bs kernel variants), `tail` the split of the last round that a
     split_tail config would choose."""
+    head_dim = q.shape[3]
+    kernel_dim = kernel_head_dim(head_dim)
+    if kernel_dim != head_dim:  # zero columns change no score and give zero output columns
+        out, lse = forward_cuda(*(_pad_head_dim(t, kernel_dim) for t in (q, k, v)),
+                                softmax_scale, causal, config, tail)
+        return out[..., :head_dim].contiguous(), lse
     kernel, config, device_index = fwd_kernel_for(q, k, causal, config)
     if tail is not None:
         _check_forced_tail(config, q, tail)
@@ -66,6 +72,12 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     finally:
         nvtx_ranges.pop()
     return out, lse
+
+
+def _pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`t` with zero columns up to `head_dim` (a head dim the kernels have):
+    q·k is unchanged, and v's zero columns give zero output columns."""
+    return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
 
 
 def _check_forced_tail(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailPlan) -> None:
@@ -89,6 +101,13 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     group sum of split_gqa) by their launch plan, with the arguments of
     cute_fa::bwd; `config` overrides the per-problem default
     (profiling.sweep), deterministic included."""
+    head_dim = q.shape[3]
+    kernel_dim = kernel_head_dim(head_dim)
+    if kernel_dim != head_dim:  # the padded columns' gradients are zero: dropped
+        padded = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
+        grads = backward_cuda(*padded, lse, softmax_scale, causal, grad_lse, deterministic,
+                              config=config)
+        return tuple(g[..., :head_dim].contiguous() for g in grads)
     kernels, config, device_index = bwd_kernels_for(q, k, causal, deterministic,
                                                     grad_lse is not None, config)
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k), num_sms(device_index))
@@ -168,6 +187,9 @@ def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
 # the CUDA key where it can be built; these Python kernels otherwise.
 _native = native.load() if torch.cuda.is_available() else None
 if _native is not None:
+    # valid calls that the C++ path does not take itself (head dims that are
+    # padded to a kernel's) come back to these
+    _native.set_fallbacks(_fwd_cuda, _bwd_cuda)
     _native.register_cuda_kernels()
 for _name, _cpu, _cuda, _fake in (("fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
                                   ("bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)):

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .kernels.config import SUPPORTED_HEAD_DIMS
+from .kernels.config import HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS, kernel_head_dim
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -81,8 +81,11 @@ def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
         raise ValueError(f"q, k, v: expected one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}")
     head_dim = q.shape[3]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q: expected headdim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if kernel_head_dim(head_dim) is None:
+        raise ValueError(f"q: expected headdim a multiple of {HEAD_DIM_MULTIPLE} up to "
+                         f"{SUPPORTED_HEAD_DIMS[-1]} ({', '.join(map(str, SUPPORTED_HEAD_DIMS))} "
+                         f"run as they are, the others zero-padded to the next of those), "
+                         f"got {head_dim}")
     if k.shape != v.shape:
         raise ValueError(f"k, v: expected equal shapes, got k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")

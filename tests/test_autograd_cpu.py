@@ -73,3 +73,15 @@ def test_torch_compile_fullgraph_training_step_on_cpu():
     proj.weight.grad = None
     torch.compile(step, fullgraph=True, backend="aot_eager")(x).backward()
     torch.testing.assert_close(proj.weight.grad, eager)
+
+
+def test_head_dims_padded_on_cuda_run_on_cpu_too():
+    # any multiple of 8 up to 128: the CPU kernel is the reference math itself
+    q = torch.randn(1, 6, 2, 40, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(1, 5, 1, 40, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(1, 5, 1, 40, dtype=torch.float16, requires_grad=True)
+    torch.library.opcheck(torch.ops.cute_fa.fwd.default, (q, k, v, None, True))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.shape == q.shape
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape

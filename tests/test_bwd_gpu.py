@@ -90,6 +90,23 @@ def test_backward_matches_reference(dtype, head_dim, causal, seqlens):
            causal)
 
 
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203)])
+def test_padded_head_dims_match_reference(head_dim, causal, seqlens):
+    seqlen_q, seqlen_k = seqlens
+    _check(*_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.float16, seed=head_dim),
+           causal)
+
+
+def test_padded_head_dims_with_lse_gradient_and_determinism():
+    q, k, v, grad_out = _inputs(2, 333, 500, 4, 1, 80, torch.bfloat16, seed=11)
+    _check(q, k, v, grad_out, True, torch.randn((2, 4, 333), device="cuda"))
+    first = _ours(q, k, v, grad_out, True, deterministic=True)
+    again = _ours(q, k, v, grad_out, True, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.parametrize("trial", range(12))
 def test_backward_random_shapes(trial):
     shape = random_problem(random.Random(4321 + trial), group=[1, 2, 8][trial % 3])

@@ -147,3 +147,12 @@ def test_causal_forward_claims_tiles_dynamically():
             config = default_fwd_config(head_dim, causal)
             assert config.persistent
             assert config.dynamic_tiles is causal
+
+
+def test_head_dims_the_ops_take():
+    from cute_fa.kernels.config import kernel_head_dim
+
+    assert [kernel_head_dim(d) for d in (64, 96, 128)] == [64, 96, 128]  # as they are
+    assert [kernel_head_dim(d) for d in (8, 56, 72, 80, 88, 104, 112, 120)] == \
+        [64, 64, 96, 96, 96, 128, 128, 128]  # zero-padded to the next kernel head dim
+    assert [kernel_head_dim(d) for d in (0, 4, 36, 100, 136, 256)] == [None] * 6

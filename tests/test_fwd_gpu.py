@@ -52,6 +52,18 @@ def test_forward_matches_reference(dtype, head_dim, causal, seqlens):
     _check(q, k, v, causal, out, lse)
 
 
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203), (1, 77)])
+def test_padded_head_dims_match_reference(head_dim, causal, seqlens):
+    # run by the kernel of the next head dim up, q, k, v zero-padded
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = _inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.is_contiguous()
+    _check(q, k, v, causal, out, lse)
+
+
 @pytest.mark.parametrize("trial", range(12))
 def test_forward_random_shapes(trial):
     shape = random_problem(random.Random(1234 + trial))

@@ -75,6 +75,23 @@ def test_native_serves_the_ops_and_the_public_function():
     assert native.cached_plans() > before
 
 
+def test_padded_head_dims_take_the_python_kernel_from_cpp():
+    # d=80 fails the C++ fast check, is valid, and comes back to ops._fwd_cuda /
+    # _bwd_cuda, which pad to 96: the same bits as the Python path, and served
+    # through the dispatcher as well.
+    native = _native()
+    q, k, v = _inputs(2, 300, 300, 4, 2, 80, torch.bfloat16, seed=6)
+    out, lse = native.fwd(q, k, v, None, True)
+    out_py, lse_py = ops.forward_cuda(q, k, v, default_scale(80), True)
+    assert out.shape == q.shape and torch.equal(out, out_py) and torch.equal(lse, lse_py)
+    assert torch.equal(torch.ops.cute_fa.fwd(q, k, v, None, True)[0], out)
+    grad_out = torch.randn_like(out)
+    grads = native.bwd(grad_out, q, k, v, out, lse, default_scale(80), True, None, True)
+    grads_py = ops.backward_cuda(grad_out, q, k, v, out, lse, default_scale(80), True, None, True)
+    for g, g_py, t in zip(grads, grads_py, (q, k, v)):
+        assert g.shape == t.shape and g.is_contiguous() and torch.equal(g, g_py)
+
+
 def test_the_plan_cache_is_bounded():
     # A server meets ever new sequence lengths: the C++ host layer keeps the
     # plans of the most recent problems only, and replans an evicted one.
@@ -122,7 +139,7 @@ def test_native_runs_on_the_current_stream():
 
 @pytest.mark.parametrize("change, error, pattern", [
     (dict(k=lambda k: k.float()), TypeError, r"k: expected dtype"),
-    (dict(q=lambda q: q[..., :32].contiguous()), ValueError, r"q: expected headdim"),
+    (dict(q=lambda q: q[..., :36].contiguous()), ValueError, r"q: expected headdim"),
     (dict(q=lambda q: q[:, :, :3]), ValueError, r"k: expected nheads_kv to divide"),
     (dict(v=lambda v: v.transpose(-1, -2).contiguous().transpose(-1, -2)), ValueError,
      r"v: expected the last dimension"),

@@ -113,7 +113,8 @@ def test_native_extension_builds():
     from cute_fa import native
 
     module = native.build()
-    for name in ("fwd", "bwd", "register_cuda_kernels", "set_callbacks", "cached_plans"):
+    for name in ("fwd", "bwd", "register_cuda_kernels", "set_planners", "set_fallbacks",
+                 "cached_plans"):
         assert callable(getattr(module, name))
     assert module.cached_plans() == 0
 
