@@ -28,7 +28,7 @@ struct Options {
   bool list = false, print_plan = false;
   std::string dtype = "bf16";
   int64_t head_dim = 128, seqlen = 4096, seqlen_k = 0, batch = 0, heads = 0, heads_kv = 0;
-  int64_t total_tokens = 16384, iters = 20, warmup = 5;
+  int64_t total_tokens = 16384, iters = 20, warmup = 5, plan_sms = 132;
   double softmax_scale = 0.0;
 };
 
@@ -36,7 +36,8 @@ const char kUsage[] =
     "usage: cute_fa_run [--bwd] [--dtype bf16|fp16] [--head-dim D] [--seqlen N]\n"
     "                   [--seqlen-k N] [--batch B] [--heads H] [--heads-kv H]\n"
     "                   [--causal] [--deterministic] [--split-gqa] [--iters N]\n"
-    "                   [--warmup N] [--softmax-scale S] [--list] [--plan]\n"
+    "                   [--warmup N] [--softmax-scale S] [--list]\n"
+    "                   [--plan [--plan-sms N]]\n"
     "\n"
     "Runs an exported attention kernel variant (python -m cute_fa.aot) and prints\n"
     "its time per call. Defaults: forward, bf16, head dim 128, seqlen 4096, batch\n"
@@ -45,7 +46,8 @@ const char kUsage[] =
     "  --bwd            the backward (preprocess, main, postprocess[, group sum])\n"
     "  --deterministic  the deterministic backward;  --split-gqa  its split_gqa variant\n"
     "  --list           print the variants this build holds and exit\n"
-    "  --plan           print the launch plan and exit (no GPU needed)\n";
+    "  --plan           print the launch plan and exit (no GPU needed), planned\n"
+    "                   for --plan-sms SMs (default 132, an H100 SXM's)\n";
 
 [[noreturn]] void fail(const std::string& message) {
   std::fprintf(stderr, "cute_fa_run: %s\n", message.c_str());
@@ -90,6 +92,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--heads-kv") o.heads_kv = parse_int("--heads-kv", value(), 1);
     else if (arg == "--iters") o.iters = parse_int("--iters", value(), 1);
     else if (arg == "--warmup") o.warmup = parse_int("--warmup", value(), 0);
+    else if (arg == "--plan-sms") o.plan_sms = parse_int("--plan-sms", value(), 1);
     else if (arg == "--softmax-scale") {
       const char* text = value();
       char* end = nullptr;
@@ -279,10 +282,11 @@ int main(int argc, char** argv) {
   const CuteFaShape shape{o.batch, o.seqlen, o.seqlen_k, o.heads, o.heads_kv, o.head_dim};
   if (o.print_plan) {
     CuteFaPlan plan;
-    const int status = variant->backward ? cute_fa_plan_bwd(&variant->bwd, &shape, 132, &plan)
-                                         : cute_fa_plan_fwd(&variant->fwd, &shape, 132, 0, 0, &plan);
+    const int status =
+        variant->backward ? cute_fa_plan_bwd(&variant->bwd, &shape, o.plan_sms, &plan)
+                          : cute_fa_plan_fwd(&variant->fwd, &shape, o.plan_sms, 0, 0, &plan);
     if (status != 0) fail(std::string("no launch plan for this shape with ") + variant->name);
-    std::printf("(planned for 132 SMs)\n");
+    std::printf("(planned for %lld SMs)\n", static_cast<long long>(o.plan_sms));
     print_plan(*variant, plan);
     return 0;
   }

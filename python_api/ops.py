@@ -55,22 +55,23 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     `config` overrides the per-problem default (this is how profiling.sweep
     A/Bs kernel variants), `tail` the split of the last round that a
     split_tail config would choose."""
+    name = nvtx_ranges.range_name("fwd", q, k, causal)  # the caller's head dim
     head_dim = q.shape[3]
     kernel_dim = kernel_head_dim(head_dim)
     if kernel_dim != head_dim:  # zero columns change no score and give zero output columns
-        out, lse = forward_cuda(*(_pad_head_dim(t, kernel_dim) for t in (q, k, v)),
-                                softmax_scale, causal, config, tail)
-        return out[..., :head_dim].contiguous(), lse
+        q, k, v = (_pad_head_dim(t, kernel_dim) for t in (q, k, v))
     kernel, config, device_index = fwd_kernel_for(q, k, causal, config)
     if tail is not None:
         _check_forced_tail(config, q, tail)
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k), num_sms(device_index), tail)
     inputs = [_tma_ready(q), _tma_ready(k), _tma_ready(v)]
-    nvtx_ranges.push(nvtx_ranges.range_name("fwd", q, k, causal))
+    nvtx_ranges.push(name)
     try:
         out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale)
     finally:
         nvtx_ranges.pop()
+    if kernel_dim != head_dim:
+        out = out[..., :head_dim].contiguous()
     return out, lse
 
 
@@ -101,13 +102,11 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     group sum of split_gqa) by their launch plan, with the arguments of
     cute_fa::bwd; `config` overrides the per-problem default
     (profiling.sweep), deterministic included."""
+    name = nvtx_ranges.range_name("bwd", q, k, causal)  # the caller's head dim
     head_dim = q.shape[3]
     kernel_dim = kernel_head_dim(head_dim)
     if kernel_dim != head_dim:  # the padded columns' gradients are zero: dropped
-        padded = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
-        grads = backward_cuda(*padded, lse, softmax_scale, causal, grad_lse, deterministic,
-                              config=config)
-        return tuple(g[..., :head_dim].contiguous() for g in grads)
+        grad_out, q, k, v, out = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
     kernels, config, device_index = bwd_kernels_for(q, k, causal, deterministic,
                                                     grad_lse is not None, config)
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k), num_sms(device_index))
@@ -115,11 +114,14 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
     inputs = [_tma_ready(grad_out), _tma_ready(q), _tma_ready(k), _tma_ready(v),
               _tma_ready(out), lse, grad_lse]
-    nvtx_ranges.push(nvtx_ranges.range_name("bwd", q, k, causal))
+    nvtx_ranges.push(name)
     try:
-        return launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale)
+        grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale)
     finally:
         nvtx_ranges.pop()
+    if kernel_dim != head_dim:
+        grads = tuple(g[..., :head_dim].contiguous() for g in grads)
+    return grads
 
 
 def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:

@@ -140,6 +140,10 @@ def test_the_driver_plans_as_the_op_does(cmake_build, backward):
     expected_buffers, expected_launches = _python_plan(plan)
     assert buffers[plan.num_inputs:] == expected_buffers
     assert launches == expected_launches
+    if not backward:  # on 128 SMs: 3 · 8 · 6 = 144 tiles of 192 rows, 16 in the last round
+        done = _run(cmake_build, *args, "--plan-sms", "128")
+        plan = launch_plan.plan_fwd(default_fwd_config(64, False), shape, 128)
+        assert _parse_plan(done.stdout)[1] == _python_plan(plan)[1]
 
 
 def test_cmake_extension_module_is_taken_when_built_for_this_torch(cmake_build, monkeypatch):
