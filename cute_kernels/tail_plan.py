@@ -27,14 +27,6 @@ class TailPlan:
     def split(self) -> bool:
         return self.parts > 1
 
-    def split_tiles(self, num_tiles: int) -> int:
-        return num_tiles - self.full_tiles if self.split else 0
-
-    def units(self, num_tiles: int) -> int:
-        if not self.split:
-            return num_tiles
-        return self.full_tiles + self.split_tiles(num_tiles) * self.parts
-
 
 NO_SPLIT = TailPlan(full_tiles=0, parts=1)
 

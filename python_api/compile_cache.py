@@ -61,8 +61,7 @@ class CompiledBackward:
 
     def __post_init__(self):
         # in the order of the launch plan's kernel indices (csrc/launch_plan.h)
-        self.launch_list = [f for f in (self.preprocess, self.main, self.postprocess,
-                                        self.group_sum) if f is not None]
+        self.launch_list = list(self.launches().values())
 
     def launches(self) -> dict:
         names = ("preprocess", "main", "postprocess", "group_sum")

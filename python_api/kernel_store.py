@@ -64,11 +64,7 @@ def source_digest() -> str:
 
     files = sorted(Path(kernels.__file__).parent.glob("*.py"))
     files.append(Path(__file__).with_name("kernel_compile.py"))
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
+    return user_cache.files_digest(files)
 
 def describe(key: tuple, arch: str) -> str:
     """The full text of an entry's key: what it was built from."""

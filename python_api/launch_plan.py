@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
@@ -100,12 +99,8 @@ def compiler() -> str | None:
 
 def library_path() -> str:
     """Where the planner library of these sources lives in the per-version cache."""
-    digest = hashlib.sha256()
-    for path in _sources():
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return str(user_cache.folder(f"plan-{digest.hexdigest()[:16]}") / "libcute_fa_plan.so")
-
+    digest = user_cache.files_digest(_sources())
+    return str(user_cache.folder(f"plan-{digest[:16]}") / "libcute_fa_plan.so")
 
 def _build(target: str) -> None:
     cxx = compiler()

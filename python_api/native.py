@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 import os
 import sys
 import warnings
@@ -53,12 +52,10 @@ def build_folder() -> str:
     Python, since the module links against torch's C++ ABI."""
     import torch
 
-    digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        with open(os.path.join(source_folder(), name), "rb") as f:
-            digest.update(name.encode() + b"\0" + f.read())
-    digest.update(f"{torch.__version__}|{sys.version_info[:2]}".encode())
-    return str(user_cache.folder(f"native-{digest.hexdigest()[:16]}"))
+    digest = user_cache.files_digest(
+        (os.path.join(source_folder(), name) for name in SOURCES + HEADERS),
+        torch.__version__, str(sys.version_info[:2]))
+    return str(user_cache.folder(f"native-{digest[:16]}"))
 
 
 class NativeUnavailable(RuntimeError):

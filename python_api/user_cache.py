@@ -15,6 +15,7 @@ Everything else a command writes goes where its --out says.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -51,3 +52,15 @@ def folder(*parts: str) -> Path:
     path = root().joinpath(version(), *parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def files_digest(paths, *extra: str) -> str:
+    """SHA-256 (hex) over files' names and bytes, then `extra` texts: what a
+    cached build is named after, so edited sources never load an older build."""
+    digest = hashlib.sha256()
+    for path in map(Path, paths):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for text in extra:
+        digest.update(text.encode() + b"\0")
+    return digest.hexdigest()
+
