@@ -23,10 +23,11 @@ extern "C" {
 enum CuteFaKernelDtype { CUTE_FA_BF16 = 0, CUTE_FA_FP16 = 1 };
 
 typedef struct {
-  const char* name; /* "fwd bf16 d128 causal", "bwd fp16 d64 full deterministic", ... */
+  const char* name; /* "fwd bf16 d128 causal", "fwd bf16 d192 dv128 full",
+                       "bwd fp16 d64 full deterministic", ... */
   int32_t backward; /* 0: a forward (fwd is its plan's variant), 1: a backward (bwd) */
   int32_t dtype;    /* CuteFaKernelDtype of q, k, v and the outputs */
-  int32_t head_dim, causal, deterministic, split_gqa, lse_grad;
+  int32_t head_dim, head_dim_v, causal, deterministic, split_gqa, lse_grad;
   CuteFaFwdVariant fwd;
   CuteFaBwdVariant bwd;
   int32_t num_launches;

@@ -90,7 +90,7 @@ struct PlanEntry {
   at::Tensor unused_i32, unused_f32;  // stand in for the buffers the variant never reads
 };
 
-using PlanKey = std::array<int64_t, 11>;
+using PlanKey = std::array<int64_t, 12>;
 
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
@@ -241,24 +241,30 @@ std::vector<at::Tensor> execute(const PlanEntry& e, std::vector<at::Tensor>& buf
   return outputs;
 }
 
-CuteFaShape shape_of(const at::Tensor& q, const at::Tensor& k) {
-  return CuteFaShape{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+CuteFaShape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return CuteFaShape{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3),
+                     v.size(3)};
 }
 
 // --------------------------------------------------------------- checks
 
 bool supported_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-// The fast acceptance of validate._attention_tensors_ok: everything that it
-// accepts, and nothing that the naming checks reject.
+bool kernel_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+
+// The fast acceptance of validate._attention_tensors_ok for the head dims the
+// kernels have (config.SUPPORTED_HEAD_DIMS, v's no wider than q's): nothing
+// that the naming checks reject.
 bool attention_tensors_ok(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           std::optional<double> scale) {
-  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || k.sizes() != v.sizes()) return false;
-  if (q.numel() == 0 || k.numel() == 0) return false;
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
+  if (k.size(0) != v.size(0) || k.size(1) != v.size(1) || k.size(2) != v.size(2)) return false;
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return false;
   const auto dtype = q.scalar_type();
   if (!supported_dtype(dtype) || k.scalar_type() != dtype || v.scalar_type() != dtype) return false;
-  const int64_t d = q.size(3);
-  if (!(d == 64 || d == 96 || d == 128) || k.size(3) != d || k.size(0) != q.size(0)) return false;
+  const int64_t d = q.size(3), dv = v.size(3);
+  if (!kernel_head_dim(d) || !kernel_head_dim(dv) || dv > d) return false;
+  if (k.size(3) != d || k.size(0) != q.size(0)) return false;
   if (q.size(2) % k.size(2) != 0) return false;
   if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) return false;
   if (q.device() != k.device() || q.device() != v.device()) return false;
@@ -294,12 +300,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     return fall_back<std::tuple<at::Tensor, at::Tensor>>(
         state().fallback_fwd,
         [&] { return py::make_tuple(q, k, v, scale, causal, deterministic); });
-  const CuteFaShape shape = shape_of(q, k);
+  const CuteFaShape shape = shape_of(q, k, v);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
-                    shape.head_dim, causal, 0, 0};
+                    shape.head_dim, shape.head_dim_v, causal, 0, 0};
   const auto entry =
-      plan_for(key, false, q, shape, [&] { return py::make_tuple(q, k, causal); });
+      plan_for(key, false, q, shape, [&] { return py::make_tuple(q, v, causal); });
   const double softmax_scale =
       scale ? *scale : 1.0 / std::sqrt(static_cast<double>(shape.head_dim));
   std::vector<at::Tensor> buffers{tma_ready(q), tma_ready(k), tma_ready(v)};
@@ -312,6 +318,8 @@ bool backward_inputs_ok(const at::Tensor& grad_out, const at::Tensor& q, const a
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                         double scale, const std::optional<at::Tensor>& grad_lse) {
   if (!attention_tensors_ok(q, k, v, scale)) return false;
+  // The backward kernel's head dims (config.BACKWARD_HEAD_DIMS, v's that of q).
+  if (q.size(3) > 128 || v.size(3) != q.size(3)) return false;
   const auto dtype = q.scalar_type();
   for (const at::Tensor* t : {&grad_out, &out}) {
     if (t->sizes() != q.sizes() || t->scalar_type() != dtype || t->device() != q.device() ||
@@ -336,10 +344,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
           return py::make_tuple(grad_out, q, k, v, out, lse, scale, causal, grad_lse,
                                 deterministic);
         });
-  const CuteFaShape shape = shape_of(q, k);
+  const CuteFaShape shape = shape_of(q, k, v);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
-                    shape.head_dim, causal, deterministic, 1 + grad_lse.has_value()};
+                    shape.head_dim, shape.head_dim_v, causal, deterministic,
+                    1 + grad_lse.has_value()};
   const auto entry = plan_for(key, true, q, shape, [&] {
     return py::make_tuple(q, k, causal, deterministic, grad_lse.has_value());
   });

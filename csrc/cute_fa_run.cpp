@@ -27,13 +27,14 @@ struct Options {
   bool backward = false, causal = false, deterministic = false, split_gqa = false;
   bool list = false, print_plan = false;
   std::string dtype = "bf16";
-  int64_t head_dim = 128, seqlen = 4096, seqlen_k = 0, batch = 0, heads = 0, heads_kv = 0;
+  int64_t head_dim = 128, head_dim_v = 0, seqlen = 4096, seqlen_k = 0, batch = 0, heads = 0, heads_kv = 0;
   int64_t total_tokens = 16384, iters = 20, warmup = 5, plan_sms = 132;
   double softmax_scale = 0.0;
 };
 
 const char kUsage[] =
-    "usage: cute_fa_run [--bwd] [--dtype bf16|fp16] [--head-dim D] [--seqlen N]\n"
+    "usage: cute_fa_run [--bwd] [--dtype bf16|fp16] [--head-dim D] [--head-dim-v DV]\n"
+    "                   [--seqlen N]\n"
     "                   [--seqlen-k N] [--batch B] [--heads H] [--heads-kv H]\n"
     "                   [--causal] [--deterministic] [--split-gqa] [--iters N]\n"
     "                   [--warmup N] [--softmax-scale S] [--list]\n"
@@ -84,8 +85,11 @@ Options parse(int argc, char** argv) {
       o.dtype = value();
       if (o.dtype != "bf16" && o.dtype != "fp16")
         fail("--dtype: expected bf16 or fp16, got '" + o.dtype + "'");
-    } else if (arg == "--head-dim") o.head_dim = parse_int("--head-dim", value(), 1);
-    else if (arg == "--seqlen") o.seqlen = parse_int("--seqlen", value(), 1);
+    } else if (arg == "--head-dim") {
+      o.head_dim = parse_int("--head-dim", value(), 1);
+    } else if (arg == "--head-dim-v") {
+      o.head_dim_v = parse_int("--head-dim-v", value(), 1);
+    } else if (arg == "--seqlen") o.seqlen = parse_int("--seqlen", value(), 1);
     else if (arg == "--seqlen-k") o.seqlen_k = parse_int("--seqlen-k", value(), 1);
     else if (arg == "--batch") o.batch = parse_int("--batch", value(), 1);
     else if (arg == "--heads") o.heads = parse_int("--heads", value(), 1);
@@ -105,6 +109,7 @@ Options parse(int argc, char** argv) {
     }
   }
   if (o.seqlen_k == 0) o.seqlen_k = o.seqlen;
+  if (o.head_dim_v == 0) o.head_dim_v = o.head_dim;
   if (o.batch == 0) o.batch = std::max<int64_t>(1, o.total_tokens / o.seqlen);
   if (o.heads == 0) o.heads = std::max<int64_t>(1, 2048 / o.head_dim);
   if (o.heads_kv == 0) o.heads_kv = o.heads;
@@ -122,6 +127,7 @@ const CuteFaKernelVariant* find_variant(bool backward, const Options& o) {
   for (int32_t i = 0; i < count; ++i) {
     const CuteFaKernelVariant& v = all[i];
     if (v.backward == backward && v.dtype == dtype && v.head_dim == o.head_dim &&
+        v.head_dim_v == o.head_dim_v &&
         v.causal == o.causal && !v.lse_grad &&
         (!backward || (v.deterministic == o.deterministic && v.split_gqa == o.split_gqa)))
       return &v;
@@ -276,10 +282,13 @@ int main(int argc, char** argv) {
   const CuteFaKernelVariant* variant = find_variant(o.backward, o);
   if (variant == nullptr)
     fail("this build holds no variant '" + std::string(o.backward ? "bwd " : "fwd ") + o.dtype +
-         " d" + std::to_string(o.head_dim) + (o.causal ? " causal" : " full") +
+         " d" + std::to_string(o.head_dim) +
+         (o.head_dim_v != o.head_dim ? " dv" + std::to_string(o.head_dim_v) : "") +
+         (o.causal ? " causal" : " full") +
          (o.deterministic ? " deterministic" : "") + (o.split_gqa ? " split_gqa" : "") +
          "' (--list shows those it holds; python -m cute_fa.aot exports others)");
-  const CuteFaShape shape{o.batch, o.seqlen, o.seqlen_k, o.heads, o.heads_kv, o.head_dim};
+  const CuteFaShape shape{o.batch,    o.seqlen,   o.seqlen_k, o.heads,
+                          o.heads_kv, o.head_dim, o.head_dim_v};
   if (o.print_plan) {
     CuteFaPlan plan;
     const int status =
@@ -343,7 +352,9 @@ int main(int argc, char** argv) {
   float ms = 0.0f;
   check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
   const double seconds = ms / 1e3 / static_cast<double>(o.iters);
-  double flops = 4.0 * o.batch * o.heads * static_cast<double>(o.seqlen) * o.seqlen_k * o.head_dim;
+  // S = Q·Kᵀ over head_dim, O = P·V over head_dim_v: 2 FLOPs per multiply-add
+  double flops = 2.0 * o.batch * o.heads * static_cast<double>(o.seqlen) * o.seqlen_k *
+                 static_cast<double>(o.head_dim + o.head_dim_v);
   if (o.causal) flops /= 2.0;
   if (o.backward) flops *= 2.5;
   std::printf("%s b=%lld sq=%lld sk=%lld hq=%lld hkv=%lld: %.4f ms, %.1f TFLOP/s (%lld calls)\n",

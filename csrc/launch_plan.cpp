@@ -92,7 +92,8 @@ class Builder {
 
 bool shape_ok(const CuteFaShape* s) {
   return s->batch > 0 && s->seqlen_q > 0 && s->seqlen_k > 0 && s->heads > 0 &&
-         s->heads_kv > 0 && s->heads % s->heads_kv == 0 && s->head_dim > 0;
+         s->heads_kv > 0 && s->heads % s->heads_kv == 0 && s->head_dim > 0 &&
+         s->head_dim_v > 0;
 }
 
 }  // namespace
@@ -122,9 +123,10 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   Builder b(plan);
   const int64_t bshd_q[4] = {s->batch, s->seqlen_q, s->heads, s->head_dim};
   const int64_t bshd_k[4] = {s->batch, s->seqlen_k, s->heads_kv, s->head_dim};
+  const int64_t bshd_v[4] = {s->batch, s->seqlen_k, s->heads_kv, s->head_dim_v};
   const int q = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
   const int k = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
-  const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
+  const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_v, true);
 
   const int64_t num_tiles = ceil_div(s->seqlen_q, v->tile_m) * s->heads * s->batch;
   int64_t full_tiles = 0, parts = 1;
@@ -144,7 +146,8 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   plan->full_tiles = full_tiles;
   plan->tail_parts = parts;
 
-  const int out = b.buffer4(CUTE_FA_INPUT_DTYPE, s->batch, s->seqlen_q, s->heads, s->head_dim);
+  const int out = b.buffer4(CUTE_FA_INPUT_DTYPE, s->batch, s->seqlen_q, s->heads,
+                            s->head_dim_v);
   const int lse = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, s->batch, s->heads, s->seqlen_q);
   // Fresh per call where read: shared ones would be raced by launches on other streams.
   const int counters =
@@ -171,7 +174,9 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
 
 extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
                                 int64_t num_sms, CuteFaPlan* plan) {
-  if (!shape_ok(s) || v->tile_m <= 0 || num_sms <= 0) return -1;
+  // The backward kernels take one head dim for q, k, v and the output.
+  if (!shape_ok(s) || s->head_dim_v != s->head_dim || v->tile_m <= 0 || num_sms <= 0)
+    return -1;
   Builder b(plan);
   plan->tail_parts = 1;
   const int64_t B = s->batch, SQ = s->seqlen_q, SK = s->seqlen_k, H = s->heads,

@@ -22,14 +22,15 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 1
+#define CUTE_FA_PLAN_LAYOUT_VERSION 2
 #define CUTE_FA_PLAN_MAX_BUFFERS 20
 #define CUTE_FA_PLAN_MAX_ARGS 16
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
 #define CUTE_FA_PLAN_MAX_OUTPUTS 4
 
+/* head_dim: that of q and k; head_dim_v: that of v and the output. */
 typedef struct {
-  int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim;
+  int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v;
 } CuteFaShape;
 
 /* What the planner needs to know of a forward kernel variant. */

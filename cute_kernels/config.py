@@ -22,7 +22,10 @@ WGMMA_M = 64
 SMEM_CAPACITY_BYTES = 227 * 1024
 # 64K 32-bit registers per SM; setmaxnreg moves them between warpgroups.
 REGISTERS_PER_SM = 65536
-SUPPORTED_HEAD_DIMS = (64, 96, 128)  # the kernels' own
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # the forward kernel's own
+# The backward kernel keeps a CTA's dK and dV in the registers of the warpgroup
+# that owns their keys: (d + dv) / 2 per thread for 64 keys, which fits up to 128.
+BACKWARD_HEAD_DIMS = (64, 96, 128)
 # The ops take any multiple of this up to the largest kernel head dim: TMA
 # moves rows of 16 bytes, 8 16-bit elements (kernel_head_dim).
 HEAD_DIM_MULTIPLE = 8
@@ -34,6 +37,16 @@ def kernel_head_dim(head_dim: int) -> int | None:
     if head_dim <= 0 or head_dim % HEAD_DIM_MULTIPLE:
         return None
     return next((d for d in SUPPORTED_HEAD_DIMS if d >= head_dim), None)
+
+
+def check_head_dims(head_dim: int, head_dim_v: int, kernel_dims=SUPPORTED_HEAD_DIMS) -> None:
+    """A kernel's (q·k, v) head dims: each one of `kernel_dims`, the value's
+    no wider than the key's (its O tile then fits where the kernel stages it)."""
+    if head_dim not in kernel_dims:
+        raise ValueError(f"head_dim: expected one of {kernel_dims}, got {head_dim}")
+    if head_dim_v not in kernel_dims or head_dim_v > head_dim:
+        raise ValueError(f"head_dim_v: expected one of {kernel_dims} no larger than head_dim "
+                         f"({head_dim}), got {head_dim_v}")
 
 
 def _align_1k(n: int) -> int:
@@ -109,6 +122,16 @@ class FwdConfig(_KernelConfig):
         addresses and LSE rows from opaque copies of the tile and thread
         indices, instead of values LLVM hoists out of the persistent tile
         loop and keeps live through every main-loop step.
+    rescale_o_before_pv: with intra_wg_overlap, O is rescaled for the
+        probabilities of block j+1 while S_j = Q·K_jᵀ is in flight, right
+        before O += P·V is issued, instead of after the wait for that P·V:
+        the rescale (dv / 2 multiplies a thread at 64 rows) leaves the path
+        from one GEMM issue to the next. Costs one factor per row in registers.
+    o_in_v_smem: the epilogue stages O in the V ring's shared memory instead
+        of a slab of its own (what makes a 128-row tile fit at head dim 192
+        and 256). The consumer warpgroups meet after their last P·V before
+        writing it, and the producer loads the next tile's first V only after
+        the O stores have read it out (Q and the first K load before that).
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
@@ -125,6 +148,8 @@ class FwdConfig(_KernelConfig):
     split_tail: bool = False
     pv_wait_after_exp2: int = 0
     rederive_epilogue_coords: bool = False
+    rescale_o_before_pv: bool = False
+    o_in_v_smem: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -133,18 +158,25 @@ class FwdConfig(_KernelConfig):
     def consumer_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
+                   elem_bytes: int = 2) -> int:
         """Dynamic shared memory of the kernel's SharedStorage, as laid out there:
-        mbarriers first, then Q, the K and V rings and the O slabs, each 1 KB aligned."""
-        size = 8 * (2 + 4 * self.kv_stages)                              # mbarriers
+        mbarriers first, then Q, the K and V rings and the O slabs (or O in
+        the V ring, which is then at least O's size), each 1 KB aligned."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        v_ring = self.kv_stages * self.tile_n * head_dim_v * elem_bytes
+        o_slabs = self.tile_m * head_dim_v * elem_bytes
+        size = 8 * (3 + 4 * self.kv_stages)                              # mbarriers
         size = _align_1k(size) + self.tile_m * head_dim * elem_bytes          # Q
         size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # K
-        size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # V
-        size = _align_1k(size) + self.tile_m * head_dim * elem_bytes          # O slabs
-        return size
+        if self.o_in_v_smem:
+            return _align_1k(size) + max(v_ring, o_slabs)                     # V / O
+        size = _align_1k(size) + v_ring                                       # V
+        return _align_1k(size) + o_slabs                                      # O slabs
 
-    def validate(self, head_dim: int) -> None:
+    def validate(self, head_dim: int, head_dim_v: int | None = None) -> None:
         """Raise ValueError naming the field when the combination cannot run."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         bad = _field_error(self, head_dim)
 
         if self.tile_m % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
@@ -159,6 +191,9 @@ class FwdConfig(_KernelConfig):
         if not 0 <= self.pv_wait_after_exp2 <= self.tile_n // 4:
             raise bad("pv_wait_after_exp2", f"a column of a thread's row in [0, tile_n / 4 = "
                                             f"{self.tile_n // 4}]")
+        if self.rescale_o_before_pv and not self.intra_wg_overlap:
+            raise bad("rescale_o_before_pv", "False unless intra_wg_overlap (without it the "
+                                             "rescale already precedes the P·V issue)")
         if self.pv_wait_after_exp2 and not self.intra_wg_overlap:
             raise bad("pv_wait_after_exp2", "0 unless intra_wg_overlap (without it no P·V is "
                                             "in flight during the softmax)")
@@ -169,13 +204,16 @@ class FwdConfig(_KernelConfig):
             raise bad("split_tail", "False unless persistent, and False with dynamic_tiles (a "
                                     "claimed order has no fixed last round to split)")
         _check_shared_fields(self, bad)
-        if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
+        smem = self.smem_bytes(head_dim, head_dim_v)
+        if smem > SMEM_CAPACITY_BYTES:
             raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
-                                   f"this needs {self.smem_bytes(head_dim)} B")
+                                   f"this needs {smem} B at head dims {head_dim}/{head_dim_v}"
+                                   + ("" if self.o_in_v_smem else " (o_in_v_smem saves the "
+                                      "O slabs)"))
 
 
 @functools.lru_cache(maxsize=None)
-def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
+def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -185,8 +223,21 @@ def default_fwd_config(head_dim: int, causal: bool) -> FwdConfig:
     - head dim 64: 192 query rows (three consumer warpgroups amortise each
       K/V tile), three K/V stages, 160 registers per consumer thread;
     - head dim 128 non-causal: 160 keys per step; causal keeps 128 (fewer
-      masked columns on the diagonal).
+      masked columns on the diagonal);
+    - head dims 192 and 256: O staged in the V ring (o_in_v_smem), which
+      leaves room for two stages of 128 keys at 192 with a 128-wide V, 112
+      keys at 192/192, and 80 at 256 (FlashAttention-3's tiles there); at a
+      256-wide V, O rescaled before the P·V issue (rescale_o_before_pv).
     """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if head_dim > 128:
+        tile_n = 80 if head_dim > 192 else 128 if head_dim_v <= 128 else 112
+        # split_tail's merge spills there
+        return FwdConfig(tile_m=128, tile_n=tile_n, kv_stages=2, persistent=True,
+                         dynamic_tiles=causal, split_tail=False,
+                         pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
+                         rederive_epilogue_coords=causal and head_dim == 192,
+                         rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
     if head_dim <= 64:
         return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
                          dynamic_tiles=causal, split_tail=not causal, producer_regs=32,
@@ -277,8 +328,14 @@ class BwdConfig(_KernelConfig):
         size = _align_1k(size) + self.tile_m * head_dim * 4                        # dQ partial
         return size
 
-    def validate(self, head_dim: int) -> None:
+    def validate(self, head_dim: int, head_dim_v: int | None = None) -> None:
         bad = _field_error(self, head_dim)
+        if head_dim not in BACKWARD_HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {BACKWARD_HEAD_DIMS} for the backward "
+                             f"kernel (its dK and dV stay in registers), got {head_dim}")
+        if head_dim_v not in (None, head_dim):
+            raise ValueError(f"head_dim_v: expected {head_dim} (the backward kernel's value "
+                             f"head dim is that of q and k), got {head_dim_v}")
 
         if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
@@ -362,11 +419,13 @@ _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def default_config(kind: str, head_dim: int, causal: bool):
+def default_config(kind: str, head_dim: int, causal: bool, head_dim_v: int | None = None):
     """The op's default FwdConfig ('fwd') or BwdConfig ('bwd') for a problem."""
     if kind not in KERNEL_CONFIGS:
         raise ValueError(f"kind: expected one of {sorted(KERNEL_CONFIGS)}, got {kind!r}")
-    return (default_fwd_config if kind == "fwd" else default_bwd_config)(head_dim, causal)
+    if kind == "fwd":
+        return default_fwd_config(head_dim, causal, head_dim_v)
+    return default_bwd_config(head_dim, causal)
 
 
 def config_fields(kind: str = "fwd") -> list[str]:

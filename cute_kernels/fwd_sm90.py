@@ -109,15 +109,16 @@ class Consumer:
     vt: cute.Tensor
     acc_o: cute.Tensor
     softmax: OnlineSoftmax
+    o_scale: cute.Tensor  # rescale_o_before_pv: the factors O awaits before the next P·V
     pingpong: PingPong
     wg: Int32
 
 
 class FlashAttentionForwardSm90(Sm90AttentionKernel):
-    """One compiled kernel per (dtype, head_dim, causal, config: FwdConfig)."""
+    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, config: FwdConfig)."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config):
-        super().__init__(dtype, head_dim, causal, config)
+    def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None):
+        super().__init__(dtype, head_dim, causal, config, head_dim_v)
         if causal and config.split_tail:
             raise ValueError(f"FwdConfig.split_tail: expected False for a causal kernel (causal "
                              f"tiles differ in length; dynamic_tiles balances them), got True "
@@ -138,41 +139,27 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute(mLSE, [2, 1, 0])
-        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d)
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
-        sV_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
-        # One (64, d) slab per consumer warpgroup, stored by that warpgroup alone.
-        sO_layout = wgmma.smem_layout(self.dtype, WGMMA_M, d, self.consumer_wgs)
+        sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, self.cfg.kv_stages)
+        # One (64, dv) slab per consumer warpgroup, stored by that warpgroup alone.
+        sO_layout = wgmma.smem_layout(self.dtype, WGMMA_M, dv, self.consumer_wgs)
         tiled_mma_qk = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_n)
-        tiled_mma_pv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
+        tiled_mma_pv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, dv)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
         tma_k, tK = cpasync.make_tiled_tma_atom(load, mK, cute.select(sK_layout, mode=[0, 1]),
                                                 (tile_n, d))
         tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, cute.select(sV_layout, mode=[0, 1]),
-                                                (tile_n, d))
+                                                (tile_n, dv))
         tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                 cute.select(sO_layout, mode=[0, 1]),
-                                                (WGMMA_M, d))
+                                                (WGMMA_M, dv))
 
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.kv_stages]
-            tile_slots: cute.struct.MemRange[Int32, 2]  # TileQueue (dynamic_tiles)
-            split_arrivals: cute.struct.MemRange[Int32, 4]  # per consumer warpgroup (split_tail)
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
-                                  SMEM_ALIGN]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
-                                  SMEM_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)],
-                                  SMEM_ALIGN]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)],
-                                  SMEM_ALIGN]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         num_tiles = (cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3])
         # Built whatever the config; only split_tail kernels read it.
@@ -184,6 +171,34 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """The CTA's shared memory (FwdConfig.smem_bytes counts it): barriers,
+        Q, the K and V rings, and the O slabs, unless they are staged in the
+        V ring (o_in_v_smem), which is then at least their size."""
+        stages = self.cfg.kv_stages
+        dtype = self.dtype
+
+        def tiles(elems: int):
+            return cute.struct.Align[cute.struct.MemRange[dtype, elems], SMEM_ALIGN]
+
+        mem = cute.struct.MemRange
+        fields = {
+            "q_barriers": mem[cutlass.Int64, 2],
+            "k_barriers": mem[cutlass.Int64, 2 * stages],
+            "v_barriers": mem[cutlass.Int64, 2 * stages],
+            "o_read": mem[cutlass.Int64, 1],  # O staged in V has been stored (o_in_v_smem)
+            "tile_slots": mem[Int32, 2],  # TileQueue (dynamic_tiles)
+            "split_arrivals": mem[Int32, 4],  # per consumer warpgroup (split_tail)
+        }
+        fields["sQ"] = tiles(cute.cosize(sQ_layout))
+        fields["sK"] = tiles(cute.cosize(sK_layout))
+        if self.cfg.o_in_v_smem:
+            fields["sV"] = tiles(max(cute.cosize(sV_layout), cute.cosize(sO_layout)))
+        else:
+            fields["sV"] = tiles(cute.cosize(sV_layout))
+            fields["sO"] = tiles(cute.cosize(sO_layout))
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------- kernel
     @cute.kernel
@@ -212,16 +227,24 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))),
         )
+        o_read = storage.o_read.data_ptr()
+        if cutlass.const_expr(self.cfg.o_in_v_smem):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    # one arrival per consumer warpgroup and tile (_o_left)
+                    cute.arch.mbarrier_init(o_read, self.consumer_wgs)
+            cute.arch.mbarrier_init_fence()
         cpipeline.pipeline_init_arrive()
+        o_storage = storage.sV if cutlass.const_expr(self.cfg.o_in_v_smem) else storage.sO
         smem = Buffers(
             storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
             storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
-            storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner),
+            o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner),
         )
         scheduler = TileScheduler.create(
             cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
-            mQ.shape[2] // mK.shape[2], 2 * self.head_dim * self.dtype.width // 8,
+            mQ.shape[2] // mK.shape[2], (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
             self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
         tiles = TileSequence(scheduler,
                              TileQueue(mCounters, storage.tile_slots.get_tensor(
@@ -232,7 +255,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail)
+                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, o_read)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
@@ -241,12 +264,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                mma_operand_view(storage.sV, sV_layout, self.dtype), smem.o)
             self.consume(mO, mLSE, copies, mK.shape[0], softmax_scale_log2, mma_smem, pipes,
                          tiles, tail, storage.split_arrivals.get_tensor(cute.make_layout(4)),
-                         tiled_mma_qk, tiled_mma_pv)
+                         o_read, tiled_mma_qk, tiled_mma_pv)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
-                smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit):
+                smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
+                o_read: cute.Pointer):
         blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         q_per_kv = mQ.shape[2] // mK.shape[2]
@@ -266,7 +290,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             gK = cute.local_tile(mK[None, None, head_kv, work.batch],
                                  (self.tile_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, work.batch],
-                                 (self.tile_n, self.head_dim), (None, 0))
+                                 (self.tile_n, self.head_dim_v), (None, 0))
             tQs, tQg = tma_views(copies.q, smem.q, gQ, staged=False)
             tKs, tKg = tma_views(copies.k, smem.k, gK, staged=True)
             tVs, tVg = tma_views(copies.v, smem.v, gV, staged=True)
@@ -278,6 +302,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             n_lo, n_max = work.n_lo, work.n_max
             if n_max > n_lo:
                 kv_state = self._load_block(copies.k, tKg, tKs, pipes.k, kv_state, n_max - 1)
+                if cutlass.const_expr(self.cfg.o_in_v_smem):
+                    # The previous round's O, staged in the V ring, has been stored.
+                    cute.arch.mbarrier_wait(o_read, (round_idx + 1) % 2)
                 if cutlass.const_expr(self.cfg.intra_wg_overlap):
                     # V_j trails K_{j-1} by one step, the order the consumers use them.
                     for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
@@ -338,7 +365,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, copies: Copies, seqlen_k: Int32,
                 softmax_scale_log2: Float32, smem: Buffers, pipes: Pipes,
                 tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
-                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+                o_read: cute.Pointer, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
         # WGMMA operands are per warpgroup (descriptors / register A); the
@@ -349,7 +376,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         k = wg_qk.make_fragment_B(wg_qk.partition_B(smem.k))
         p = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         vt = wg_pv.make_fragment_B(wg_pv.partition_B(wgmma.transpose_view(smem.v)))
-        acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim)),
+        acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)),
                                       Float32)
         s_coords = tiled_mma_qk.get_slice(tid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -357,7 +384,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                        cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]))
         pingpong = PingPong(self.consumer_wgs, self.cfg.pingpong)
         pingpong.start(wg)
-        me = Consumer(tiled_mma_qk, tiled_mma_pv, q, k, p, vt, acc_o, softmax, pingpong, wg)
+        o_scale = cute.make_rmem_tensor(softmax.rows, Float32)
+        me = Consumer(tiled_mma_qk, tiled_mma_pv, q, k, p, vt, acc_o, softmax, o_scale,
+                      pingpong, wg)
 
         blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
         seqlen_q = mO.shape[0]
@@ -395,12 +424,16 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 if work.parts > 1:
                     writes = tail.merge(acc_o, lse, tile, wg, tid,
                                         int(NamedBarrier.EPILOGUE_BASE) + wg, split_arrivals)
+                self._o_staging_free()
                 if writes:
                     self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, smem.o, copies.o, wg, tid,
-                                  out, seqlen_q)
+                                  out, seqlen_q, o_read)
+                else:
+                    self._o_left(o_read, tid)
             else:
+                self._o_staging_free()
                 self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, smem.o, copies.o, wg, tid,
-                              out, seqlen_q)
+                              out, seqlen_q, o_read)
             round_idx += 1
             tile = tiles.received(round_idx, pipes.q, q_state)
         if tid % WARPGROUP_THREADS < 32:
@@ -429,7 +462,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                        zero_init=True, wait_groups=0)
             release(pipes.k, kv_state)
             mask.apply(acc_s, n_max - 1)
-            me.softmax.update(acc_s, is_first=True)
+            o_scale = me.softmax.update(acc_s, is_first=True)
+            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+                me.o_scale.store(o_scale.load())
             wgmma.convert_to_16bit(acc_s, me.p)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
                 kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_max - 2 - i,
@@ -439,6 +474,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                                  apply_causal=False)
             release(pipes.q, q_state)
             # Last P·V.
+            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+                me.softmax.rescale_o(me.acc_o, me.o_scale)
             wait_full(pipes.v, kv_state)
             wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, kv_state.index],
                        zero_init=False, wait_groups=0)
@@ -475,6 +512,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         me.pingpong.wait_turn(me.wg)
         wgmma.gemm(me.mma_qk, acc_s, me.q, me.k[None, None, None, kv_state.index],
                    zero_init=True, wait_groups=-1)
+        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+            # for P_{j+1}'s maximum, while S_j's GEMM runs
+            me.softmax.rescale_o(me.acc_o, me.o_scale)
         wait_full(pipes.v, v_state)
         wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, v_state.index],
                    zero_init=False, wait_groups=-1)
@@ -492,7 +532,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 0, self.cfg.pv_wait_after_exp2 - 1])
         warpgroup.wait_group(0)  # P·V done: P's registers and the V stage are free
         release(pipes.v, v_state)
-        me.softmax.rescale_o(me.acc_o, rescale)
+        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+            me.o_scale.store(rescale.load())
+        else:
+            me.softmax.rescale_o(me.acc_o, rescale)
         wgmma.convert_to_16bit(acc_s, me.p)
         return kv_state
 
@@ -525,13 +568,35 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     # -------------------------------------------------------------- epilogue
     @cute.jit
+    def _o_staging_free(self):
+        """With O staged in the V ring: every consumer warpgroup's last P·V
+        has completed before any of them writes O over the V stages it read."""
+        if cutlass.const_expr(self.cfg.o_in_v_smem):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.O_IN_V),
+                              number_of_threads=self.consumer_threads)
+
+    @cute.jit
+    def _o_left(self, o_read: cute.Pointer, tid: Int32):
+        """With O staged in the V ring: this warpgroup's O store (if any) has
+        read its slab, so the producer may load V there again; one arrival
+        per warpgroup and tile, from its store warp."""
+        if cutlass.const_expr(self.cfg.o_in_v_smem):
+            if tid % WARPGROUP_THREADS < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()  # the lane that issued the store has waited
+                if tid % WARPGROUP_THREADS == 0:
+                    cute.arch.mbarrier_arrive(o_read)
+
+    @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
                  mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
-                 wg: Int32, tid: Int32, work: Work, seqlen_q: Int32):
+                 wg: Int32, tid: Int32, work: Work, seqlen_q: Int32, o_read: cute.Pointer):
         """O (registers) -> this warpgroup's smem slab -> TMA store; LSE -> global.
 
-        The slab's previous store is awaited here, not right after issuing it,
-        so the store drains while the next tile's main loop runs."""
+        A slab of its own: the slab's previous store is awaited here, not
+        right after issuing it, so the store drains while the next tile's
+        main loop runs. A slab in the V ring: awaited right after (_o_left),
+        as the producer's next V load waits for it."""
         m_block, head, batch = work.m_block, work.head, work.batch
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         wgmma.convert_to_16bit(acc_o, r_o)
@@ -543,10 +608,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             tid = cute.arch.shuffle_sync(tid, cute.arch.lane_idx())
         wg_tid = tid % WARPGROUP_THREADS
         is_store_warp = wg_tid < 32
-        if is_store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
-                          number_of_threads=WARPGROUP_THREADS)
+        if cutlass.const_expr(not self.cfg.o_in_v_smem):
+            if is_store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
+                              number_of_threads=WARPGROUP_THREADS)
         slab = sO[None, None, wg]
         wgmma.stmatrix_store(self.dtype, r_o, slab, wg_tid)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
@@ -554,7 +620,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
         # LSE: the thread holding column 0 of a row writes it.
         o_coords = tiled_mma_pv.get_slice(tid).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
         rows = wgmma.acc_rows_cols(o_coords)
         if rows[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
@@ -567,10 +633,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
                               number_of_threads=WARPGROUP_THREADS)
             if row_block * WGMMA_M < seqlen_q:  # TMA clips the rows past seqlen_q
-                gO = cute.local_tile(mO[None, None, head, batch], (WGMMA_M, self.head_dim),
+                gO = cute.local_tile(mO[None, None, head, batch], (WGMMA_M, self.head_dim_v),
                                      (row_block, 0))
                 tma_store_tile(tma_o, slab, gO)
             cute.arch.cp_async_bulk_commit_group()
         else:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
                                      number_of_threads=WARPGROUP_THREADS)
+        self._o_left(o_read, tid)

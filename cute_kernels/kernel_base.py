@@ -48,13 +48,16 @@ def mma_operand_view(mem_range, layout: cute.ComposedLayout, dtype) -> cute.Tens
 
 
 class Sm90AttentionKernel:
-    """One compiled kernel per (dtype, head_dim, causal, config); the config
-    (FwdConfig or BwdConfig) is validated before anything is traced."""
+    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, config);
+    head_dim is that of q and k, head_dim_v that of v and o (None: the same).
+    The config (FwdConfig or BwdConfig) is validated before anything is traced."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config):
-        config.validate(head_dim)
+    def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        config.validate(head_dim, head_dim_v)
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.causal = causal
         self.cfg = config
         self.tile_m = config.tile_m

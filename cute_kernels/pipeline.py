@@ -11,6 +11,8 @@
     shared-memory slab before the slab is overwritten.
   * EPILOGUE_STORE_BASE + w: warpgroup w has written its O slab; its first
     warp then issues the TMA store.
+  * O_IN_V: with O staged in the V ring, every consumer warpgroup's last
+    P·V of the tile has completed, so the V stages may be overwritten.
   * PINGPONG_BASE + w: consumer warpgroup w may issue its GEMMs. Warpgroup w
     waits on its own barrier and, once its GEMMs are issued, arrives on the
     next one's, so the tensor cores run one warpgroup's GEMMs while the
@@ -38,6 +40,7 @@ class NamedBarrier(enum.IntEnum):
     EPILOGUE_BASE = 1
     EPILOGUE_STORE_BASE = 4
     PINGPONG_BASE = 7
+    O_IN_V = 10  # all consumer warpgroups (FwdConfig.o_in_v_smem)
 
 
 def make_tma_pipeline(barrier_storage, stages: int, consumer_arrivals: int, tx_bytes: int):

@@ -80,7 +80,7 @@ def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direct
                 return attend(q, k, v)
         return run_fwd
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-    grad_out = torch.randn_like(q)
+    grad_out = torch.randn(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
     if direction == "fwd_bwd":
         return lambda: attend(qg, kg, vg).backward(grad_out)
     out = attend(qg, kg, vg)

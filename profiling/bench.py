@@ -35,8 +35,8 @@ from .cli import INSTALL_BENCH, command_parser, positive_int, progress, require_
 from .flops import attention_flops, batch_for, tflops
 from .problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
                       add_head_dim_option, add_size_options, check_gqa, heads_for, make_qkv)
-from .report import (add_ratios, environment, format_table, write_json, write_markdown,
-                     write_plots)
+from .report import (add_ratios, environment, format_table, head_dims_text, write_json,
+                     write_markdown, write_plots)
 
 DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 
@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command_parser("bench", __doc__)
     add_dtype_option(p, ["bf16"], multiple=True)
     add_head_dim_option(p, [64, 128], multiple=True, padded=True)
+    p.add_argument("--head-dim-v", type=positive_int, default=None, metavar="DV",
+                   help="v's head dim at every head dim of --head-dims at least as large "
+                        "(the others are skipped), e.g. --head-dims 192 --head-dim-v 128 "
+                        "(default: each head dim's own)")
     add_causal_option(p, "both", allow_both=True)
     add_size_options(p, DEFAULT_SEQLENS, multiple=True, model_dim=True)
     add_direction_option(p, ["fwd"], multiple=True)
@@ -90,11 +94,14 @@ def problems(args) -> list[dict]:
     for direction in args.directions:
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
+                head_dim_v = args.head_dim_v or head_dim
+                if head_dim_v > head_dim:
+                    continue
                 heads = heads_for(args, head_dim)
                 for causal in CAUSAL_VALUES[args.causal]:
                     for seqlen in args.seqlens:
                         out.append(dict(direction=direction, dtype=dtype, head_dim=head_dim,
-                                        causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,
+                                        head_dim_v=head_dim_v, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,
                                         batch=batch_for(args.total_tokens, seqlen), heads=heads,
                                         heads_kv=heads // args.gqa))
     return out
@@ -104,10 +111,12 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
     """All backends on the same inputs, timed round-robin (timing.time_interleaved)."""
     from .timing import first_call, time_interleaved
 
-    b, s, h, hkv, d = (problem[k] for k in ("batch", "seqlen_q", "heads", "heads_kv", "head_dim"))
-    q, k, v = make_qkv(b, s, problem["seqlen_k"], h, hkv, d, DTYPES[problem["dtype"]], seed=0)
+    b, s, h, hkv, d, dv = (problem[k] for k in ("batch", "seqlen_q", "heads", "heads_kv",
+                                                "head_dim", "head_dim_v"))
+    q, k, v = make_qkv(b, s, problem["seqlen_k"], h, hkv, d, DTYPES[problem["dtype"]], seed=0,
+                       head_dim_v=dv)
     flops = attention_flops(b, h, s, problem["seqlen_k"], d, problem["causal"],
-                            problem["direction"])
+                            problem["direction"], head_dim_v=dv)
     rows, runnable = {}, {}
     for name in backends:
         rows[name] = dict(problem, backend=name, status="ok", median_ms=None, tflops=None,
@@ -136,7 +145,7 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
 
 
 def _label(problem: dict) -> str:
-    return (f"{problem['direction']} {problem['dtype']} d={problem['head_dim']} "
+    return (f"{problem['direction']} {problem['dtype']} d={head_dims_text(problem)} "
             f"causal={problem['causal']} seqlen={problem['seqlen_q']}")
 
 

@@ -2,6 +2,7 @@
 
 Standard attention counts (as FlashAttention reports them):
     forward  = 4 · batch · heads · seqlen_q · seqlen_k · headdim   (two GEMMs, 2 FLOPs per MAC)
+               2 · batch · heads · seqlen_q · seqlen_k · (headdim + headdim_v) where v's differs
     causal   = forward / 2
     backward = 2.5 · forward   (five GEMMs against two)
 """
@@ -12,8 +13,9 @@ BWD_FACTOR = 2.5
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
-                    causal: bool, direction: str = "fwd") -> float:
-    fwd = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+                    causal: bool, direction: str = "fwd", head_dim_v: int | None = None) -> float:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    fwd = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v)
     if causal:
         fwd /= 2
     if direction == "fwd":

@@ -226,6 +226,16 @@ def step_loop(sass: str, hgmmas_per_step: int):
     return None if found is None else (instructions, *found)
 
 
+def step_loop_spills(sass: str, hgmmas_per_step: int) -> tuple[int, int]:
+    """(local memory instructions inside main-loop steps, in all): the steps
+    are every loop issuing exactly `hgmmas_per_step` HGMMAs (masked and
+    unmasked variants of the step)."""
+    instructions, labels = sass_instructions(sass)
+    spills = [i for i, inst in enumerate(instructions) if opcode(inst) in ("LDL", "STL")]
+    steps = [(a, b) for a, b, n in _hgmma_loops(instructions, labels) if n == hgmmas_per_step]
+    return sum(any(a <= i <= b for a, b in steps) for i in spills), len(spills)
+
+
 def mask_regions(instructions: list[str], labels: dict[str, int], start: int,
                  end: int) -> list[tuple[int, int]]:
     """(first, last) of each stretch of the loop [start, end] that a

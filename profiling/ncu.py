@@ -31,7 +31,7 @@ import tempfile
 import torch
 
 from .backends import BACKENDS, add_direction_option, backends_help, require_fa4
-from .cli import command_parser, config_overrides, config_with, require_cuda
+from .cli import command_parser, config_overrides, config_with, positive_int, require_cuda
 from .kernel_info import opcode
 from .problem import (add_causal_option, add_dtype_option, add_head_dim_option,
                       add_size_options, check_gqa)
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{backends_help(BACKENDS)}")
     add_dtype_option(p)
     add_head_dim_option(p)
+    p.add_argument("--head-dim-v", type=positive_int, default=None, metavar="DV",
+                   help="v's head dim, no larger than --head-dim (forward only; default: "
+                        "--head-dim)")
     add_size_options(p, 8192)
     add_causal_option(p)
     add_direction_option(p, "fwd", ("fwd", "bwd"))
@@ -99,6 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
+    if args.head_dim_v is None:
+        args.head_dim_v = args.head_dim
+    elif args.head_dim_v > args.head_dim or (args.direction == "bwd"
+                                             and args.head_dim_v != args.head_dim):
+        p.error(f"--head-dim-v: expected at most --head-dim ({args.head_dim}), and equal to "
+                f"it for the backward, got {args.head_dim_v}")
     args.overrides = {}
     if args.config:
         if args.backend != "cute":
@@ -120,12 +129,13 @@ def run_workload(args) -> None:
     causal = args.causal == "yes"
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     q, k, v = make_qkv(batch, args.seqlen, args.seqlen, heads, heads // args.gqa,
-                       args.head_dim, DTYPES[args.dtype])
+                       args.head_dim, DTYPES[args.dtype], head_dim_v=args.head_dim_v)
     scale = args.head_dim ** -0.5
     if args.backend == "cute" and args.overrides:
         from cute_fa.kernels.config import default_config
         from cute_fa.ops import backward_cuda, forward_cuda
-        config = default_config(args.direction, args.head_dim, causal).replace(**args.overrides)
+        config = default_config(args.direction, args.head_dim, causal,
+                                args.head_dim_v).replace(**args.overrides)
         if args.direction == "fwd":
             fn = lambda: forward_cuda(q, k, v, scale, causal, config)  # noqa: E731
         else:

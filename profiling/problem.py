@@ -28,14 +28,16 @@ def problem_shape(head_dim: int, seqlen: int, total_tokens: int,
 
 
 def make_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_kv: int, head_dim: int,
-             dtype: torch.dtype, seed: int | None = None, device="cuda"):
-    """Random q (b, sq, h, d), k and v (b, sk, h_kv, d); seed None draws from the global RNG."""
+             dtype: torch.dtype, seed: int | None = None, device="cuda",
+             head_dim_v: int | None = None):
+    """Random q (b, sq, h, d), k (b, sk, h_kv, d) and v (b, sk, h_kv, dv), dv
+    head_dim_v or d; seed None draws from the global RNG."""
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     q = torch.randn(batch, seqlen_q, heads, head_dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype,
                     generator=gen)
-    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype,
-                    generator=gen)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v or head_dim, device=device,
+                    dtype=dtype, generator=gen)
     return q, k, v
 
 

@@ -23,7 +23,18 @@ PROBLEM_KEYS = ("direction", "dtype", "head_dim", "causal", "seqlen_q", "seqlen_
 
 
 def problem_key(row: dict) -> tuple:
-    return tuple(row[k] for k in PROBLEM_KEYS)
+    return tuple(row[k] for k in PROBLEM_KEYS) + (head_dim_v(row),)
+
+
+def head_dim_v(row: dict) -> int:
+    """v's head dim of a row (rows that have none: that of q and k)."""
+    return row.get("head_dim_v") or row["head_dim"]
+
+
+def head_dims_text(row: dict) -> str:
+    """"128", or "192/128" where v's head dim differs from q's."""
+    dv = head_dim_v(row)
+    return str(row["head_dim"]) if dv == row["head_dim"] else f"{row['head_dim']}/{dv}"
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -42,7 +53,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'dir':<7} {'dtype':<5} {'d':>4} {'causal':>6} {'seqlen':>7} {'batch':>5} "
+    header = (f"{'dir':<7} {'dtype':<5} {'d':>7} {'causal':>6} {'seqlen':>7} {'batch':>5} "
               f"{'backend':<15} {'ms':>9} {'TFLOP/s':>8} {'vs best peer':>13} {'peak MB':>9}  status")
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -52,7 +63,7 @@ def format_table(rows: list[dict]) -> str:
         mem = f"{row['peak_mem_bytes'] / 2**20:.0f}" if row.get("peak_mem_bytes") else "-"
         seqlen = (str(row["seqlen_q"]) if row["seqlen_q"] == row["seqlen_k"]
                   else f"{row['seqlen_q']}/{row['seqlen_k']}")
-        lines.append(f"{row['direction']:<7} {row['dtype']:<5} {row['head_dim']:>4} "
+        lines.append(f"{row['direction']:<7} {row['dtype']:<5} {head_dims_text(row):>7} "
                      f"{str(row['causal']):>6} {seqlen:>7} {row['batch']:>5} "
                      f"{row['backend']:<15} {ms:>9} {tf:>8} {ratio:>13} {mem:>9}  {row['status']}")
     return "\n".join(lines)
@@ -143,7 +154,7 @@ def write_plots(prefix: str, rows: list[dict]) -> list[str]:
     for row in rows:
         if row["status"] != "ok":
             continue
-        panel = (row["direction"], row["dtype"], row["head_dim"], row["causal"])
+        panel = (row["direction"], row["dtype"], head_dims_text(row), row["causal"])
         panels[panel][row["backend"]].append(row)
     written = []
     for metric, ylabel, scale, suffix in (("tflops", "TFLOP/s", 1.0, "tflops"),
@@ -232,7 +243,8 @@ def _method(arguments: dict) -> str:
            "the events time the GPU's work (kernels and the gaps between them), not host "
            "latency. ")
         + "TFLOP/s counts 4·batch·heads·seqlen_q·seqlen_k·head_dim FLOPs for the forward "
-        "(half of it when causal), 2.5 times that for the backward and 3.5 times for "
+        "(2·batch·heads·seqlen_q·seqlen_k·(head_dim + head_dim_v) where v's head dim "
+        "differs; half of it when causal), 2.5 times that for the backward and 3.5 times for "
         "fwd_bwd; ours / best peer is our TFLOP/s over the fastest other backend that ran "
         "on the same problem.")
 
@@ -263,7 +275,7 @@ def format_markdown(rows: list[dict], env: dict, command: str, arguments: dict |
                                  + ["---:"] * (len(backends) + ratio_column)) + "|"]
         for by_backend in problems.values():
             first = next(iter(by_backend.values()))
-            cells = [str(first["head_dim"]), "yes" if first["causal"] else "no", _shape(first)]
+            cells = [head_dims_text(first), "yes" if first["causal"] else "no", _shape(first)]
             for name in backends:
                 row = by_backend.get(name)
                 if row is None:

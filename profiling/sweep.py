@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernel_option(p)
     add_dtype_option(p)
     add_head_dim_option(p)
+    p.add_argument("--head-dim-v", type=positive_int, default=None, metavar="DV",
+                   help="v's head dim, no larger than --head-dim (forward only; default: "
+                        "--head-dim)")
     add_size_options(p, 8192)
     add_causal_option(p)
     p.add_argument("--vary", nargs="+", default=None, metavar="FIELD=V1,V2",
@@ -65,6 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
+    if args.head_dim_v is None:
+        args.head_dim_v = args.head_dim
+    elif args.head_dim_v > args.head_dim or (args.kernel == "bwd"
+                                             and args.head_dim_v != args.head_dim):
+        p.error(f"--head-dim-v: expected at most --head-dim ({args.head_dim}), and equal to "
+                f"it for the backward, got {args.head_dim_v}")
     defaulted = args.vary is None
     if defaulted:
         args.vary = DEFAULT_VARY[args.kernel]
@@ -91,14 +100,15 @@ def run_variants(args, configs: list) -> list[dict]:
     scale = args.head_dim ** -0.5
 
     def make(b, sq, sk):
-        return make_qkv(b, sq, sk, heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype])
+        return make_qkv(b, sq, sk, heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype],
+                        head_dim_v=args.head_dim_v)
 
     check_inputs = make(1, args.check_seqlen + 7, args.check_seqlen + 29)
     problem = make(batch, args.seqlen, args.seqlen)
     case = (_forward_case if args.kernel == "fwd" else _backward_case)(
         check_inputs, problem, scale, causal)
     flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, causal,
-                            args.kernel)
+                            args.kernel, head_dim_v=args.head_dim_v)
     varied = list(args.vary_values)
     results = []
     with Progress(len(configs), "sweep", "variant") as bar:
@@ -107,7 +117,7 @@ def run_variants(args, configs: list) -> list[dict]:
             bar.working_on(label)
             row = {"config": config.__dict__.copy(), "status": "ok"}
             try:
-                config.validate(args.head_dim)
+                config.validate(args.head_dim, args.head_dim_v)
                 row["max_error"] = case.check(config)
                 t = time_cuda(lambda: case.run(config), repeats=args.repeats)
                 row.update(median_ms=t.median_ms, tflops=tflops(flops, t.median_ms))
@@ -140,10 +150,11 @@ def main(argv=None):
     args = parse_args(argv)
     require_cuda("sweep")
     causal = args.causal == "yes"
-    base = default_config(args.kernel, args.head_dim, causal)
+    base = default_config(args.kernel, args.head_dim, causal, args.head_dim_v)
     results = run_variants(args, variants(base, args.vary_values))
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
-    print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} seqlen={args.seqlen} "
+    print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} dv={args.head_dim_v} "
+          f"seqlen={args.seqlen} "
           f"batch={batch} heads={heads} gqa={args.gqa} causal={causal}; base {base}")
     print(format_ranking(results, list(args.vary_values)))
     if args.out:

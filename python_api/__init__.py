@@ -23,14 +23,20 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     return_lse: bool = False, deterministic: bool = False):
     """Exact attention softmax(q·kᵀ·scale)·v.
 
-    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
-    with nheads_kv dividing nheads (GQA/MQA); bf16 or fp16; headdim 64, 96 or 128.
+    q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
+    v: (batch, seqlen_k, nheads_kv, headdim_v), headdim_v <= headdim (e.g. 192/128);
+    nheads_kv divides nheads (GQA/MQA); bf16 or fp16. Head dims: multiples of 8
+    up to 256; 64, 96, 128, 192 and 256 run as they are, the others zero-padded
+    to the next of those.
     causal: bottom-right aligned mask when seqlen_q != seqlen_k.
     softmax_scale: defaults to 1/sqrt(headdim).
     deterministic: the backward adds dQ partials in a fixed order, so gradients
         are bitwise reproducible (a little slower).
-    Returns out (like q), and with return_lse the fp32 log-sum-exp (batch, nheads, seqlen_q).
-    Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd).
+    Returns out (batch, seqlen_q, nheads, headdim_v), and with return_lse the
+    fp32 log-sum-exp (batch, nheads, seqlen_q).
+    Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd),
+    on CUDA for headdim up to 128 with headdim_v = headdim (after padding); a
+    gradient through other head dims raises NotImplementedError there.
     """
     check_argument_types(q, k, v, softmax_scale)
     if q.is_cuda and not torch.compiler.is_compiling():

@@ -83,12 +83,12 @@ def registry_source(variants: list[Variant]) -> str:
     for v in variants:
         config = config_of(v)
         if v.direction == "fwd":
-            fwd, bwd = _c_struct(launch_plan.fwd_variant(config, v.head_dim)), "{0}"
+            fwd, bwd = _c_struct(launch_plan.fwd_variant(config, v.value_head_dim)), "{0}"
         else:
             fwd, bwd = "{0}", _c_struct(launch_plan.bwd_variant(config))
         fns = ", ".join(f"__tvm_ffi_{symbol(v)}_{name}" for name in launch_names(v))
         lines.append(f'  {{"{v.label()}", {int(v.direction == "bwd")}, {_DTYPE_CODES[v.dtype]}, '
-                     f"{v.head_dim}, {int(v.causal)}, {int(v.deterministic)}, "
+                     f"{v.head_dim}, {v.value_head_dim}, {int(v.causal)}, {int(v.deterministic)}, "
                      f"{int(v.split_gqa)}, {int(v.lse_grad)}, {fwd}, {bwd}, "
                      f"{len(launch_names(v))}, {{{fns}}}}},")
     lines += ["};", "",

@@ -2,7 +2,7 @@
 across processes (kernel_store.py), compiled (kernel_compile.py) only when
 neither has them.
 
-Keys: (kernel, dtype, head_dim, causal, config[, has_grad_lse]); batch,
+Keys: (kernel, dtype, head_dim, [head_dim_v,] causal, config[, has_grad_lse]); batch,
 sequence lengths and head counts are runtime values of the compiled kernels.
 This module does not import the DSL: loading every kernel from the store
 costs milliseconds, where importing the DSL alone costs about a second.
@@ -40,9 +40,10 @@ class CompiledKernel:
         return cls(launches["fwd"], seconds, from_disk)
 
 
-def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> tuple:
+def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
+            head_dim_v: int) -> tuple:
     # FwdConfig is frozen, so hashable: the key costs no copying on the hot path.
-    return ("fwd_sm90", dtype, head_dim, bool(causal), config)
+    return ("fwd_sm90", dtype, head_dim, head_dim_v, bool(causal), config)
 
 
 @dataclass
@@ -79,11 +80,12 @@ def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
 
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-                dump_dir: str | None = None) -> CompiledKernel:
-    """Compile the forward kernel now (no cache); dump_dir keeps its PTX and cubin."""
+                dump_dir: str | None = None, head_dim_v: int | None = None) -> CompiledKernel:
+    """Compile the forward kernel now (no cache); dump_dir keeps its PTX and
+    cubin; head_dim_v is that of v and o (None: head_dim)."""
     from . import kernel_compile
 
-    return kernel_compile.compile_fwd(dtype, head_dim, causal, config, dump_dir)
+    return kernel_compile.compile_fwd(dtype, head_dim, causal, config, dump_dir, head_dim_v)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
@@ -128,9 +130,11 @@ def _stored(key: tuple, kind, compile_variant, args: tuple):
     return kind.from_launches(launches, time.perf_counter() - start, from_disk)
 
 
-def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig) -> CompiledKernel:
-    return _cached(fwd_key(dtype, head_dim, causal, config), CompiledKernel, compile_fwd,
-                   dtype, head_dim, causal, config)
+def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
+            head_dim_v: int | None = None) -> CompiledKernel:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return _cached(fwd_key(dtype, head_dim, causal, config, head_dim_v), CompiledKernel,
+                   compile_fwd, dtype, head_dim, causal, config, None, head_dim_v)
 
 
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,

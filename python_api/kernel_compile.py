@@ -83,14 +83,15 @@ def _compile(kernel, *args, dump_dir: str | None = None):
 
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-                dump_dir: str | None = None) -> CompiledKernel:
+                dump_dir: str | None = None, head_dim_v: int | None = None) -> CompiledKernel:
     cute_dtype = TORCH_TO_CUTE[dtype]
-    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config, head_dim_v)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
     q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
     k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-    v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-    o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
+    v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim_v)
+    o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim_v)
     lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
     counters = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, n)
     partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py

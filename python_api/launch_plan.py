@@ -32,14 +32,14 @@ from . import user_cache
 from .kernels import tail_plan
 from .kernels.config import WARPGROUP_THREADS, BwdConfig, FwdConfig
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 20, 16, 4, 4
 LOG2_E = 1.4426950408889634
 
 
 class Shape(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("batch", "seqlen_q", "seqlen_k", "heads",
-                                               "heads_kv", "head_dim")]
+                                               "heads_kv", "head_dim", "head_dim_v")]
 
 
 class FwdVariant(ctypes.Structure):
@@ -149,14 +149,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def fwd_variant(config: FwdConfig, head_dim: int) -> FwdVariant:
-    """What the planner needs of a forward kernel built from `config`."""
+def fwd_variant(config: FwdConfig, head_dim_v: int) -> FwdVariant:
+    """What the planner needs of a forward kernel built from `config`, whose
+    output has head dim `head_dim_v`."""
     return FwdVariant(tile_m=config.tile_m, tile_n=config.tile_n,
                       consumer_warpgroups=config.consumer_warpgroups,
                       threads_per_warpgroup=WARPGROUP_THREADS,
                       dynamic_tiles=int(config.dynamic_tiles),
                       split_tail=int(config.split_tail), max_parts=tail_plan.MAX_PARTS,
-                      partial_floats=tail_plan.partial_floats(head_dim, WARPGROUP_THREADS),
+                      partial_floats=tail_plan.partial_floats(head_dim_v, WARPGROUP_THREADS),
                       first_split_counter=tail_plan.FIRST_COUNTER)
 
 
@@ -205,9 +206,9 @@ class Plan:
                    p.full_tiles, p.tail_parts)
 
 
-def shape_of(q: torch.Tensor, k: torch.Tensor) -> tuple:
+def shape_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     batch, seqlen_q, heads, head_dim = q.shape
-    return (batch, seqlen_q, k.shape[1], heads, k.shape[2], head_dim)
+    return (batch, seqlen_q, k.shape[1], heads, k.shape[2], head_dim, v.shape[3])
 
 
 @functools.lru_cache(maxsize=1024)  # the Python op path asks it on every call
@@ -217,7 +218,7 @@ def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
     the last round (profiling.sweep's A/B), else the planner's cost model."""
     plan = _Plan()
     forced_full, forced_parts = (tail.full_tiles, tail.parts) if tail is not None else (0, 0)
-    status = library().cute_fa_plan_fwd(ctypes.byref(fwd_variant(config, shape[5])),
+    status = library().cute_fa_plan_fwd(ctypes.byref(fwd_variant(config, shape[6])),
                                         ctypes.byref(Shape(*shape)), num_sms, forced_full,
                                         forced_parts, ctypes.byref(plan))
     if status != 0:

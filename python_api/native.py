@@ -135,14 +135,14 @@ class NativeVariant:
     nvtx_name: str
 
 
-def _fwd_plan(q, k, causal) -> NativeVariant:
+def _fwd_plan(q, v, causal) -> NativeVariant:
     from . import launch_plan, variants
     from . import nvtx as nvtx_ranges
 
-    kernel, config, device_index = variants.fwd_kernel_for(q, k, causal)
+    kernel, config, device_index = variants.fwd_kernel_for(q, v, causal)
     return NativeVariant(kernel, (_ffi_handle(kernel.fn),),
-                         bytes(launch_plan.fwd_variant(config, q.shape[3])),
-                         variants.num_sms(device_index), nvtx_ranges.range_name("fwd", q, k, causal))
+                         bytes(launch_plan.fwd_variant(config, v.shape[3])),
+                         variants.num_sms(device_index), nvtx_ranges.range_name("fwd", q, v, causal))
 
 
 def _bwd_plan(q, k, causal, deterministic, has_grad_lse) -> NativeVariant:

@@ -2,6 +2,7 @@
 
 Range names are `cute_fa.<op>` followed by the problem in brackets, e.g.
     cute_fa.fwd[b=2,sq=4096,sk=4096,hq=16,hkv=16,d=128,causal=1,bf16]
+(with `dv=` after `d=` where v's head dim differs from q's).
 Select every forward kernel with
     ncu --nvtx --nvtx-include "regex:cute_fa\\.fwd.*/" python ...
 """
@@ -22,13 +23,14 @@ push = _nvtx.push_range  # the default domain keeps the name selectable as `name
 pop = _nvtx.pop_range
 
 
-def range_name(op: str, q, k, causal: bool) -> str:
-    key = (op, q.shape, k.shape, causal, q.dtype)
+def range_name(op: str, q, v, causal: bool) -> str:
+    key = (op, q.shape, v.shape, causal, q.dtype)
     name = _names.get(key)
     if name is None:
         b, sq, hq, d = q.shape
-        name = (f"cute_fa.{op}[b={b},sq={sq},sk={k.shape[1]},hq={hq},hkv={k.shape[2]},d={d},"
-                f"causal={int(causal)},{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
+        dv = "" if v.shape[3] == d else f"dv={v.shape[3]},"
+        name = (f"cute_fa.{op}[b={b},sq={sq},sk={v.shape[1]},hq={hq},hkv={v.shape[2]},d={d},"
+                f"{dv}causal={int(causal)},{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
         if len(_names) < _MAX_NAMES:  # bounded: varying sequence lengths would grow it forever
             _names[key] = name
     return name

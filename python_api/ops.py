@@ -28,7 +28,7 @@ from .kernels import tail_plan
 from .kernels.config import BwdConfig, FwdConfig, kernel_head_dim
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
-from .validate import check_attention_inputs, check_backward_inputs
+from .validate import check_attention_inputs, check_backward_head_dims, check_backward_inputs
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
 
@@ -55,29 +55,34 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     `config` overrides the per-problem default (this is how profiling.sweep
     A/Bs kernel variants), `tail` the split of the last round that a
     split_tail config would choose."""
-    name = nvtx_ranges.range_name("fwd", q, k, causal)  # the caller's head dim
-    head_dim = q.shape[3]
-    kernel_dim = kernel_head_dim(head_dim)
-    if kernel_dim != head_dim:  # zero columns change no score and give zero output columns
-        q, k, v = (_pad_head_dim(t, kernel_dim) for t in (q, k, v))
-    kernel, config, device_index = fwd_kernel_for(q, k, causal, config)
+    name = nvtx_ranges.range_name("fwd", q, v, causal)  # the caller's head dim
+    head_dim, head_dim_v = q.shape[3], v.shape[3]
+    kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
+    if kernel_dim != head_dim:  # zero columns change no score
+        q, k = _pad_head_dim(q, kernel_dim), _pad_head_dim(k, kernel_dim)
+    if kernel_dim_v != head_dim_v:  # zero columns of v give zero output columns
+        v = _pad_head_dim(v, kernel_dim_v)
+    kernel, config, device_index = fwd_kernel_for(q, v, causal, config)
     if tail is not None:
         _check_forced_tail(config, q, tail)
-    plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k), num_sms(device_index), tail)
+    plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
+                                tail)
     inputs = [_tma_ready(q), _tma_ready(k), _tma_ready(v)]
     nvtx_ranges.push(name)
     try:
         out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale)
     finally:
         nvtx_ranges.pop()
-    if kernel_dim != head_dim:
-        out = out[..., :head_dim].contiguous()
+    if kernel_dim_v != head_dim_v:
+        out = out[..., :head_dim_v].contiguous()
     return out, lse
 
 
 def _pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """`t` with zero columns up to `head_dim` (a head dim the kernels have):
     q·k is unchanged, and v's zero columns give zero output columns."""
+    if t.shape[-1] == head_dim:
+        return t
     return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
 
 
@@ -102,14 +107,15 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     group sum of split_gqa) by their launch plan, with the arguments of
     cute_fa::bwd; `config` overrides the per-problem default
     (profiling.sweep), deterministic included."""
-    name = nvtx_ranges.range_name("bwd", q, k, causal)  # the caller's head dim
-    head_dim = q.shape[3]
-    kernel_dim = kernel_head_dim(head_dim)
-    if kernel_dim != head_dim:  # the padded columns' gradients are zero: dropped
+    check_backward_head_dims(q, v)
+    name = nvtx_ranges.range_name("bwd", q, v, causal)  # the caller's head dim
+    head_dims = (q.shape[3], k.shape[3], v.shape[3])
+    kernel_dim = kernel_head_dim(q.shape[3])  # v's pads to it too (check_backward_head_dims)
+    if head_dims != (kernel_dim,) * 3:  # the padded columns' gradients are zero: dropped
         grad_out, q, k, v, out = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
     kernels, config, device_index = bwd_kernels_for(q, k, causal, deterministic,
                                                     grad_lse is not None, config)
-    plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k), num_sms(device_index))
+    plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index))
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
     inputs = [_tma_ready(grad_out), _tma_ready(q), _tma_ready(k), _tma_ready(v),
@@ -119,8 +125,9 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale)
     finally:
         nvtx_ranges.pop()
-    if kernel_dim != head_dim:
-        grads = tuple(g[..., :head_dim].contiguous() for g in grads)
+    if head_dims != (kernel_dim,) * 3:
+        grads = tuple(g[..., :d].contiguous() if d != kernel_dim else g
+                      for g, d in zip(grads, head_dims))
     return grads
 
 
@@ -144,7 +151,7 @@ _lib.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tens
 
 def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     check_attention_inputs(q, k, v, softmax_scale)
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, k, causal)):
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal)):
         out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal)
     return out.contiguous(), lse.contiguous()
 
@@ -158,7 +165,7 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     # Validating here makes a bad call fail while torch.compile traces, not at run time.
     check_attention_inputs(q, k, v, softmax_scale)
     batch, seqlen_q, heads, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, seqlen_q, heads, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -166,7 +173,7 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
 def _bwd_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
              deterministic=False):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, k, causal)):
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, v, causal)):
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
                                              causal, grad_lse)
     return tuple(g.contiguous() for g in grads)

@@ -2,9 +2,12 @@
 
     python -m cute_fa.precompile                                  # every variant the op may pick
     python -m cute_fa.precompile --head-dims 128 --dtypes bf16 --causal yes --jobs 8
+    python -m cute_fa.precompile --head-dims 192 --head-dims-v 128   # q·k 192, v 128
 
-For each dtype, head dim and causal flag: the forward's default kernel and
-the backward's default kernels with and without `deterministic`, each with
+For each dtype, head dim (and value head dim, by default the same) and causal
+flag: the forward's default kernel and, where the backward kernel has the head
+dims (config.BACKWARD_HEAD_DIMS, v's that of q), the backward's default
+kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
 take a gradient through the LSE output. Variants already in the store are
@@ -38,19 +41,33 @@ class Variant:
     deterministic: bool = False
     split_gqa: bool = False
     lse_grad: bool = False
+    head_dim_v: int | None = None  # that of v and the output; None: head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def label(self) -> str:
-        text = f"{self.direction} {self.dtype} d{self.head_dim} {'causal' if self.causal else 'full'}"
+        dv = "" if self.value_head_dim == self.head_dim else f" dv{self.value_head_dim}"
+        text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
+                f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad") if getattr(self, name)]
         return text + "".join(f" {f}" for f in flags)
 
 
-def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool) -> list[Variant]:
+def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
+             head_dims_v=None) -> list[Variant]:
+    """The variants of every combination; head_dims_v None: each head dim's
+    value head dim is its own, else every one of them no larger than it."""
+    from .kernels.config import BACKWARD_HEAD_DIMS
+
+    pairs = [(d, dv) for d in head_dims for dv in (head_dims_v or [d]) if dv <= d]
     out = []
-    for dtype, head_dim, causal in itertools.product(dtypes, head_dims, causal_flags):
+    for dtype, (head_dim, head_dim_v), causal in itertools.product(dtypes, pairs, causal_flags):
+        dv = None if head_dim_v == head_dim else head_dim_v
         if "fwd" in directions:
-            out.append(Variant("fwd", dtype, head_dim, causal))
-        if "bwd" in directions:
+            out.append(Variant("fwd", dtype, head_dim, causal, head_dim_v=dv))
+        if "bwd" in directions and head_dim in BACKWARD_HEAD_DIMS and dv is None:
             for det, split, grad in itertools.product((False, True), (False, True),
                                                       (False, True) if lse_grad else (False,)):
                 out.append(Variant("bwd", dtype, head_dim, causal, det, split, grad))
@@ -62,7 +79,7 @@ def config_of(variant: Variant):
     from .kernels.config import default_bwd_config, default_fwd_config
 
     if variant.direction == "fwd":
-        return default_fwd_config(variant.head_dim, variant.causal)
+        return default_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
     return default_bwd_config(variant.head_dim, variant.causal, variant.deterministic,
                               split_gqa=variant.split_gqa)
 
@@ -74,8 +91,11 @@ def kernels_of(variant: Variant, cached: bool = True):
 
     dtype, config = DTYPES[variant.dtype], config_of(variant)
     if variant.direction == "fwd":
-        get = compile_cache.get_fwd if cached else compile_cache.compile_fwd
-        return get(dtype, variant.head_dim, variant.causal, config)
+        if cached:
+            return compile_cache.get_fwd(dtype, variant.head_dim, variant.causal, config,
+                                         variant.value_head_dim)
+        return compile_cache.compile_fwd(dtype, variant.head_dim, variant.causal, config,
+                                         head_dim_v=variant.value_head_dim)
     get = compile_cache.get_bwd if cached else compile_cache.compile_bwd
     return get(dtype, variant.head_dim, variant.causal, config, variant.lse_grad)
 
@@ -92,6 +112,11 @@ def add_variant_options(p: argparse.ArgumentParser) -> None:
 
     add_head_dim_option(p, default=list(SUPPORTED_HEAD_DIMS), multiple=True,
                         help_default="all")
+    p.add_argument("--head-dims-v", type=choice_list(SUPPORTED_HEAD_DIMS), default=None,
+                   metavar="LIST",
+                   help="value head dims, comma-separated: each one no larger than a head dim "
+                        "of --head-dims makes a forward variant with it (default: each head "
+                        "dim's own)")
     add_dtype_option(p, default=list(DTYPES), multiple=True)
     add_causal_option(p, default="both", allow_both=True)
     p.add_argument("--directions", type=choice_list(("fwd", "bwd")), default=["fwd", "bwd"],
@@ -104,7 +129,7 @@ def add_variant_options(p: argparse.ArgumentParser) -> None:
 
 def chosen_variants(args: argparse.Namespace) -> list[Variant]:
     return variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
-                    args.lse_grad)
+                    args.lse_grad, args.head_dims_v)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from .kernels.config import HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS, kernel_head_dim
+from .kernels.config import (BACKWARD_HEAD_DIMS, HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS,
+                             kernel_head_dim)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -32,7 +33,8 @@ def check_argument_types(q, k, v, softmax_scale=None) -> None:
 
 
 def check_attention_inputs(q, k, v, softmax_scale=None) -> None:
-    """Validate (batch, seqlen, nheads, headdim) q, k, v for the forward."""
+    """Validate (batch, seqlen, nheads, headdim) q, k, v for the forward; v's
+    headdim may be smaller than that of q and k."""
     check_argument_types(q, k, v, softmax_scale)
     check_attention_tensors(q, k, v, softmax_scale)
 
@@ -49,11 +51,13 @@ def _attention_tensors_ok(q, k, v, softmax_scale) -> bool:
     # valid call in ~1 us, where the checks that name the culprit take ~6 us.
     # It must reject whatever _explain_attention_tensors rejects (the
     # bad-input tests go through both); rejecting more only costs time.
-    qs, ks = q.shape, k.shape
+    qs, ks, vs = q.shape, k.shape, v.shape
     dtype = q.dtype
-    return (len(qs) == 4 and len(ks) == 4 and ks == v.shape and 0 not in qs and 0 not in ks
+    return (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and ks[:3] == vs[:3]
+            and 0 not in qs and 0 not in ks and 0 not in vs
             and dtype in SUPPORTED_DTYPES and k.dtype == dtype and v.dtype == dtype
             and qs[3] in SUPPORTED_HEAD_DIMS and ks[3] == qs[3] and ks[0] == qs[0]
+            and vs[3] in SUPPORTED_HEAD_DIMS and vs[3] <= qs[3]
             and qs[2] % ks[2] == 0
             and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
             and q.device == k.device == v.device
@@ -86,9 +90,12 @@ def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
                          f"{SUPPORTED_HEAD_DIMS[-1]} ({', '.join(map(str, SUPPORTED_HEAD_DIMS))} "
                          f"run as they are, the others zero-padded to the next of those), "
                          f"got {head_dim}")
-    if k.shape != v.shape:
-        raise ValueError(f"k, v: expected equal shapes, got k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k, v: expected equal (batch, seqlen, nheads), got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    if kernel_head_dim(v.shape[3]) is None or v.shape[3] > head_dim:
+        raise ValueError(f"v: expected headdim a multiple of {HEAD_DIM_MULTIPLE} no larger "
+                         f"than that of q ({head_dim}), got {v.shape[3]}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k: expected headdim {head_dim} (that of q), got {k.shape[3]}")
     if k.shape[0] != q.shape[0]:
@@ -109,6 +116,24 @@ def check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse=N
         _explain_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
 
 
+def backward_head_dims_ok(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the backward kernel serves these head dims of q and v (both
+    padded to the same one of BACKWARD_HEAD_DIMS)."""
+    kernel_dim = kernel_head_dim(head_dim)
+    return kernel_dim in BACKWARD_HEAD_DIMS and kernel_head_dim(head_dim_v) == kernel_dim
+
+
+def check_backward_head_dims(q, v) -> None:
+    """The forward kernel serves head dims the backward kernel does not have
+    yet: a gradient through them on CUDA is an error that says so, never a
+    wrong one (the CPU reference has them all)."""
+    if not backward_head_dims_ok(q.shape[3], v.shape[3]):
+        raise NotImplementedError(
+            f"q, v: the backward supports headdim up to {BACKWARD_HEAD_DIMS[-1]} with v's "
+            f"headdim that of q (after padding to one of {BACKWARD_HEAD_DIMS}); got q headdim "
+            f"{q.shape[3]}, v headdim {v.shape[3]}. The forward supports these.")
+
+
 def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) -> bool:
     # The fast acceptance of _attention_tensors_ok, for the backward's arguments.
     tensor = torch.Tensor
@@ -120,7 +145,7 @@ def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) ->
         return False
     qs, dtype, device = q.shape, q.dtype, q.device
     stats_shape = (qs[0], qs[2], qs[1])
-    return (grad_out.shape == qs and out.shape == qs
+    return (v.shape[3] == qs[3] and grad_out.shape == qs and out.shape == qs
             and grad_out.dtype == dtype and out.dtype == dtype
             and grad_out.device == device and out.device == device
             and grad_out.stride(3) == 1 and out.stride(3) == 1
@@ -133,12 +158,13 @@ def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) ->
 def _explain_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) -> None:
     """Raise the error that names what is wrong; return if nothing is."""
     check_attention_inputs(q, k, v, softmax_scale)
+    out_shape = (*q.shape[:3], v.shape[3])
     for name, t in (("grad_out", grad_out), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: expected shape {tuple(q.shape)}, dtype {q.dtype}, "
-                             f"device {q.device} (those of q), got {_describe(t)}")
+        if t.shape != out_shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected shape {out_shape}, dtype {q.dtype}, "
+                             f"device {q.device} (q's, with v's headdim), got {_describe(t)}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected the last dimension to be contiguous, "
                              f"got strides {tuple(t.stride())}")

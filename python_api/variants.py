@@ -44,15 +44,16 @@ def _kernels():
     return _compile_cache
 
 
-def fwd_kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool,
+def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
                    config: FwdConfig | None = None):
     """(compiled forward, its config, device index) for a problem: the device
     checked, `config` or the per-problem default. The op's Python path
     asks it per call, the C++ host layer's planner (native.py) once per problem."""
     device_index = _device_index(q)
-    head_dim = q.shape[3]
-    config = config or default_fwd_config(head_dim, causal)
-    return _kernels().get_fwd(q.dtype, head_dim, causal, config), config, device_index
+    head_dim, head_dim_v = q.shape[3], v.shape[3]
+    config = config or default_fwd_config(head_dim, causal, head_dim_v)
+    return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v), config,
+            device_index)
 
 
 def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,

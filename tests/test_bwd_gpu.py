@@ -16,15 +16,17 @@ from cute_fa.reference import (attention_backward_reference, attention_reference
 pytestmark = pytest.mark.gpu
 
 
-def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed):
+def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed,
+            head_dim_v=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    head_dim_v = head_dim_v or head_dim
 
     def randn(*shape):
         return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
 
     q = randn(batch, seqlen_q, heads, head_dim)
-    k, v = randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_k, heads_kv, head_dim)
-    grad_out = randn(batch, seqlen_q, heads, head_dim)
+    k, v = randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_k, heads_kv, head_dim_v)
+    grad_out = randn(batch, seqlen_q, heads, head_dim_v)
     return q, k, v, grad_out
 
 
@@ -97,6 +99,15 @@ def test_padded_head_dims_match_reference(head_dim, causal, seqlens):
     seqlen_q, seqlen_k = seqlens
     _check(*_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.float16, seed=head_dim),
            causal)
+
+
+@pytest.mark.parametrize("head_dims", [(128, 120), (120, 104), (64, 48)])
+def test_value_head_dim_padded_to_that_of_q(head_dims):
+    # v narrower than q but padded to the same kernel head dim: the backward
+    # kernel runs it, and dV comes back with v's head dim
+    head_dim, head_dim_v = head_dims
+    _check(*_inputs(2, 500, 700, 4, 2, head_dim, torch.bfloat16, seed=head_dim_v,
+                    head_dim_v=head_dim_v), True)
 
 
 def test_padded_head_dims_with_lse_gradient_and_determinism():

@@ -55,7 +55,7 @@ BAD_ARGUMENTS = [
     ("bench", ["--seqlens", "1024,x"], "--seqlens"),
     ("bench", ["--backends", "cute,nope"], "--backends"),
     ("bench", ["--head-dims", "64,84"], "--head-dims"),
-    ("bench", ["--head-dims", "136"], "--head-dims"),
+    ("bench", ["--head-dims", "264"], "--head-dims"),
     ("bench", ["--dtypes", "fp8"], "--dtypes"),
     ("bench", ["--directions", "sideways"], "--directions"),
     ("bench", ["--gqa", "3"], "--gqa"),

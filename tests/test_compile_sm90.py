@@ -53,17 +53,32 @@ def _step(kind: str, head_dim: int, causal: bool, config, tmp_path):
 # ----------------------------------------------------------------- forward
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dims", [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256),
+                                       (192, 128), (128, 64)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_kernel(tmp_path, dtype, head_dim, causal):
-    config = default_fwd_config(head_dim, causal)
-    compile_fwd(dtype, head_dim, causal, config, dump_dir=str(tmp_path))
+def test_forward_kernel(tmp_path, dtype, head_dims, causal):
+    # at 192 and 256 too: spill-free, WGMMAs asynchronous (the register budget
+    # is the hard part there: 128 fp32 of O per thread at 256)
+    head_dim, head_dim_v = head_dims
+    config = default_fwd_config(head_dim, causal, head_dim_v)
+    compile_fwd(dtype, head_dim, causal, config, dump_dir=str(tmp_path), head_dim_v=head_dim_v)
     info = dumped_kernel_info(str(tmp_path))
     assert info.counts["wgmma"] > 0 and info.counts["ex2"] > 0
     assert info.counts["tma_load"] > 0 and info.counts["tma_store"] > 0
     assert info.counts["stmatrix"] > 0  # O leaves through shared memory
     _assert_warp_specialised(info, config)
-    _assert_no_spills(info)
+    if (head_dim, causal) == (256, True):
+        # rescale_o_before_pv (+3% there, docs/findings.md) leaves ptxas a few
+        # spills in the per-tile setup and epilogue; none in a main-loop step
+        from cute_fa.profiling.kernel_info import sass_text, step_loop_spills
+        from cute_fa.profiling.sass_loop import hgmmas_per_step
+
+        cubin = next(tmp_path.glob("*.cubin"))
+        in_steps, total = step_loop_spills(
+            sass_text(str(cubin)), hgmmas_per_step("fwd", head_dim, config.tile_m, config.tile_n))
+        assert in_steps == 0 and total <= 32, (in_steps, total)
+    else:
+        _assert_no_spills(info)
 
 
 def test_claimed_tiles_add_one_atomic_and_no_math(tmp_path):

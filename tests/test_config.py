@@ -5,9 +5,36 @@ from cute_fa.kernels.config import (FwdConfig, bwd_config_for_problem, default_b
 
 
 def test_defaults_validate_for_every_head_dim():
-    for head_dim in (64, 96, 128):
-        for causal in (False, True):
-            default_fwd_config(head_dim, causal).validate(head_dim)
+    from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        for head_dim_v in (d for d in SUPPORTED_HEAD_DIMS if d <= head_dim):
+            for causal in (False, True):
+                default_fwd_config(head_dim, causal, head_dim_v).validate(head_dim, head_dim_v)
+
+
+def test_large_head_dims_stage_o_in_the_v_ring():
+    # 128 query rows at 256: Q 64 KB + two stages of 80 keys of K and V (80 KB
+    # each) leave no room for a 64 KB O slab of its own
+    from cute_fa.kernels.config import SMEM_CAPACITY_BYTES
+    config = default_fwd_config(256, False)
+    assert config.o_in_v_smem and config.tile_m == 128 and config.tile_n == 80
+    assert config.smem_bytes(256) == 1024 + 64 * 1024 + 2 * 80 * 1024
+    assert config.replace(o_in_v_smem=False).smem_bytes(256) > SMEM_CAPACITY_BYTES
+    with pytest.raises(ValueError, match="o_in_v_smem saves the O slabs"):
+        config.replace(o_in_v_smem=False).validate(256)
+    # the V ring holds the O slabs even where they are the larger
+    small_v = FwdConfig(tile_n=32, o_in_v_smem=True)
+    assert small_v.smem_bytes(64) == 1024 + 16 * 1024 + 2 * 4 * 1024 + 16 * 1024
+    assert default_fwd_config(192, True, 128).tile_n == 128  # a 128-wide V leaves room
+
+
+def test_backward_kernel_head_dims():
+    from cute_fa.kernels.config import BwdConfig
+    with pytest.raises(ValueError, match="head_dim: expected one of .64, 96, 128. for the "
+                                         "backward kernel"):
+        BwdConfig().validate(256)
+    with pytest.raises(ValueError, match="head_dim_v: expected 128"):
+        BwdConfig().validate(128, 64)
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -18,6 +45,7 @@ def test_defaults_validate_for_every_head_dim():
     (dict(pv_wait_after_exp2=33), "pv_wait_after_exp2"),  # tile_n 128: 32 columns a row
     (dict(pv_wait_after_exp2=-1), "pv_wait_after_exp2"),
     (dict(pv_wait_after_exp2=1, intra_wg_overlap=False), "pv_wait_after_exp2"),
+    (dict(rescale_o_before_pv=True, intra_wg_overlap=False), "rescale_o_before_pv"),
     (dict(dynamic_tiles=True, persistent=False), "dynamic_tiles"),
     (dict(split_tail=True, persistent=False), "split_tail"),
     (dict(split_tail=True, dynamic_tiles=True), "split_tail"),
@@ -155,4 +183,5 @@ def test_head_dims_the_ops_take():
     assert [kernel_head_dim(d) for d in (64, 96, 128)] == [64, 96, 128]  # as they are
     assert [kernel_head_dim(d) for d in (8, 56, 72, 80, 88, 104, 112, 120)] == \
         [64, 64, 96, 96, 96, 128, 128, 128]  # zero-padded to the next kernel head dim
-    assert [kernel_head_dim(d) for d in (0, 4, 36, 100, 136, 256)] == [None] * 6
+    assert [kernel_head_dim(d) for d in (136, 192, 200, 256)] == [192, 192, 256, 256]
+    assert [kernel_head_dim(d) for d in (0, 4, 36, 100, 264, 512)] == [None] * 6

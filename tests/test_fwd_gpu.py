@@ -16,13 +16,15 @@ from shapes import random_problem
 pytestmark = pytest.mark.gpu
 
 
-def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed):
+def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed,
+            head_dim_v=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shape_q = (batch, seqlen_q, heads, head_dim)
     shape_k = (batch, seqlen_k, heads_kv, head_dim)
     q = torch.randn(shape_q, device="cuda", dtype=dtype, generator=gen)
     k = torch.randn(shape_k, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(shape_k, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn((*shape_k[:3], head_dim_v or head_dim), device="cuda", dtype=dtype,
+                    generator=gen)
     return q, k, v
 
 
@@ -41,7 +43,7 @@ def _check(q, k, v, causal, out, lse):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(128, 128), (1, 1), (17, 17), (1000, 1000), (4097, 4097),
                                      (256, 1024), (1024, 256), (113, 203), (300, 77)])
@@ -52,7 +54,7 @@ def test_forward_matches_reference(dtype, head_dim, causal, seqlens):
     _check(q, k, v, causal, out, lse)
 
 
-@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112, 136, 200, 248])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203), (1, 77)])
 def test_padded_head_dims_match_reference(head_dim, causal, seqlens):
@@ -62,6 +64,33 @@ def test_padded_head_dims_match_reference(head_dim, causal, seqlens):
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert out.shape == q.shape and out.is_contiguous()
     _check(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("head_dims", [(192, 128), (128, 64), (256, 128), (96, 64),
+                                       (256, 192), (192, 120), (104, 72)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203), (4097, 4097), (1, 77)])
+def test_value_head_dim_matches_reference(head_dims, dtype, causal, seqlens):
+    # v narrower than q and k (DeepSeek's MLA prefill: 192/128); the last two
+    # pairs are padded, q/k and v each to their own kernel head dim
+    head_dim, head_dim_v = head_dims
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = _inputs(2, seqlen_q, seqlen_k, 6, 2, head_dim, dtype, seed=head_dim_v,
+                      head_dim_v=head_dim_v)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (2, seqlen_q, 6, head_dim_v) and out.is_contiguous()
+    _check(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)])
+def test_large_head_dims_have_no_backward_yet(head_dims):
+    head_dim, head_dim_v = head_dims
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 64, 64, 2, 2, head_dim, torch.bfloat16,
+                                                   seed=0, head_dim_v=head_dim_v))
+    out = flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match="backward supports headdim up to 128"):
+        out.sum().backward()
 
 
 @pytest.mark.parametrize("trial", range(12))
@@ -84,6 +113,13 @@ def test_forward_random_shapes(trial):
     dict(dynamic_tiles=True), dict(dynamic_tiles=True, intra_wg_overlap=False, pingpong=False),
     dict(dynamic_tiles=True, tile_m=192, producer_regs=32, consumer_regs=160),
     dict(split_tail=True), dict(split_tail=True, intra_wg_overlap=False, pingpong=False),
+    dict(o_in_v_smem=True), dict(o_in_v_smem=True, persistent=False),
+    dict(o_in_v_smem=True, dynamic_tiles=True), dict(o_in_v_smem=True, split_tail=True),
+    dict(o_in_v_smem=True, intra_wg_overlap=False, pingpong=False),
+    dict(o_in_v_smem=True, tile_m=192, producer_regs=32, consumer_regs=160),
+    dict(rescale_o_before_pv=True), dict(rescale_o_before_pv=True, pv_wait_after_exp2=8),
+    dict(rescale_o_before_pv=True, o_in_v_smem=True, dynamic_tiles=True),
+    dict(rescale_o_before_pv=True, split_tail=True),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_config_variants(overrides, causal):
@@ -142,6 +178,20 @@ def test_split_tail_matches_reference(head_dim, seqlens, parts):
         _check(q, k, v, False, out, lse)
         again, again_lse = forward_cuda(q, k, v, default_scale(head_dim), False, config, tail)
         assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+@pytest.mark.parametrize("head_dims", [(192, 128), (256, 256)])
+def test_split_tail_with_o_in_v(head_dims):
+    # the large head dims' kernels with split_tail forced on: the merged
+    # parts hold v's head dim, and O is staged in the V ring
+    head_dim, head_dim_v = head_dims
+    q, k, v = _inputs(2, 1000, 1000, 6, 2, head_dim, torch.bfloat16, seed=3,
+                      head_dim_v=head_dim_v)
+    config = default_fwd_config(head_dim, False, head_dim_v).replace(split_tail=True)
+    assert config.o_in_v_smem
+    out, lse = forward_cuda(q, k, v, default_scale(head_dim), False, config,
+                            TailPlan(full_tiles=0, parts=3))
+    _check(q, k, v, False, out, lse)
 
 
 def test_split_tail_refuses_a_plan_it_cannot_run():

@@ -56,7 +56,7 @@ def _workspace(plan, index):
 
 def test_forward_plan():
     config = default_fwd_config(128, False)
-    shape = (2, 8192, 8192, 16, 4, 128)
+    shape = (2, 8192, 8192, 16, 4, 128, 128)
     plan = launch_plan.plan_fwd(config, shape, 132)
     assert plan.tail == tail_plan.TailPlan(full_tiles=1980, parts=3)
     assert plan.num_inputs == 3 and len(plan.launches) == 1
@@ -88,7 +88,7 @@ def test_forward_plan():
 
 def test_forced_tail_plans():
     config = default_fwd_config(128, False)
-    shape = (2, 8192, 8192, 16, 4, 128)
+    shape = (2, 8192, 8192, 16, 4, 128, 128)
     forced = launch_plan.plan_fwd(config, shape, 132, tail_plan.TailPlan(0, 2))
     assert forced.tail == tail_plan.TailPlan(0, 2)
     assert _workspace(forced, 6).shape[0] == 2048 * 2
@@ -106,7 +106,7 @@ def test_forced_tail_plans():
 def test_backward_plan(deterministic, split_gqa):
     config = default_bwd_config(128, True, deterministic, split_gqa)
     batch, seqlen, heads, heads_kv, d = 2, 1000, 8, 2, 128
-    plan = launch_plan.plan_bwd(config, (batch, seqlen, seqlen, heads, heads_kv, d), 132)
+    plan = launch_plan.plan_bwd(config, (batch, seqlen, seqlen, heads, heads_kv, d, d), 132)
     padded = -(-seqlen // config.tile_m) * config.tile_m
     assert plan.num_inputs == 7
     assert [kernel for kernel, _ in plan.launches] == list(range(4 if split_gqa else 3))
@@ -134,9 +134,24 @@ def test_backward_plan(deterministic, split_gqa):
         assert (dk_main, dv_main) == (grad_k, grad_v)
 
 
+def test_value_head_dim_plans():
+    # v and the output carry v's head dim, the split tail's partials too;
+    # the backward kernels take one head dim
+    config = default_fwd_config(192, False, 128).replace(split_tail=True)
+    shape = (2, 1000, 1000, 8, 2, 192, 128)
+    plan = launch_plan.plan_fwd(config, shape, 132, tail_plan.TailPlan(0, 2))
+    assert _workspace(plan, 3).shape == (2, 1000, 8, 128)  # out
+    assert _workspace(plan, 6).shape[1] == tail_plan.partial_floats(128)
+    native = launch_plan.fwd_variant(config, 128)
+    assert native.partial_floats == tail_plan.partial_floats(128)
+    with pytest.raises(ValueError, match="no backward launch plan"):
+        launch_plan.plan_bwd(default_bwd_config(128, False), (1, 64, 64, 2, 2, 128, 64), 132)
+
+
 def test_bad_shapes_are_not_planned():
     config = default_fwd_config(64, False)
-    for shape in ((0, 8, 8, 2, 2, 64), (1, 8, 8, 3, 2, 64), (1, 8, 0, 2, 2, 64)):
+    for shape in ((0, 8, 8, 2, 2, 64, 64), (1, 8, 8, 3, 2, 64, 64), (1, 8, 0, 2, 2, 64, 64),
+                  (1, 8, 8, 2, 2, 64, 0)):
         with pytest.raises(ValueError, match="no forward launch plan"):
             launch_plan.plan_fwd(config, shape, 132)
 

@@ -23,12 +23,30 @@ def test_cpu_op_is_the_reference(causal):
     assert out.shape == q.shape and lse.shape == (2, 4, 33)
 
 
+@pytest.mark.parametrize("head_dims", [(192, 128), (256, 256), (136, 72)])
+def test_cpu_op_takes_every_head_dim_and_a_narrower_v(head_dims):
+    head_dim, head_dim_v = head_dims
+    q = torch.randn(1, 9, 4, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 13, 2, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 13, 2, head_dim_v, dtype=torch.bfloat16, requires_grad=True)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, None, True)
+    assert out.shape == (1, 9, 4, head_dim_v)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    out.float().sum().backward()  # the reference backward has every head dim
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    fake = torch.compile(lambda a, b, c: flash_attn_func(a, b, c), fullgraph=True,
+                         backend="eager")(q.detach(), k.detach(), v.detach())
+    assert fake.shape == out.shape
+
+
 def test_opcheck():
     q = torch.randn(1, 17, 4, 64, dtype=torch.float16)
     k = torch.randn(1, 9, 1, 64, dtype=torch.float16)
     v = torch.randn(1, 9, 1, 64, dtype=torch.float16)
     for causal in (False, True):
         torch.library.opcheck(torch.ops.cute_fa.fwd.default, (q, k, v, 0.125, causal))
+    torch.library.opcheck(torch.ops.cute_fa.fwd.default, (q, k, v[..., :32], 0.125, True))
 
 
 class TinyAttention(torch.nn.Module):
@@ -59,6 +77,9 @@ def test_nvtx_range_name_carries_the_problem():
     k = torch.empty(2, 80, 2, 128, dtype=torch.bfloat16)
     assert range_name("fwd", q, k, True) == \
         "cute_fa.fwd[b=2,sq=100,sk=80,hq=8,hkv=2,d=128,causal=1,bf16]"
+    v = torch.empty(2, 80, 2, 64, dtype=torch.bfloat16)  # v narrower than q: named
+    assert range_name("fwd", q, v, False) == \
+        "cute_fa.fwd[b=2,sq=100,sk=80,hq=8,hkv=2,d=128,dv=64,causal=0,bf16]"
 
 
 def test_public_api():

@@ -17,10 +17,14 @@ def _qkv(shape_q=(2, 16, 4, 64), shape_k=(2, 16, 2, 64), dtype=torch.bfloat16):
     (lambda q, k, v: (q, k.half(), v), TypeError, r"q, k, v: expected one dtype"),
     (lambda q, k, v: (q[..., :36].contiguous(), k[..., :36].contiguous(),
                       v[..., :36].contiguous()), ValueError,
-     r"q: expected headdim a multiple of 8 up to 128 \(64, 96, 128 run as they are, the "
-     r"others zero-padded to the next of those\), got 36"),
-    (lambda q, k, v: (torch.cat([q] * 3, -1), torch.cat([k] * 3, -1), torch.cat([v] * 3, -1)),
-     ValueError, r"q: expected headdim a multiple of 8 up to 128 .*got 192"),
+     r"q: expected headdim a multiple of 8 up to 256 \(64, 96, 128, 192, 256 run as they are, "
+     r"the others zero-padded to the next of those\), got 36"),
+    (lambda q, k, v: (torch.cat([q] * 5, -1), torch.cat([k] * 5, -1), torch.cat([v] * 5, -1)),
+     ValueError, r"q: expected headdim a multiple of 8 up to 256 .*got 320"),
+    (lambda q, k, v: (q, k, torch.cat([v] * 2, -1)), ValueError,
+     r"v: expected headdim a multiple of 8 no larger than that of q \(64\), got 128"),
+    (lambda q, k, v: (q, k, v[..., :36].contiguous()), ValueError,
+     r"v: expected headdim a multiple of 8 no larger than that of q \(64\), got 36"),
     (lambda q, k, v: (q.transpose(1, 3).contiguous().transpose(1, 3), k, v), ValueError,
      r"q: expected the last dimension \(headdim\) to be contiguous"),
     (lambda q, k, v: (q, k[:1], v[:1]), ValueError, r"k: expected batch 2 \(that of q\), got 1"),
@@ -29,7 +33,8 @@ def _qkv(shape_q=(2, 16, 4, 64), shape_k=(2, 16, 2, 64), dtype=torch.bfloat16):
     (lambda q, k, v: (q[0], k, v), ValueError,
      r"q: expected a 4-D tensor \(batch, seqlen, nheads, headdim\), got 3-D"),
     (lambda q, k, v: (q[:, :0], k, v), ValueError, r"q: expected a non-empty tensor"),
-    (lambda q, k, v: (q, k, v[:, :8]), ValueError, r"k, v: expected equal shapes"),
+    (lambda q, k, v: (q, k, v[:, :8]), ValueError,
+     r"k, v: expected equal \(batch, seqlen, nheads\)"),
     (lambda q, k, v: (q, k[..., :32].contiguous(), v[..., :32].contiguous()), ValueError,
      r"k: expected headdim 64 \(that of q\), got 32"),
     (lambda q, k, v: (q, k, v.to("meta")), ValueError, r"q, k, v: expected one device"),
@@ -72,7 +77,8 @@ def _bwd_args():
 
 @pytest.mark.parametrize("change, error, pattern", [
     (dict(grad_out=torch.randn(2, 16, 4, 32)), ValueError,
-     r"grad_out: expected shape \(2, 16, 4, 64\), dtype torch.bfloat16, device cpu \(those of q\)"),
+     r"grad_out: expected shape \(2, 16, 4, 64\), dtype torch.bfloat16, device cpu \(q's, "
+     r"with v's headdim\)"),
     (dict(out=torch.randn(2, 16, 4, 64)), ValueError, r"out: expected shape .* got shape"),
     (dict(lse=torch.randn(2, 16, 4)), ValueError,
      r"lse: expected shape \(2, 4, 16\), dtype torch.float32"),
