@@ -127,7 +127,7 @@ def _python_plan(plan):
 @pytest.mark.parametrize("backward", [False, True])
 def test_the_driver_plans_as_the_op_does(cmake_build, backward):
     # batch 3, 1000 queries, 8 heads on 2 KV heads: a split tail forward, a padded backward
-    shape = (3, 1000, 1000, 8, 2, 64)
+    shape = (3, 1000, 1000, 8, 2, 64, 64)
     args = ["--plan", "--head-dim", "64", "--seqlen", "1000", "--batch", "3", "--heads", "8",
             "--heads-kv", "2"] + (["--bwd"] if backward else [])
     done = _run(cmake_build, *args)
@@ -270,7 +270,9 @@ def test_aot_command_line(tmp_path):
                      "cute_fa_kernels_registry.c"]
     assert not out.exists()  # --list builds nothing
     default = aot.selected(parser.parse_args(["--out", "x"]))
-    assert len(default) == 24 and not any(v.deterministic or v.split_gqa for v in default)
+    # fwd: 2 dtypes x 5 head dims x causal; plain bwd: 2 x 3 (64 to 128) x causal
+    assert len(default) == 32 and not any(v.deterministic or v.split_gqa for v in default)
+    assert not any(v.direction == "bwd" and v.head_dim > 128 for v in default)
     for args, option in ((["--out", "x", "--backward-modes", "fast"], "--backward-modes"),
                          (["--out", "x", "--head-dims", "80"], "--head-dims"),
                          (["--list"], "--out")):
@@ -289,9 +291,9 @@ def test_the_registry_records_what_the_planner_needs():
     config = default_fwd_config(96, True)
     numbers = launch_plan.fwd_variant(config, 96)
     expected = "{" + ", ".join(str(getattr(numbers, n)) for n, _ in numbers._fields_) + "}"
-    assert f'{{"fwd bf16 d96 causal", 0, 0, 96, 1, 0, 0, 0, {expected}, {{0}}, 1,' in source
+    assert f'{{"fwd bf16 d96 causal", 0, 0, 96, 96, 1, 0, 0, 0, {expected}, {{0}}, 1,' in source
     bnumbers = launch_plan.bwd_variant(default_bwd_config(128, False, True, split_gqa=True))
     bexpected = "{" + ", ".join(str(getattr(bnumbers, n)) for n, _ in bnumbers._fields_) + "}"
-    assert (f'{{"bwd fp16 d128 full deterministic split_gqa", 1, 1, 128, 0, 1, 1, 0, {{0}}, '
+    assert (f'{{"bwd fp16 d128 full deterministic split_gqa", 1, 1, 128, 128, 0, 1, 1, 0, {{0}}, '
             f'{bexpected}, 4,') in source
     assert "__tvm_ffi_cute_fa_bwd_fp16_d128_full_deterministic_split_gqa_group_sum}" in source
