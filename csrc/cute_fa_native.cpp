@@ -250,7 +250,7 @@ CuteFaShape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 bool supported_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-bool kernel_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+bool is_kernel_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
 
 // The fast acceptance of validate._attention_tensors_ok for the head dims the
 // kernels have (config.SUPPORTED_HEAD_DIMS, v's no wider than q's): nothing
@@ -263,7 +263,7 @@ bool attention_tensors_ok(const at::Tensor& q, const at::Tensor& k, const at::Te
   const auto dtype = q.scalar_type();
   if (!supported_dtype(dtype) || k.scalar_type() != dtype || v.scalar_type() != dtype) return false;
   const int64_t d = q.size(3), dv = v.size(3);
-  if (!kernel_head_dim(d) || !kernel_head_dim(dv) || dv > d) return false;
+  if (!is_kernel_head_dim(d) || !is_kernel_head_dim(dv) || dv > d) return false;
   if (k.size(3) != d || k.size(0) != q.size(0)) return false;
   if (q.size(2) % k.size(2) != 0) return false;
   if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) return false;

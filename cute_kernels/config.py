@@ -39,16 +39,6 @@ def kernel_head_dim(head_dim: int) -> int | None:
     return next((d for d in SUPPORTED_HEAD_DIMS if d >= head_dim), None)
 
 
-def check_head_dims(head_dim: int, head_dim_v: int, kernel_dims=SUPPORTED_HEAD_DIMS) -> None:
-    """A kernel's (q·k, v) head dims: each one of `kernel_dims`, the value's
-    no wider than the key's (its O tile then fits where the kernel stages it)."""
-    if head_dim not in kernel_dims:
-        raise ValueError(f"head_dim: expected one of {kernel_dims}, got {head_dim}")
-    if head_dim_v not in kernel_dims or head_dim_v > head_dim:
-        raise ValueError(f"head_dim_v: expected one of {kernel_dims} no larger than head_dim "
-                         f"({head_dim}), got {head_dim_v}")
-
-
 def _align_1k(n: int) -> int:
     """Shared-memory buffers start on 1 KB (swizzle-pattern) boundaries."""
     return -(-n // 1024) * 1024

@@ -34,7 +34,8 @@ from .backends import (BACKENDS, OURS, BackendUnavailable, add_backends_option,
 from .cli import INSTALL_BENCH, command_parser, positive_int, progress, require_cuda, require_module
 from .flops import attention_flops, batch_for, tflops
 from .problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
-                      add_head_dim_option, add_size_options, check_gqa, heads_for, make_qkv)
+                      add_head_dim_option, add_head_dim_v_option, add_size_options, check_gqa,
+                      heads_for, make_qkv)
 from .report import (add_ratios, environment, format_table, head_dims_text, write_json,
                      write_markdown, write_plots)
 
@@ -45,10 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command_parser("bench", __doc__)
     add_dtype_option(p, ["bf16"], multiple=True)
     add_head_dim_option(p, [64, 128], multiple=True, padded=True)
-    p.add_argument("--head-dim-v", type=positive_int, default=None, metavar="DV",
-                   help="v's head dim at every head dim of --head-dims at least as large "
-                        "(the others are skipped), e.g. --head-dims 192 --head-dim-v 128 "
-                        "(default: each head dim's own)")
+    add_head_dim_v_option(p, "v's head dim at every head dim of --head-dims at least as "
+                             "large (the others are skipped), e.g. --head-dims 192 "
+                             "--head-dim-v 128 (default: each head dim's own)")
     add_causal_option(p, "both", allow_both=True)
     add_size_options(p, DEFAULT_SEQLENS, multiple=True, model_dim=True)
     add_direction_option(p, ["fwd"], multiple=True)

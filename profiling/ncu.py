@@ -31,10 +31,10 @@ import tempfile
 import torch
 
 from .backends import BACKENDS, add_direction_option, backends_help, require_fa4
-from .cli import command_parser, config_overrides, config_with, positive_int, require_cuda
+from .cli import command_parser, config_overrides, config_with, require_cuda
 from .kernel_info import opcode
 from .problem import (add_causal_option, add_dtype_option, add_head_dim_option,
-                      add_size_options, check_gqa)
+                      add_head_dim_v_option, add_size_options, check_gqa, resolve_head_dim_v)
 
 # metric name -> label, in the order of the summary
 METRICS = {
@@ -74,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{backends_help(BACKENDS)}")
     add_dtype_option(p)
     add_head_dim_option(p)
-    p.add_argument("--head-dim-v", type=positive_int, default=None, metavar="DV",
-                   help="v's head dim, no larger than --head-dim (forward only; default: "
-                        "--head-dim)")
+    add_head_dim_v_option(p)
     add_size_options(p, 8192)
     add_causal_option(p)
     add_direction_option(p, "fwd", ("fwd", "bwd"))
@@ -102,12 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
-    if args.head_dim_v is None:
-        args.head_dim_v = args.head_dim
-    elif args.head_dim_v > args.head_dim or (args.direction == "bwd"
-                                             and args.head_dim_v != args.head_dim):
-        p.error(f"--head-dim-v: expected at most --head-dim ({args.head_dim}), and equal to "
-                f"it for the backward, got {args.head_dim_v}")
+    resolve_head_dim_v(p, args, backward=args.direction == "bwd")
     args.overrides = {}
     if args.config:
         if args.backend != "cute":

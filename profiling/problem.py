@@ -80,6 +80,23 @@ def add_head_dim_option(p, default: int | list[int] | None = 128, multiple: bool
                        help=f"head dim, one of {dims} (default: {help_default or default})")
 
 
+def add_head_dim_v_option(p, help_text: str | None = None) -> None:
+    """--head-dim-v: v's head dim where it is narrower than q's (None: the same)."""
+    p.add_argument("--head-dim-v", type=positive_int, default=None, metavar="DV",
+                   help=help_text or "v's head dim, no larger than --head-dim (forward only; "
+                                     "default: --head-dim)")
+
+
+def resolve_head_dim_v(parser, args, backward: bool) -> None:
+    """args.head_dim_v: --head-dim where not given; a usage error where it is
+    wider than --head-dim, or differs from it for the backward."""
+    if args.head_dim_v is None:
+        args.head_dim_v = args.head_dim
+    elif args.head_dim_v > args.head_dim or (backward and args.head_dim_v != args.head_dim):
+        parser.error(f"--head-dim-v: expected at most --head-dim ({args.head_dim}), and equal "
+                     f"to it for the backward, got {args.head_dim_v}")
+
+
 def add_causal_option(p, default: str = "no", allow_both: bool = False) -> None:
     """--causal, --causal yes, --causal no (and --causal both where allowed):
     the value is a key of CAUSAL_VALUES."""

@@ -33,7 +33,8 @@ from .cli import (Progress, add_kernel_option, command_parser, config_vary, posi
                   require_cuda)
 from .flops import attention_flops, tflops
 from .problem import (DTYPES, add_causal_option, add_dtype_option, add_head_dim_option,
-                      add_size_options, check_gqa, make_qkv, problem_shape)
+                      add_head_dim_v_option, add_size_options, check_gqa, make_qkv,
+                      problem_shape, resolve_head_dim_v)
 
 # What a sweep without --vary compares, per kernel.
 DEFAULT_VARY = {"fwd": ["persistent=0,1"], "bwd": ["qdo_stages=1,2"]}
@@ -44,9 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernel_option(p)
     add_dtype_option(p)
     add_head_dim_option(p)
-    p.add_argument("--head-dim-v", type=positive_int, default=None, metavar="DV",
-                   help="v's head dim, no larger than --head-dim (forward only; default: "
-                        "--head-dim)")
+    add_head_dim_v_option(p)
     add_size_options(p, 8192)
     add_causal_option(p)
     p.add_argument("--vary", nargs="+", default=None, metavar="FIELD=V1,V2",
@@ -68,12 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
-    if args.head_dim_v is None:
-        args.head_dim_v = args.head_dim
-    elif args.head_dim_v > args.head_dim or (args.kernel == "bwd"
-                                             and args.head_dim_v != args.head_dim):
-        p.error(f"--head-dim-v: expected at most --head-dim ({args.head_dim}), and equal to "
-                f"it for the backward, got {args.head_dim_v}")
+    resolve_head_dim_v(p, args, backward=args.kernel == "bwd")
     defaulted = args.vary is None
     if defaulted:
         args.vary = DEFAULT_VARY[args.kernel]

@@ -116,18 +116,13 @@ def check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse=N
         _explain_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
 
 
-def backward_head_dims_ok(head_dim: int, head_dim_v: int) -> bool:
-    """Whether the backward kernel serves these head dims of q and v (both
-    padded to the same one of BACKWARD_HEAD_DIMS)."""
-    kernel_dim = kernel_head_dim(head_dim)
-    return kernel_dim in BACKWARD_HEAD_DIMS and kernel_head_dim(head_dim_v) == kernel_dim
-
-
 def check_backward_head_dims(q, v) -> None:
     """The forward kernel serves head dims the backward kernel does not have
     yet: a gradient through them on CUDA is an error that says so, never a
-    wrong one (the CPU reference has them all)."""
-    if not backward_head_dims_ok(q.shape[3], v.shape[3]):
+    wrong one (the CPU reference has them all). The backward takes q and v
+    padded to the same one of BACKWARD_HEAD_DIMS."""
+    kernel_dim = kernel_head_dim(q.shape[3])
+    if kernel_dim not in BACKWARD_HEAD_DIMS or kernel_head_dim(v.shape[3]) != kernel_dim:
         raise NotImplementedError(
             f"q, v: the backward supports headdim up to {BACKWARD_HEAD_DIMS[-1]} with v's "
             f"headdim that of q (after padding to one of {BACKWARD_HEAD_DIMS}); got q headdim "
