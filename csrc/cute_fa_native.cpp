@@ -149,6 +149,14 @@ Variant read_variant(py::handle variant) {
   return v;
 }
 
+// This layer serves full and causal attention of plain scores; a window or a
+// softcap goes to the Python path (plain_scores).
+constexpr CuteFaWindow kNoWindow{-1, -1};
+
+bool plain_scores(int64_t window_left, int64_t window_right, double softcap) {
+  return window_left == -1 && window_right == -1 && softcap == 0.0;
+}
+
 // Asks the Python planner (which compiles the kernels the first time) and
 // plans the problem: python_api/native.py, NativeVariant.
 std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool backward,
@@ -162,10 +170,10 @@ std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool bac
   int status;
   if (backward) {
     const auto v = read_variant<CuteFaBwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_bwd(&v, &shape, num_sms, &entry->plan);
+    status = cute_fa_plan_bwd(&v, &shape, &kNoWindow, num_sms, &entry->plan);
   } else {
     const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_fwd(&v, &shape, num_sms, 0, 0, &entry->plan);
+    status = cute_fa_plan_fwd(&v, &shape, &kNoWindow, num_sms, 0, 0, &entry->plan);
   }
   TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");
   return entry;
@@ -295,11 +303,13 @@ at::Tensor tma_ready(const at::Tensor& t) {
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, std::optional<double> scale,
-                                            bool causal, bool deterministic) {
-  if (!attention_tensors_ok(q, k, v, scale))
-    return fall_back<std::tuple<at::Tensor, at::Tensor>>(
-        state().fallback_fwd,
-        [&] { return py::make_tuple(q, k, v, scale, causal, deterministic); });
+                                            bool causal, bool deterministic, int64_t window_left,
+                                            int64_t window_right, double softcap) {
+  if (!attention_tensors_ok(q, k, v, scale) || !plain_scores(window_left, window_right, softcap))
+    return fall_back<std::tuple<at::Tensor, at::Tensor>>(state().fallback_fwd, [&] {
+      return py::make_tuple(q, k, v, scale, causal, deterministic, window_left, window_right,
+                            softcap);
+    });
   const CuteFaShape shape = shape_of(q, k, v);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
@@ -337,12 +347,14 @@ bool backward_inputs_ok(const at::Tensor& grad_out, const at::Tensor& q, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale, bool causal,
-    const std::optional<at::Tensor>& grad_lse, bool deterministic) {
-  if (!backward_inputs_ok(grad_out, q, k, v, out, lse, scale, grad_lse))
+    const std::optional<at::Tensor>& grad_lse, bool deterministic, int64_t window_left,
+    int64_t window_right, double softcap) {
+  if (!backward_inputs_ok(grad_out, q, k, v, out, lse, scale, grad_lse) ||
+      !plain_scores(window_left, window_right, softcap))
     return fall_back<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
         state().fallback_bwd, [&] {
           return py::make_tuple(grad_out, q, k, v, out, lse, scale, causal, grad_lse,
-                                deterministic);
+                                deterministic, window_left, window_right, softcap);
         });
   const CuteFaShape shape = shape_of(q, k, v);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
@@ -403,11 +415,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // arguments that equal them, and ops.py hands its arguments on as they came.
   m.def("fwd", &fwd_cuda, "cute_fa::fwd on CUDA tensors, without the dispatcher", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("softmax_scale") = py::none(),
-        py::arg("causal") = false, py::arg("deterministic") = false);
+        py::arg("causal") = false, py::arg("deterministic") = false,
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0);
   m.def("bwd", &bwd_cuda, "cute_fa::bwd on CUDA tensors, without the dispatcher",
         py::arg("grad_out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("grad_lse") = py::none(), py::arg("deterministic") = false);
+        py::arg("grad_lse") = py::none(), py::arg("deterministic") = false,
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0);
   m.def("cached_plans", [] { return state().plans.size(); });
   m.def("plan_capacity", [] { return kMaxPlans; });
   // What a prebuilt module (CMake) was built against; native.py compares it

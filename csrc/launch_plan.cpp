@@ -90,6 +90,16 @@ class Builder {
   bool ok_ = true;
 };
 
+// The window as the kernels take it (mask.py): a side that is unbounded, or
+// wider than any row reaches, becomes the size that reaches every key.
+void window_args(Builder& b, CuteFaLaunch* l, const CuteFaWindow* w, const CuteFaShape* s) {
+  const int64_t left = (w->left < 0 || w->left > s->seqlen_k) ? s->seqlen_k : w->left;
+  const int64_t right = (w->right < 0 || w->right > s->seqlen_q) ? s->seqlen_q : w->right;
+  b.arg(l, CUTE_FA_ARG_INT, 0, left);
+  b.arg(l, CUTE_FA_ARG_INT, 0, right);
+  b.arg(l, CUTE_FA_ARG_PRE_TANH);
+}
+
 bool shape_ok(const CuteFaShape* s) {
   return s->batch > 0 && s->seqlen_q > 0 && s->seqlen_k > 0 && s->heads > 0 &&
          s->heads_kv > 0 && s->heads % s->heads_kv == 0 && s->head_dim > 0 &&
@@ -117,8 +127,9 @@ extern "C" int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_
 }
 
 extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
-                                int64_t num_sms, int64_t forced_full_tiles,
-                                int64_t forced_parts, CuteFaPlan* plan) {
+                                const CuteFaWindow* window, int64_t num_sms,
+                                int64_t forced_full_tiles, int64_t forced_parts,
+                                CuteFaPlan* plan) {
   if (!shape_ok(s) || v->tile_m <= 0 || v->tile_n <= 0 || num_sms <= 0) return -1;
   Builder b(plan);
   const int64_t bshd_q[4] = {s->batch, s->seqlen_q, s->heads, s->head_dim};
@@ -167,13 +178,15 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, parts);
+  window_args(b, fwd, window, s);
   b.output(out);
   b.output(lse);
   return b.status();
 }
 
 extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
-                                int64_t num_sms, CuteFaPlan* plan) {
+                                const CuteFaWindow* window, int64_t num_sms,
+                                CuteFaPlan* plan) {
   // The backward kernels take one head dim for q, k, v and the output.
   if (!shape_ok(s) || s->head_dim_v != s->head_dim || v->tile_m <= 0 || num_sms <= 0)
     return -1;
@@ -221,6 +234,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   b.arg(main, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(main, CUTE_FA_ARG_SCALE);
   b.arg(main, CUTE_FA_ARG_INT, 0, num_sms);
+  window_args(b, main, window, s);
   CuteFaLaunch* post = b.launch(2);
   b.tensors(post, {dq_accum, grad_q});
   b.arg(post, CUTE_FA_ARG_SCALE);
@@ -238,7 +252,7 @@ extern "C" void cute_fa_plan_layout(int64_t* version, int64_t* sizes, int32_t nu
   *version = CUTE_FA_PLAN_LAYOUT_VERSION;
   const int64_t all[] = {sizeof(CuteFaShape), sizeof(CuteFaFwdVariant), sizeof(CuteFaBwdVariant),
                          sizeof(CuteFaBuffer), sizeof(CuteFaArg), sizeof(CuteFaLaunch),
-                         sizeof(CuteFaPlan)};
+                         sizeof(CuteFaPlan), sizeof(CuteFaWindow)};
   for (int32_t i = 0; i < num_sizes && i < static_cast<int32_t>(sizeof(all) / sizeof(all[0]));
        ++i)
     sizes[i] = all[i];

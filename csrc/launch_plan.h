@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 2
+#define CUTE_FA_PLAN_LAYOUT_VERSION 3
 #define CUTE_FA_PLAN_MAX_BUFFERS 20
 #define CUTE_FA_PLAN_MAX_ARGS 16
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
@@ -32,6 +32,13 @@ extern "C" {
 typedef struct {
   int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v;
 } CuteFaShape;
+
+/* A sliding window around each query's (bottom-right aligned) diagonal, in
+ * keys; -1: unbounded on that side. Read by local kernels only; the plan
+ * hands them the sizes clamped to the shape (launch_plan.cpp). */
+typedef struct {
+  int64_t left, right;
+} CuteFaWindow;
 
 /* What the planner needs to know of a forward kernel variant. */
 typedef struct {
@@ -66,11 +73,15 @@ typedef struct {
   int64_t shape[4];
 } CuteFaBuffer;
 
+/* The scalars of kinds SCALE_LOG2, SCALE and PRE_TANH come from the
+ * executor's softmax_scale and softcap (0: none), plan_launcher.h. */
 enum CuteFaArgKind {
   CUTE_FA_ARG_BUFFER = 0,     /* buffers[index] */
-  CUTE_FA_ARG_SCALE_LOG2 = 1, /* softmax_scale * log2(e), fp32 */
+  CUTE_FA_ARG_SCALE_LOG2 = 1, /* the softmax's exponent factor, fp32: softmax_scale *
+                                 log2(e), or with a softcap softcap * log2(e) */
   CUTE_FA_ARG_SCALE = 2,      /* softmax_scale, fp32 */
   CUTE_FA_ARG_INT = 3,        /* value, int32 */
+  CUTE_FA_ARG_PRE_TANH = 4,   /* softmax_scale / softcap, fp32 (0 without a softcap) */
 };
 
 typedef struct {
@@ -99,14 +110,14 @@ typedef struct {
  * otherwise forced_full_tiles / forced_parts (a sweep's A/B, checked by the
  * caller). Returns 0, or -1 for a shape or variant it cannot plan. */
 int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
-                     int64_t num_sms, int64_t forced_full_tiles, int64_t forced_parts,
-                     CuteFaPlan* plan);
+                     const CuteFaWindow* window, int64_t num_sms, int64_t forced_full_tiles,
+                     int64_t forced_parts, CuteFaPlan* plan);
 
 /* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
  * the call has none). Launches: preprocess, main, postprocess[, group_sum].
  * Outputs: grad_q, grad_k, grad_v. */
 int cute_fa_plan_bwd(const CuteFaBwdVariant* variant, const CuteFaShape* shape,
-                     int64_t num_sms, CuteFaPlan* plan);
+                     const CuteFaWindow* window, int64_t num_sms, CuteFaPlan* plan);
 
 /* The key ranges per tile of the forward's split tail for `num_tiles` tiles of
  * `n_blocks` K/V blocks on `num_sms` persistent CTAs (1: no split). */

@@ -42,9 +42,10 @@ inline std::string take_raised_error() {
 }
 
 // Makes the plan's launches in order: kernels[launch.kernel] with the buffers'
-// views and the scalars the plan names. Returns "" or what failed.
+// views and the scalars the plan names, from softmax_scale and softcap (0:
+// none; launch_plan.h's arg kinds). Returns "" or what failed.
 inline std::string run_launches(const CuteFaPlan& plan, const TVMFFIObjectHandle* kernels,
-                                DLTensor* views, double softmax_scale) {
+                                DLTensor* views, double softmax_scale, double softcap = 0.0) {
   for (int32_t j = 0; j < plan.num_launches; ++j) {
     const CuteFaLaunch& launch = plan.launches[j];
     std::array<TVMFFIAny, CUTE_FA_PLAN_MAX_ARGS> args{};
@@ -58,7 +59,11 @@ inline std::string run_launches(const CuteFaPlan& plan, const TVMFFIObjectHandle
           break;
         case CUTE_FA_ARG_SCALE_LOG2:
           any.type_index = kTVMFFIFloat;
-          any.v_float64 = softmax_scale * kLog2E;
+          any.v_float64 = (softcap > 0.0 ? softcap : softmax_scale) * kLog2E;
+          break;
+        case CUTE_FA_ARG_PRE_TANH:
+          any.type_index = kTVMFFIFloat;
+          any.v_float64 = softcap > 0.0 ? softmax_scale / softcap : 0.0;
           break;
         case CUTE_FA_ARG_SCALE:
           any.type_index = kTVMFFIFloat;

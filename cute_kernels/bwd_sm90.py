@@ -60,10 +60,11 @@ from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
 from .dsl_struct import DslStruct
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, tma_store_tile,
                           tma_views)
-from .mask import QueryBlockRange, apply_mask_transposed
+from .mask import BlockRange, Limits, QueryBlockRange, Window, apply_mask_transposed
 from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
                        producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
+from .softcap import cap_scores_with_slope
 
 
 class _ColumnStats:
@@ -194,6 +195,8 @@ class Consumer:
     seqlen_k: Int32
     softmax_scale_log2: Float32
     softmax_scale: Float32
+    limits: Limits
+    pre_tanh: Float32  # softcap: scale / softcap
 
 
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
@@ -218,7 +221,7 @@ def dq_gemm_shape(config: BwdConfig, head_dim: int) -> tuple[int, int]:
 
 
 class FlashAttentionBackwardSm90(Sm90AttentionKernel):
-    """One compiled kernel per (dtype, head_dim, causal, config: BwdConfig)."""
+    """One compiled kernel per (dtype, head_dim, causal, score mods, config: BwdConfig)."""
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -226,13 +229,15 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor,
                  softmax_scale_log2: Float32, softmax_scale: Float32, num_sms: Int32,
+                 window_left: Int32, window_right: Int32, score_pre_tanh: Float32,
                  stream: cuda.CUstream):
         """Torch order: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d); dK, dV
         (b, s_k, h_kv, d), or with split_gqa fp32 (b, s_k, h, d);
         LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
         · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
         (read only in deterministic mode; with dynamic_tiles its first
-        element is the tile counter, which the preprocess zeroes)."""
+        element is the tile counter, which the preprocess zeroes). The window
+        and scale / softcap as in the forward (local and softcap kernels)."""
         mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum, mSemaphore = [permute(t, [2, 1, 0])
@@ -293,7 +298,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                    self.cfg.dynamic_tiles), 1, 1)
         self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, mdK, mdV, mSemaphore,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
-                    softmax_scale_log2, softmax_scale, sQ_layout, sK_layout, sdSt_layout,
+                    softmax_scale_log2, softmax_scale, Window(window_left, window_right),
+                    score_pre_tanh, sQ_layout, sK_layout, sdSt_layout,
                     sStat_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage).launch(
             grid=list(grid), block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
@@ -305,7 +311,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                mdV: cute.Tensor, mSemaphore: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, tma_dk, tma_dv,
-               softmax_scale_log2: Float32, softmax_scale: Float32,
+               softmax_scale_log2: Float32, softmax_scale: Float32, window: Window,
+               score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sdSt_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -349,18 +356,20 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                     self.cfg.dynamic_tiles),
                        mQ.shape[2] // mK.shape[2], self.cfg.split_gqa)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
+        limits = Limits(self.causal, self.mods.local, window)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles)
+                self.produce(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles, limits)
             if warp_idx == 1:
                 self.write_dq(mdQaccum, mSemaphore, smem.dq, mQ.shape[0], mK.shape[0],
-                              pipes.kv, tiles)
+                              pipes.kv, tiles, limits)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(mdK, mdV, copies, mQ.shape[0], mK.shape[0], softmax_scale_log2,
-                         softmax_scale, smem, pipes, mma_sdp, mma_dkv, mma_dq, tiles)
+                         softmax_scale, limits, score_pre_tanh, smem, pipes, mma_sdp, mma_dkv,
+                         mma_dq, tiles)
 
     def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
         """One CTA per (key block, KV head or with split_gqa query head, batch),
@@ -376,17 +385,20 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             mK.shape[3], query_rows, 1, row_bytes, self.cfg.l2_section_mb * 1024 * 1024,
             longest_first=self.causal, first_block_longest=True)
 
-    def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, limits: Limits):
         """(first query block, count) that see this key block: the walk that the
         producer, the consumers and the dQ writer all take, in step."""
-        blocks = QueryBlockRange(self.tile_m, self.tile_n, self.causal)
+        blocks = QueryBlockRange(self.tile_m, self.tile_n, limits)
         m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
-        return m_min, blocks.m_block_max(seqlen_q) - m_min
+        m_count = blocks.m_block_max(n_block, seqlen_q, seqlen_k) - m_min
+        if cutlass.const_expr(limits.local):
+            m_count = cutlass.max(m_count, 0)  # keys no window reaches
+        return m_min, m_count
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers, pipes: Pipes,
-                tiles: _Tiles):
+                tiles: _Tiles, limits: Limits):
         """Warp 0: the CTA's key block (one CTA per tile), or with
         dynamic_tiles each tile it claims and, past the last, the end
         (TileQueue)."""
@@ -400,18 +412,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 tiles.sequence.queue.publish(round_idx, tile)
                 q_state, do_state = self._produce_tile(
                     mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles.decode(tile),
-                    q_state, do_state, kv_state)
+                    q_state, do_state, kv_state, limits)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.claimed(round_idx)
             tiles.sequence.queue.finish(round_idx, tile, pipes.kv, kv_state)
         else:
             self._produce_tile(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes,
-                               tiles.decode(tiles.first()), q_state, do_state, kv_state)
+                               tiles.decode(tiles.first()), q_state, do_state, kv_state, limits)
 
     @cute.jit
     def _produce_tile(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers,
-                      pipes: Pipes, tile: KeyTile, q_state, do_state, kv_state):
+                      pipes: Pipes, tile: KeyTile, q_state, do_state, kv_state,
+                      limits: Limits):
         d = self.head_dim
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         n_block, batch = tile.n_block, tile.batch
@@ -425,7 +438,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         cute.copy(copies.k, tKg, tKs, tma_bar_ptr=kv_bar)
         cute.copy(copies.v, tVg, tVs, tma_bar_ptr=kv_bar)
 
-        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k, limits)
         for h in cutlass.range(tile.head_count, unroll=1):
             head = tile.first_head + h
             tQs, tQg = tma_views(copies.q, smem.q, cute.local_tile(
@@ -457,7 +470,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(self, mdK, mdV, copies: Copies, seqlen_q: Int32, seqlen_k: Int32,
-                softmax_scale_log2: Float32, softmax_scale: Float32, smem: Buffers,
+                softmax_scale_log2: Float32, softmax_scale: Float32, limits: Limits,
+                pre_tanh: Float32, smem: Buffers,
                 pipes: Pipes, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                 mma_dq: cute.TiledMma, tiles: _Tiles):
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
@@ -472,7 +486,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                       mma_sdp.get_slice(tid).partition_C(
                           cute.make_identity_tensor((tile_n, tile_m))),
                       wg, tid, smem, pipes, copies, mdK, mdV, seqlen_q, seqlen_k,
-                      softmax_scale_log2, softmax_scale)
+                      softmax_scale_log2, softmax_scale, limits, pre_tanh)
         q_state = consumer_state(self.cfg.qdo_stages)
         do_state = consumer_state(self.cfg.qdo_stages)
         step = Int32(0)
@@ -526,16 +540,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         n_block = tile.n_block
         me.acc_dk.fill(0.0)
         me.acc_dv.fill(0.0)
-        m_min, m_count = self._query_blocks(n_block, me.seqlen_q, me.seqlen_k)
-        m_unmasked = QueryBlockRange(tile_m, tile_n, self.causal).m_block_min_unmasked(
-            n_block, me.seqlen_q, me.seqlen_k)
+        m_min, m_count = self._query_blocks(n_block, me.seqlen_q, me.seqlen_k, me.limits)
+        blocks = QueryBlockRange(tile_m, tile_n, me.limits)
+        m_unmasked = blocks.m_block_min_unmasked(n_block, me.seqlen_q, me.seqlen_k)
+        m_left_masked = blocks.m_block_left_masked(n_block, me.seqlen_q, me.seqlen_k)
         seqlen_edge = (n_block + 1) * tile_n > me.seqlen_k
         for h in cutlass.range(tile.head_count, unroll=1):
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 needs_mask = seqlen_edge
-                if cutlass.const_expr(self.causal):
+                if cutlass.const_expr(me.limits.has_right):
                     needs_mask = needs_mask or m_block < m_unmasked
+                if cutlass.const_expr(me.limits.local):
+                    needs_mask = needs_mask or m_block >= m_left_masked
                 self.step(me, q_state, do_state, step % 2, needs_mask, n_block, m_block)
                 q_state.advance()
                 do_state.advance()
@@ -587,9 +604,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         wgmma.gemm(me.mma_sdp, acc_dp, ops.v, ops.do[None, None, None, do_state.index],
                    zero_init=True, wait_groups=-1)
         warpgroup.wait_group(1)  # Sᵀ has landed
+        slope = None
+        if cutlass.const_expr(self.mods.softcap):
+            slope = cute.make_rmem_tensor_like(acc_s, self.dtype)  # 1 − t², dS's factor
+            cap_scores_with_slope(acc_s, me.pre_tanh, slope)
         if needs_mask:
             apply_mask_transposed(acc_s, me.st_coords, n_block, m_block, me.seqlen_q,
-                                  me.seqlen_k, tile_n, tile_m, self.causal)
+                                  me.seqlen_k, tile_n, tile_m, me.limits)
         p = wgmma.acc_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
             lse2_j = lse2[j]
@@ -606,6 +627,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             dsum_j = dsum[j]
             for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
                 p_rj = wgmma.read_16bit_as_f32(ops.pt, acc_s.layout.shape, r, j)
+                if cutlass.const_expr(self.mods.softcap):
+                    p_rj = p_rj * wgmma.read_16bit_as_f32(slope, acc_s.layout.shape, r, j)
                 ds[r, j] = p_rj * (ds[r, j] - dsum_j)
         if cutlass.const_expr(not self.cfg.dv_at_ds_barrier):
             self.issue_dv(me, do_state)
@@ -660,7 +683,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                 seqlen_q: Int32, seqlen_k: Int32, pipe_kv, tiles: _Tiles):
+                 seqlen_q: Int32, seqlen_k: Int32, pipe_kv, tiles: _Tiles, limits: Limits):
         """The dQ writer warp: per query block and consumer warpgroup, one bulk
         reduce-add of the slab into the accumulator (lane 0 issues it). In
         deterministic mode it first waits until the key blocks before this one
@@ -682,22 +705,25 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     cute.arch.mbarrier_arrive(pipe_kv.sync_object_empty.get_barrier(
                         kv_state.index))
                 self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
-                                    tiles.decode(tile))
+                                    tiles.decode(tile), limits)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
         else:
             self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
-                                tiles.decode(tiles.first()))
+                                tiles.decode(tiles.first()), limits)
 
     @cute.jit
     def _write_dq_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                       seqlen_q: Int32, seqlen_k: Int32, tile: KeyTile):
+                       seqlen_q: Int32, seqlen_k: Int32, tile: KeyTile, limits: Limits):
         tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
         region = dq_accum.warpgroup_region(tile_m, d, wgs)
         lane = cute.arch.lane_idx()
         n_block, batch = tile.n_block, tile.batch
-        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k, limits)
+        # the key blocks that add into a query block before this one: all
+        # before it, or with a window those from its first visible one on
+        key_blocks = BlockRange(tile_m, self.tile_n, limits)
         for h in cutlass.range(tile.head_count, unroll=1):
             head = tile.first_head + h
             for i in cutlass.range(m_count, unroll=1):
@@ -712,7 +738,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                         if cutlass.const_expr(self.cfg.deterministic):
                             semaphore = mSemaphore.iterator + cute.crd2idx(
                                 (m_block * wgs + w, head, batch), mSemaphore.layout)
-                            dq_accum.wait_turn(semaphore, n_block)
+                            dq_accum.wait_turn(semaphore, n_block - key_blocks.n_block_min(
+                                m_block, seqlen_q, seqlen_k))
                         dq_accum.bulk_reduce_add_f32(dst, sdQ.iterator + w * region, region * 4)
                         cute.arch.cp_async_bulk_commit_group()
                         if cutlass.const_expr(self.cfg.deterministic):

@@ -31,6 +31,30 @@ BACKWARD_HEAD_DIMS = (64, 96, 128)
 HEAD_DIM_MULTIPLE = 8
 
 
+@dataclass(frozen=True)
+class ScoreMods:
+    """The compile-time part of what a problem does to its scores, beside
+    causal (which stays its own key): the sizes and the cap are runtime
+    arguments of the kernels, so every window and cap shares one kernel.
+
+    local: a sliding window, query i (aligned bottom-right, as causal) seeing
+        keys i + s_k - s_q - window_left ... i + s_k - s_q + window_right;
+        key blocks outside every row's window are neither loaded nor multiplied.
+    softcap: scores soft-capped as softcap · tanh(scale · q·k / softcap).
+    """
+
+    local: bool = False
+    softcap: bool = False
+
+    @property
+    def tag(self) -> str:
+        """'' for plain scores, else e.g. 'local', 'softcap', 'local+softcap'."""
+        return "+".join(n for n in ("local", "softcap") if getattr(self, n))
+
+
+PLAIN_SCORES = ScoreMods()
+
+
 def kernel_head_dim(head_dim: int) -> int | None:
     """The kernels' head dim that serves `head_dim`: itself, else the next one
     up (the op pads q, k, v with zeros to it); None where none does."""
@@ -203,7 +227,8 @@ class FwdConfig(_KernelConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None) -> FwdConfig:
+def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
+                       local: bool = False) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -218,24 +243,28 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       leaves room for two stages of 128 keys at 192 with a 128-wide V, 112
       keys at 192/192, and 80 at 256 (FlashAttention-3's tiles there); at a
       256-wide V, O rescaled before the P·V issue (rescale_o_before_pv).
+    - a sliding window (local) takes the causal choices (its tiles start at
+      different key blocks: claimed, never split), and at head dim 64 the
+      128-row tile: the 192-row one spills its window bounds.
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    claimed = causal or local
     if head_dim > 128:
         tile_n = 80 if head_dim > 192 else 128 if head_dim_v <= 128 else 112
         # split_tail's merge spills there
         return FwdConfig(tile_m=128, tile_n=tile_n, kv_stages=2, persistent=True,
-                         dynamic_tiles=causal, split_tail=False,
+                         dynamic_tiles=claimed, split_tail=False,
                          pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    if head_dim <= 64:
+    if head_dim <= 64 and not local:
         return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
                          dynamic_tiles=causal, split_tail=not causal, producer_regs=32,
                          consumer_regs=160, rederive_epilogue_coords=not causal,
                          pv_wait_after_exp2=2 if causal else 4)
-    if head_dim <= 96 or causal:
+    if head_dim <= 96 or claimed:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True,
-                         dynamic_tiles=causal, split_tail=not causal, pv_wait_after_exp2=8)
+                         dynamic_tiles=claimed, split_tail=not claimed, pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, split_tail=True,
                      pv_wait_after_exp2=8)
 

@@ -42,13 +42,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import wgmma
-from .config import WARPGROUP_THREADS, WGMMA_M
+from .config import PLAIN_SCORES, WARPGROUP_THREADS, WGMMA_M, ScoreMods
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
                           tma_store_tile, tma_views)
-from .mask import BlockRange, ScoreMask
+from .mask import BlockRange, Limits, ScoreMask, Window
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
                        producer_state, release, release_after, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
+from .softcap import cap_scores
 from .softmax import OnlineSoftmax
 from .tail_split import TailSplit
 
@@ -110,32 +111,38 @@ class Consumer:
     acc_o: cute.Tensor
     softmax: OnlineSoftmax
     o_scale: cute.Tensor  # rescale_o_before_pv: the factors O awaits before the next P·V
+    pre_tanh: Float32  # softcap: scale / softcap
     pingpong: PingPong
     wg: Int32
 
 
 class FlashAttentionForwardSm90(Sm90AttentionKernel):
-    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, config: FwdConfig)."""
+    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, score mods,
+    config: FwdConfig)."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None):
-        super().__init__(dtype, head_dim, causal, config, head_dim_v)
-        if causal and config.split_tail:
-            raise ValueError(f"FwdConfig.split_tail: expected False for a causal kernel (causal "
-                             f"tiles differ in length; dynamic_tiles balances them), got True "
-                             f"(head_dim={head_dim}, config={config})")
+    def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
+                 mods: ScoreMods = PLAIN_SCORES):
+        super().__init__(dtype, head_dim, causal, config, head_dim_v, mods)
+        if (causal or mods.local) and config.split_tail:
+            raise ValueError(f"FwdConfig.split_tail: expected False for a causal or local "
+                             f"kernel (its tiles differ in length or start; dynamic_tiles "
+                             f"balances them), got True (head_dim={head_dim}, config={config})")
 
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
                  softmax_scale_log2: Float32, num_sms: Int32, full_tiles: Int32,
-                 tail_parts: Int32, stream: cuda.CUstream):
+                 tail_parts: Int32, window_left: Int32, window_right: Int32,
+                 score_pre_tanh: Float32, stream: cuda.CUstream):
         """Tensors in torch order: Q, O (b, s_q, h, d); K, V (b, s_k, h_kv, d);
         LSE (b, h, s_q) fp32. Read only by some configs: the counters, int32
         (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
         0; split_tail: the split tiles' counters after it), and with
         split_tail the fp32 partials workspace and the tail plan, full_tiles
-        and tail_parts (tail_split.py)."""
+        and tail_parts (tail_split.py). Read only by local kernels: the
+        window (mask.Window); by softcap kernels: scale / softcap, with
+        softmax_scale_log2 then softcap · log2(e) (softcap.py)."""
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute(mLSE, [2, 1, 0])
@@ -167,7 +174,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
         self.kernel(tQ, tK, tV, tO, mLSE, mCounters, tail, tma_q, tma_k, tma_v, tma_o,
-                    softmax_scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
+                    softmax_scale_log2, Window(window_left, window_right), score_pre_tanh,
+                    sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
@@ -206,7 +214,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                mLSE: cute.Tensor, mCounters: cute.Tensor, tail: TailSplit,
                tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
-               softmax_scale_log2: Float32,
+               softmax_scale_log2: Float32, window: Window, score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -251,27 +259,29 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                  cute.make_layout(2))),
                              self.cfg.dynamic_tiles)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
+        limits = Limits(self.causal, self.mods.local, window)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, o_read)
+                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, o_read, limits)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
                                mma_operand_view(storage.sK, sK_layout, self.dtype),
                                mma_operand_view(storage.sV, sV_layout, self.dtype), smem.o)
-            self.consume(mO, mLSE, copies, mK.shape[0], softmax_scale_log2, mma_smem, pipes,
-                         tiles, tail, storage.split_arrivals.get_tensor(cute.make_layout(4)),
-                         o_read, tiled_mma_qk, tiled_mma_pv)
+            self.consume(mO, mLSE, copies, mK.shape[0], softmax_scale_log2, score_pre_tanh,
+                         limits, mma_smem, pipes, tiles, tail,
+                         storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
+                         tiled_mma_qk, tiled_mma_pv)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
                 smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
-                o_read: cute.Pointer):
-        blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
+                o_read: cute.Pointer, limits: Limits):
+        blocks = BlockRange(self.tile_m, self.tile_n, limits)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
@@ -349,6 +359,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             tile, part, parts = tail.locate(unit)
         m_block, head, batch = scheduler.decode(tile)
         n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
+        if cutlass.const_expr(self.mods.local):
+            n_lo = blocks.n_block_min(m_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.cfg.split_tail):
             n_lo, n_max = TailSplit.key_range(part, parts, n_max)
         return Work(m_block, head, batch, n_lo, n_max, parts)
@@ -363,7 +375,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, copies: Copies, seqlen_k: Int32,
-                softmax_scale_log2: Float32, smem: Buffers, pipes: Pipes,
+                softmax_scale_log2: Float32, score_pre_tanh: Float32, limits: Limits,
+                smem: Buffers, pipes: Pipes,
                 tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
                 o_read: cute.Pointer, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
@@ -386,9 +399,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         pingpong.start(wg)
         o_scale = cute.make_rmem_tensor(softmax.rows, Float32)
         me = Consumer(tiled_mma_qk, tiled_mma_pv, q, k, p, vt, acc_o, softmax, o_scale,
-                      pingpong, wg)
+                      score_pre_tanh, pingpong, wg)
 
-        blocks = BlockRange(self.tile_m, self.tile_n, self.causal)
+        blocks = BlockRange(self.tile_m, self.tile_n, limits)
         seqlen_q = mO.shape[0]
         q_state = consumer_state(1)
         kv_state = consumer_state(self.cfg.kv_stages)
@@ -405,10 +418,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 wait_full(pipes.q, q_state)
             if work.n_max > work.n_lo:
                 mask = ScoreMask(s_coords, work.m_block, seqlen_q, seqlen_k, self.tile_m,
-                                 self.tile_n, self.causal)
-                kv_state = self.mainloop(
-                    me, pipes, q_state, kv_state, mask, work.n_lo, work.n_max,
-                    blocks.n_block_min_unmasked(work.m_block, seqlen_q, seqlen_k))
+                                 self.tile_n, limits)
+                kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks, work.n_lo,
+                                         work.n_max)
             else:
                 release(pipes.q, q_state)
             q_state.advance()
@@ -442,17 +454,25 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def mainloop(self, me: Consumer, pipes: Pipes, q_state, kv_state, mask: ScoreMask,
-                 n_lo: Int32, n_max: Int32, n_min_unmasked: Int32):
+                 blocks: BlockRange, n_lo: Int32, n_max: Int32):
         """K/V blocks [n_lo, n_max) of one tile, last block first. Releases Q as soon as the
         last Q·Kᵀ is done, so the next tile's Q loads under the last P·V and the
         epilogue. Returns the K/V ring state."""
-        # Blocks [n_masked_end, n_max - 1) are diagonal blocks needing the causal mask.
+        # Blocks [n_masked_end, n_max - 1) are cut by the right limit (the
+        # causal diagonal or the window's right edge), blocks [n_lo,
+        # n_unmasked_lo) by the window's left edge; those between see no mask.
+        # Warp-uniform bounds, or ptxas recomputes them in vector registers
+        # at every step of the loops below.
         n_masked_end = n_max - 1
-        if cutlass.const_expr(self.causal):
-            # Warp-uniform, or ptxas recomputes the bound in vector registers
-            # at every step of the loop below.
-            n_masked_end = cute.arch.make_warp_uniform(
-                cutlass.max(cutlass.min(n_min_unmasked, n_max - 1), 0))
+        if cutlass.const_expr(mask.limits.has_right):
+            n_masked_end = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
+                blocks.n_block_min_unmasked(mask.m_block, mask.seqlen_q, mask.seqlen_k),
+                n_max - 1), n_lo))
+        n_unmasked_lo = n_lo
+        if cutlass.const_expr(mask.limits.local):
+            n_unmasked_lo = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
+                blocks.n_block_left_masked_end(mask.m_block, mask.seqlen_q, mask.seqlen_k),
+                n_masked_end), n_lo))
         if cutlass.const_expr(self.cfg.intra_wg_overlap):
             # First block: S, mask (seqlen edge and diagonal), softmax; its P·V
             # is issued together with the next block's S.
@@ -461,17 +481,21 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             wgmma.gemm(me.mma_qk, acc_s, me.q, me.k[None, None, None, kv_state.index],
                        zero_init=True, wait_groups=0)
             release(pipes.k, kv_state)
-            mask.apply(acc_s, n_max - 1)
+            self._mod_scores(me, acc_s, mask, n_max - 1, apply_mask=True)
             o_scale = me.softmax.update(acc_s, is_first=True)
             if cutlass.const_expr(self.cfg.rescale_o_before_pv):
                 me.o_scale.store(o_scale.load())
             wgmma.convert_to_16bit(acc_s, me.p)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
                 kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_max - 2 - i,
-                                                 apply_causal=True)
-            for n_block in cutlass.range(n_masked_end - 1, n_lo - 1, -1, unroll=1):
+                                                 apply_mask=True)
+            for n_block in cutlass.range(n_masked_end - 1, n_unmasked_lo - 1, -1, unroll=1):
                 kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_block,
-                                                 apply_causal=False)
+                                                 apply_mask=False)
+            if cutlass.const_expr(mask.limits.local):
+                for n_block in cutlass.range(n_unmasked_lo - 1, n_lo - 1, -1, unroll=1):
+                    kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_block,
+                                                     apply_mask=True)
             release(pipes.q, q_state)
             # Last P·V.
             if cutlass.const_expr(self.cfg.rescale_o_before_pv):
@@ -487,13 +511,28 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                          apply_mask=True, is_first=True)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
                 kv_state = self._serial_step(me, pipes, kv_state, mask, n_max - 2 - i,
-                                             apply_mask=self.causal, is_first=False)
-            for i in cutlass.range(n_masked_end - n_lo, unroll=1):
+                                             apply_mask=mask.limits.has_right, is_first=False)
+            for i in cutlass.range(n_masked_end - n_unmasked_lo, unroll=1):
                 kv_state = self._serial_step(me, pipes, kv_state, mask, n_masked_end - 1 - i,
                                              apply_mask=False, is_first=False)
+            if cutlass.const_expr(mask.limits.local):
+                for i in cutlass.range(n_unmasked_lo - n_lo, unroll=1):
+                    kv_state = self._serial_step(me, pipes, kv_state, mask,
+                                                 n_unmasked_lo - 1 - i, apply_mask=True,
+                                                 is_first=False)
             me.pingpong.pass_turn(me.wg)
             release(pipes.q, q_state)
         return kv_state
+
+    @cute.jit
+    def _mod_scores(self, me: Consumer, acc_s: cute.Tensor, mask: ScoreMask, n_block: Int32,
+                    apply_mask: cutlass.Constexpr[bool]):
+        """S as the softmax takes it: soft-capped (softcap), then masked where
+        the block needs it (the cap comes first: tanh(-inf) is no -inf)."""
+        if cutlass.const_expr(self.mods.softcap):
+            cap_scores(acc_s, me.pre_tanh)
+        if cutlass.const_expr(apply_mask):
+            mask.apply(acc_s, n_block)
 
     def _new_scores(self, me: Consumer) -> cute.Tensor:
         """A fresh fp32 accumulator for S = Q·Kᵀ."""
@@ -502,7 +541,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def _overlapped_step(self, me: Consumer, pipes: Pipes, kv_state, mask: ScoreMask,
-                         n_block: Int32, apply_causal: cutlass.Constexpr[bool]):
+                         n_block: Int32, apply_mask: cutlass.Constexpr[bool]):
         """S_j = Q·K_jᵀ and O += P_{j+1}·V_{j+1} in flight together; softmax of S_j
         runs while P·V completes. kv_state enters at block j+1, leaves at j."""
         v_state = kv_state.clone()
@@ -522,8 +561,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         warpgroup.wait_group(1)  # S_j has landed; P·V may still run
         if cutlass.const_expr(self.cfg.pv_wait_after_exp2 == 0):
             release(pipes.k, kv_state)
-        if cutlass.const_expr(apply_causal):
-            mask.apply(acc_s, n_block)
+        self._mod_scores(me, acc_s, mask, n_block, apply_mask)
         rescale = me.softmax.update(acc_s, is_first=False)
         if cutlass.const_expr(self.cfg.pv_wait_after_exp2 > 0):
             # The P·V wait below stays behind this release (ptxas keeps their
@@ -553,8 +591,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         me.pingpong.pass_turn(me.wg)
         warpgroup.wait_group(0)
         release(pipes.k, kv_state)
-        if cutlass.const_expr(apply_mask):
-            mask.apply(acc_s, n_block)
+        self._mod_scores(me, acc_s, mask, n_block, apply_mask)
         rescale = me.softmax.update(acc_s, is_first=is_first)
         wgmma.convert_to_16bit(acc_s, me.p)
         me.softmax.rescale_o(me.acc_o, rescale)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from .config import WARPGROUP_THREADS
+from .config import PLAIN_SCORES, WARPGROUP_THREADS, ScoreMods
 
 SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
 
@@ -48,17 +48,23 @@ def mma_operand_view(mem_range, layout: cute.ComposedLayout, dtype) -> cute.Tens
 
 
 class Sm90AttentionKernel:
-    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, config);
-    head_dim is that of q and k, head_dim_v that of v and o (None: the same).
-    The config (FwdConfig or BwdConfig) is validated before anything is traced."""
+    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, score
+    mods, config); head_dim is that of q and k, head_dim_v that of v and o
+    (None: the same). The config (FwdConfig or BwdConfig) is validated before
+    anything is traced."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None):
+    def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
+                 mods: ScoreMods = PLAIN_SCORES):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         config.validate(head_dim, head_dim_v)
+        if causal and mods.local:
+            raise ValueError("mods.local: expected False for a causal kernel (a causal window "
+                             "is a local kernel with window_right = 0), got True")
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = causal
+        self.mods = mods
         self.cfg = config
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n

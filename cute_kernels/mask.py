@@ -1,10 +1,16 @@
-"""Which K/V blocks a query tile visits, and the element mask on S.
+"""Which K/V blocks a query tile visits (and which query blocks a key block
+meets in the backward), and the element mask on S.
 
-Causal masking is bottom-right aligned (FlashAttention 2+): query row i sees
-key j iff j <= i + (seqlen_k - seqlen_q). Blocks wholly above that diagonal
-are never loaded; the main loop walks K/V blocks from the last one down, so
-the blocks that need an element mask (the ragged seqlen_k edge and the
-diagonal) come first and the rest run unmasked.
+Limits are bottom-right aligned (FlashAttention 2+): with shift = seqlen_k -
+seqlen_q, query row i sees key j iff
+    j <= i + shift + right     causal: right = 0; local: right = window_right
+    j >= i + shift - left      local only: left = window_left
+and j < seqlen_k. The window sizes are runtime values (Window), clamped on the
+host so that "unbounded" needs no special case here. Blocks that no row of
+a tile sees are never loaded; the forward's main loop walks K/V blocks from
+the last one down, so the blocks that need an element mask (the ragged
+seqlen_k edge and the right limit) come first, then the unmasked ones, then,
+with a window, the ones its left limit cuts.
 """
 
 from __future__ import annotations
@@ -20,32 +26,75 @@ from .wgmma import acc_rows_cols
 
 
 @dataclass
+class Window(DslStruct):
+    """The visible keys around each query's diagonal, in keys; only a local
+    kernel reads them (the host clamps -1, unbounded, to seqlen_k on the left
+    and seqlen_q on the right)."""
+
+    left: Int32
+    right: Int32
+
+
+@dataclass
+class Limits(DslStruct):
+    """Which limits a kernel applies (compile time) and the window's sizes."""
+
+    causal: bool
+    local: bool
+    window: Window
+
+    @property
+    def has_right(self) -> bool:
+        return self.causal or self.local
+
+    def right(self) -> Int32:
+        """Keys right of the diagonal a query still sees (0: causal)."""
+        return self.window.right if cutlass.const_expr(self.local) else Int32(0)
+
+
+@dataclass
 class BlockRange(DslStruct):
     """K/V block bounds for one (m_block) tile, all in units of tile_n."""
 
     tile_m: int
     tile_n: int
-    causal: bool
+    limits: Limits
 
     def n_block_max(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
         """One past the last K/V block any row of the tile sees (may be <= 0)."""
         n_max = cute.ceil_div(seqlen_k, self.tile_n)
-        if cutlass.const_expr(self.causal):
-            last_visible_col = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
+        if cutlass.const_expr(self.limits.has_right):
+            last_visible_col = ((m_block + 1) * self.tile_m + seqlen_k - seqlen_q
+                                + self.limits.right())
             n_max = cutlass.min(n_max, cute.ceil_div(cutlass.max(last_visible_col, 0),
                                                      self.tile_n))
         return n_max
 
+    def n_block_min(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        """The first K/V block any row of the tile sees (0 without a window)."""
+        if cutlass.const_expr(not self.limits.local):
+            return Int32(0)
+        first_col = m_block * self.tile_m + seqlen_k - seqlen_q - self.limits.window.left
+        return cutlass.max(first_col, 0) // self.tile_n
+
     def n_block_min_unmasked(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-        """Blocks below this index need no causal element mask."""
-        first_row_diag = m_block * self.tile_m + seqlen_k - seqlen_q
+        """Blocks below this index need no element mask for the right limit."""
+        first_row_diag = m_block * self.tile_m + seqlen_k - seqlen_q + self.limits.right()
         return cutlass.max(first_row_diag, 0) // self.tile_n
+
+    def n_block_left_masked_end(self, m_block: Int32, seqlen_q: Int32,
+                                seqlen_k: Int32) -> Int32:
+        """local: blocks below this index are cut by the left limit of some row
+        (the tile's last row has the rightmost one)."""
+        last_row_left = ((m_block + 1) * self.tile_m - 1 + seqlen_k - seqlen_q
+                         - self.limits.window.left)
+        return cute.ceil_div(cutlass.max(last_row_left, 0), self.tile_n)
 
 
 @cute.jit
 def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, m_block: Int32, n_block: Int32,
                seqlen_q: Int32, seqlen_k: Int32, tile_m: cutlass.Constexpr[int],
-               tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool]):
+               tile_n: cutlass.Constexpr[int], limits: Limits):
     """Set scores of invisible keys to -inf.
 
     coords: the accumulator's partition of an identity tensor over the
@@ -55,13 +104,20 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, m_block: Int32, n_block:
     c = acc_rows_cols(coords)
     cols_left = seqlen_k - n_block * tile_n
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        # columns of the block in [low, limit) are visible
         limit = cols_left
-        if cutlass.const_expr(causal):
-            row = m_block * tile_m + c[r, 0][0]
-            limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_block * tile_n)
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            if c[r, j][1] >= limit:
-                s[r, j] = -Float32.inf
+        diag = m_block * tile_m + c[r, 0][0] + seqlen_k - seqlen_q - n_block * tile_n
+        if cutlass.const_expr(limits.has_right):
+            limit = cutlass.min(limit, diag + limits.right() + 1)
+        if cutlass.const_expr(limits.local):
+            low = diag - limits.window.left
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                if c[r, j][1] >= limit or c[r, j][1] < low:
+                    s[r, j] = -Float32.inf
+        else:
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                if c[r, j][1] >= limit:
+                    s[r, j] = -Float32.inf
 
 
 @dataclass
@@ -75,11 +131,11 @@ class ScoreMask:
     seqlen_k: Int32
     tile_m: int
     tile_n: int
-    causal: bool
+    limits: Limits
 
     def apply(self, acc_s: cute.Tensor, n_block: Int32):
         apply_mask(acc_s, self.coords, self.m_block, n_block, self.seqlen_q, self.seqlen_k,
-                   self.tile_m, self.tile_n, self.causal)
+                   self.tile_m, self.tile_n, self.limits)
 
 
 @dataclass
@@ -88,40 +144,61 @@ class QueryBlockRange(DslStruct):
 
     tile_m: int
     tile_n: int
-    causal: bool
+    limits: Limits
 
     def m_block_min(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-        if cutlass.const_expr(not self.causal):
+        if cutlass.const_expr(not self.limits.has_right):
             return Int32(0)
-        first_query = n_block * self.tile_n - (seqlen_k - seqlen_q)
+        first_query = n_block * self.tile_n - (seqlen_k - seqlen_q) - self.limits.right()
         return cutlass.max(first_query, 0) // self.tile_m
 
-    def m_block_max(self, seqlen_q: Int32) -> Int32:
-        return cute.ceil_div(seqlen_q, self.tile_m)
+    def m_block_max(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        m_max = cute.ceil_div(seqlen_q, self.tile_m)
+        if cutlass.const_expr(self.limits.local):
+            # the block's last key is the last one the queries after this see
+            queries = (n_block + 1) * self.tile_n - (seqlen_k - seqlen_q) + self.limits.window.left
+            m_max = cutlass.min(m_max, cute.ceil_div(cutlass.max(queries, 0), self.tile_m))
+        return m_max
 
     def m_block_min_unmasked(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-        """From this query block on, every query sees every key of the block."""
-        last_key_query = (n_block + 1) * self.tile_n - 1 - (seqlen_k - seqlen_q)
+        """From this query block on, every query sees every key of the block
+        as far as the right limit goes."""
+        last_key_query = ((n_block + 1) * self.tile_n - 1 - (seqlen_k - seqlen_q)
+                          - self.limits.right())
         return cute.ceil_div(cutlass.max(last_key_query, 0), self.tile_m)
+
+    def m_block_left_masked(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        """local: from this query block on, the left limit of some query cuts
+        the block (its first key leaves the window of the block's last query)."""
+        queries = n_block * self.tile_n - (seqlen_k - seqlen_q) + self.limits.window.left + 1
+        return cutlass.max(queries, 0) // self.tile_m
 
 
 @cute.jit
 def apply_mask_transposed(acc_st: cute.Tensor, coords: cute.Tensor, n_block: Int32,
                           m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
                           tile_n: cutlass.Constexpr[int], tile_m: cutlass.Constexpr[int],
-                          causal: cutlass.Constexpr[bool]):
+                          limits: Limits):
     """Set Sᵀ entries (rows: keys, columns: queries) of invisible keys to -inf:
-    keys past seqlen_k and, when causal, keys right of a query's diagonal."""
+    keys past seqlen_k, and keys outside a query's limits."""
     s = acc_rows_cols(acc_st)
     c = acc_rows_cols(coords)
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         key = n_block * tile_n + c[r, 0][0]
-        # columns (queries in the tile) below this index cannot see the key
-        col_limit = Int32(0)
-        if cutlass.const_expr(causal):
-            col_limit = key - (seqlen_k - seqlen_q) - m_block * tile_m
+        diag_col = key - (seqlen_k - seqlen_q) - m_block * tile_m
+        # columns (queries in the tile) in [col_low, col_end) see the key
+        col_low = Int32(0)
+        col_end = Int32(tile_m)
+        if cutlass.const_expr(limits.has_right):
+            col_low = diag_col - limits.right()
+        if cutlass.const_expr(limits.local):
+            col_end = diag_col + limits.window.left + 1
         if key >= seqlen_k:
-            col_limit = Int32(tile_m)
+            col_low = Int32(tile_m)
         for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            if c[r, j][1] < col_limit:
-                s[r, j] = -Float32.inf
+            if cutlass.const_expr(limits.local):
+                if c[r, j][1] < col_low or c[r, j][1] >= col_end:
+                    s[r, j] = -Float32.inf
+            else:
+                if c[r, j][1] < col_low:
+                    s[r, j] = -Float32.inf

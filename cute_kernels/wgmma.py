@@ -111,7 +111,7 @@ def _ptx(result_type, body: str, constraints: str, operands, loc, ip):
 
 
 @dsl_user_op
-def _pack_rounded(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> cutlass.Int32:
+def pack_rounded(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> cutlass.Int32:
     # Two fp32 values rounded to nearest even into one word, lo in bits 0-15:
     # cvt's first source operand fills the upper half. Inline PTX rather than
     # a vector truncation so that the conversion stays where the kernel puts
@@ -152,7 +152,7 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
     nearest even, two neighbours per cvt)."""
     words = cute.recast_tensor(dst, cutlass.Int32)
     for w in cutlass.range_constexpr(cute.size(words)):
-        words[w] = _pack_rounded(src[2 * w], src[2 * w + 1], dst.element_type)
+        words[w] = pack_rounded(src[2 * w], src[2 * w + 1], dst.element_type)
 
 
 @cute.jit

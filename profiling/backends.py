@@ -60,17 +60,18 @@ def add_direction_option(p, default="fwd", choices=DIRECTIONS, multiple: bool = 
 
 
 def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str,
-                  compiled: bool = False):
+                  compiled: bool = False, window_size: tuple = (-1, -1), softcap: float = 0.0):
     """A zero-argument callable running `direction`: 'fwd', 'bwd' (the backward of one
     recorded forward, graph retained) or 'fwd_bwd'. compiled: the attention call
-    goes through torch.compile(fullgraph=True)."""
+    goes through torch.compile(fullgraph=True). window_size, softcap: as
+    flash_attn_func's."""
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {name!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected 'fwd', 'bwd' or 'fwd_bwd', got {direction!r}")
 
     def attend(q_, k_, v_):
-        return attention(q_, k_, v_, causal, softmax_scale, name)
+        return attention(q_, k_, v_, causal, softmax_scale, name, window_size, softcap)
 
     if compiled:
         attend = torch.compile(attend, fullgraph=True, dynamic=False)

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_size_options(p, DEFAULT_SEQLENS, multiple=True, model_dim=True)
     add_direction_option(p, ["fwd"], multiple=True)
     add_backends_option(p, list(BACKENDS))
+    p.add_argument("--window", type=_window, default=(-1, -1), metavar="LEFT,RIGHT",
+                   help="sliding window of every problem, flash_attn_func's window_size "
+                        "(-1: unbounded side); TFLOP/s count the pairs it lets through "
+                        "(default: -1,-1, none)")
+    p.add_argument("--softcap", type=float, default=0.0, metavar="C",
+                   help="soft-cap every problem's scores at C (default: 0, none)")
     p.add_argument("--math-max-seqlen", type=positive_int, default=4096,
                    help="skip sdpa_math above this sequence length: its memory and time are "
                         "quadratic in it (default: 4096)")
@@ -74,10 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _window(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (ints, -1: unbounded), "
+                                         f"got {text!r}") from None
+    if min(left, right) < -1:
+        raise argparse.ArgumentTypeError(f"expected sizes >= -1, got {text!r}")
+    return left, right
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, args.head_dims)
+    if not (args.softcap >= 0):
+        p.error(f"--softcap: expected a value >= 0, got {args.softcap}")
     if args.report is not None and os.path.exists(args.report) \
             and not os.path.isdir(args.report):
         p.error(f"--report: expected a folder, got {args.report!r}, an existing file")
@@ -103,7 +122,8 @@ def problems(args) -> list[dict]:
                         out.append(dict(direction=direction, dtype=dtype, head_dim=head_dim,
                                         head_dim_v=head_dim_v, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,
                                         batch=batch_for(args.total_tokens, seqlen), heads=heads,
-                                        heads_kv=heads // args.gqa))
+                                        heads_kv=heads // args.gqa, window=args.window,
+                                        softcap=args.softcap))
     return out
 
 
@@ -116,7 +136,7 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
     q, k, v = make_qkv(b, s, problem["seqlen_k"], h, hkv, d, DTYPES[problem["dtype"]], seed=0,
                        head_dim_v=dv)
     flops = attention_flops(b, h, s, problem["seqlen_k"], d, problem["causal"],
-                            problem["direction"], head_dim_v=dv)
+                            problem["direction"], head_dim_v=dv, window=problem["window"])
     rows, runnable = {}, {}
     for name in backends:
         rows[name] = dict(problem, backend=name, status="ok", median_ms=None, tflops=None,
@@ -124,7 +144,8 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
         try:
             if name == "sdpa_math" and s > args.math_max_seqlen:
                 raise BackendUnavailable(f"skipped above --math-max-seqlen {args.math_max_seqlen}")
-            fn = make_callable(name, q, k, v, problem["causal"], d ** -0.5, problem["direction"])
+            fn = make_callable(name, q, k, v, problem["causal"], d ** -0.5, problem["direction"],
+                               window_size=problem["window"], softcap=problem["softcap"])
             # The first call (JIT compile included) runs alone; a backend that
             # cannot run this problem fails here, as its own row.
             first_ms, peak = first_call(fn)
@@ -145,8 +166,10 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
 
 
 def _label(problem: dict) -> str:
+    mods = "" if problem["window"] == (-1, -1) else f" window={problem['window']}"
+    mods += f" softcap={problem['softcap']:g}" if problem["softcap"] else ""
     return (f"{problem['direction']} {problem['dtype']} d={head_dims_text(problem)} "
-            f"causal={problem['causal']} seqlen={problem['seqlen_q']}")
+            f"causal={problem['causal']}{mods} seqlen={problem['seqlen_q']}")
 
 
 def main(argv=None) -> list[dict]:

@@ -23,7 +23,9 @@ PROBLEM_KEYS = ("direction", "dtype", "head_dim", "causal", "seqlen_q", "seqlen_
 
 
 def problem_key(row: dict) -> tuple:
-    return tuple(row[k] for k in PROBLEM_KEYS) + (head_dim_v(row),)
+    # window and softcap: rows recorded before they existed have neither
+    return tuple(row[k] for k in PROBLEM_KEYS) + (head_dim_v(row), tuple(row.get(
+        "window", (-1, -1))), row.get("softcap", 0.0))
 
 
 def head_dim_v(row: dict) -> int:

@@ -48,7 +48,7 @@ def _sdpa(q, k, v, causal, softmax_scale, backend_name):
     return out.transpose(1, 2)
 
 
-def _fa4(q, k, v, causal, softmax_scale):
+def _fa4(q, k, v, causal, softmax_scale, window_size, softcap):
     try:
         from flash_attn.cute import flash_attn_func as fa4_func
     except Exception as exc:  # ImportError, or a DSL/runtime mismatch at import
@@ -56,18 +56,29 @@ def _fa4(q, k, v, causal, softmax_scale):
                                  f"extra: pip install \"cute-fa[peers]\"): {exc}") from exc
     if q.device.type != "cuda":
         raise BackendUnavailable(f"flash_attn.cute runs on CUDA tensors only, got {q.device}")
-    out = fa4_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    extra = {}
+    if window_size != (-1, -1):  # its unbounded side is None
+        extra["window_size"] = tuple(None if w < 0 else w for w in window_size)
+    if softcap:
+        extra["softcap"] = softcap
+    out = fa4_func(q, k, v, softmax_scale=softmax_scale, causal=causal, **extra)
     return out[0] if isinstance(out, tuple) else out
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
-              backend: str = "cute") -> torch.Tensor:
-    """softmax(q·kᵀ·scale)·v with the chosen implementation; (b, s, h, d) out."""
+              backend: str = "cute", window_size: tuple = (-1, -1),
+              softcap: float = 0.0) -> torch.Tensor:
+    """softmax(q·kᵀ·scale)·v with the chosen implementation; (b, s, h, d) out.
+    window_size and softcap as flash_attn_func's (SDPA has neither)."""
     if backend == "cute":
         from . import flash_attn_func
-        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap)
     if backend == "fa4":
-        return _fa4(q, k, v, causal, softmax_scale)
+        return _fa4(q, k, v, causal, softmax_scale, tuple(window_size), softcap)
+    if backend in SDPA_BACKENDS and (tuple(window_size) != (-1, -1) or softcap):
+        raise BackendUnavailable("SDPA has no sliding window or softcap (a dense mask "
+                                 "would be another problem)")
     if backend in SDPA_BACKENDS:
         return _sdpa(q, k, v, causal, softmax_scale, SDPA_BACKENDS[backend])
     raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {backend!r}")

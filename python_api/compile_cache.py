@@ -2,7 +2,7 @@
 across processes (kernel_store.py), compiled (kernel_compile.py) only when
 neither has them.
 
-Keys: (kernel, dtype, head_dim, [head_dim_v,] causal, config[, has_grad_lse]); batch,
+Keys: (kernel, dtype, head_dim, [head_dim_v,] causal, score mods, config[, has_grad_lse]); batch,
 sequence lengths and head counts are runtime values of the compiled kernels.
 This module does not import the DSL: loading every kernel from the store
 costs milliseconds, where importing the DSL alone costs about a second.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernel_store
-from .kernels.config import BwdConfig, FwdConfig
+from .kernels.config import PLAIN_SCORES, BwdConfig, FwdConfig, ScoreMods
 
 # The kernels' target where no GPU is visible to detect one from.
 CPU_TARGET_ARCH = "sm_90a"
@@ -27,7 +27,7 @@ CPU_TARGET_ARCH = "sm_90a"
 @dataclass
 class CompiledKernel:
     # the TVM-FFI callable: fn(q, k, v, out, lse, counters, partials, scale_log2, num_sms,
-    # full_tiles, tail_parts)
+    # full_tiles, tail_parts, window_left, window_right, pre_tanh)
     fn: object
     compile_seconds: float  # compiling, or loading from the kernel store
     from_disk: bool = False
@@ -41,16 +41,17 @@ class CompiledKernel:
 
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-            head_dim_v: int) -> tuple:
+            head_dim_v: int, mods: ScoreMods = PLAIN_SCORES) -> tuple:
     # FwdConfig is frozen, so hashable: the key costs no copying on the hot path.
-    return ("fwd_sm90", dtype, head_dim, head_dim_v, bool(causal), config)
+    return ("fwd_sm90", dtype, head_dim, head_dim_v, bool(causal), mods, config)
 
 
 @dataclass
 class CompiledBackward:
     """The launches of one backward, in order:
     preprocess(o, do, lse, dlse, lse2, dsum, dq_accum, semaphore)
-    main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale, num_sms)
+    main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale, num_sms,
+         window_left, window_right, pre_tanh)
     postprocess(dq_accum, dq, scale)
     group_sum(dk_partials, dv_partials, dk, dv)   (split_gqa configs only, else None)"""
     preprocess: object
@@ -75,25 +76,29 @@ class CompiledBackward:
 
 
 def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-            has_grad_lse: bool) -> tuple:
-    return ("bwd_sm90", dtype, head_dim, bool(causal), config, bool(has_grad_lse))
+            has_grad_lse: bool, mods: ScoreMods = PLAIN_SCORES) -> tuple:
+    return ("bwd_sm90", dtype, head_dim, bool(causal), mods, config, bool(has_grad_lse))
 
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-                dump_dir: str | None = None, head_dim_v: int | None = None) -> CompiledKernel:
+                dump_dir: str | None = None, head_dim_v: int | None = None,
+                mods: ScoreMods = PLAIN_SCORES) -> CompiledKernel:
     """Compile the forward kernel now (no cache); dump_dir keeps its PTX and
     cubin; head_dim_v is that of v and o (None: head_dim)."""
     from . import kernel_compile
 
-    return kernel_compile.compile_fwd(dtype, head_dim, causal, config, dump_dir, head_dim_v)
+    return kernel_compile.compile_fwd(dtype, head_dim, causal, config, dump_dir, head_dim_v,
+                                      mods)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-                has_grad_lse: bool = False, dump_dir: str | None = None) -> CompiledBackward:
+                has_grad_lse: bool = False, dump_dir: str | None = None,
+                mods: ScoreMods = PLAIN_SCORES) -> CompiledBackward:
     """Compile the backward's kernels now (no cache); dump_dir keeps PTX and cubins."""
     from . import kernel_compile
 
-    return kernel_compile.compile_bwd(dtype, head_dim, causal, config, has_grad_lse, dump_dir)
+    return kernel_compile.compile_bwd(dtype, head_dim, causal, config, has_grad_lse, dump_dir,
+                                      mods)
 
 
 _cache: dict[tuple, object] = {}
@@ -131,13 +136,14 @@ def _stored(key: tuple, kind, compile_variant, args: tuple):
 
 
 def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-            head_dim_v: int | None = None) -> CompiledKernel:
+            head_dim_v: int | None = None, mods: ScoreMods = PLAIN_SCORES) -> CompiledKernel:
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    return _cached(fwd_key(dtype, head_dim, causal, config, head_dim_v), CompiledKernel,
-                   compile_fwd, dtype, head_dim, causal, config, None, head_dim_v)
+    return _cached(fwd_key(dtype, head_dim, causal, config, head_dim_v, mods), CompiledKernel,
+                   compile_fwd, dtype, head_dim, causal, config, None, head_dim_v, mods)
 
 
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-            has_grad_lse: bool) -> CompiledBackward:
-    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse), CompiledBackward,
-                   compile_bwd, dtype, head_dim, causal, config, has_grad_lse)
+            has_grad_lse: bool, mods: ScoreMods = PLAIN_SCORES) -> CompiledBackward:
+    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse, mods),
+                   CompiledBackward, compile_bwd, dtype, head_dim, causal, config,
+                   has_grad_lse, None, mods)

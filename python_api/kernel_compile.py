@@ -39,7 +39,7 @@ import cutlass.cute as cute  # noqa: E402
 from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
                                        GroupSum)
 from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
-from .kernels.config import BwdConfig, FwdConfig  # noqa: E402
+from .kernels.config import PLAIN_SCORES, BwdConfig, FwdConfig, ScoreMods  # noqa: E402
 from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 
 TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -73,6 +73,12 @@ def _target_option() -> str:
     return "" if torch.cuda.is_available() else f" --gpu-arch {CPU_TARGET_ARCH}"
 
 
+def _score_args() -> tuple:
+    """Stand-ins for the runtime window (left, right) and scale / softcap,
+    which every forward and backward main kernel takes (launch_plan.ScoreParams)."""
+    return cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(0.0)
+
+
 def _compile(kernel, *args, dump_dir: str | None = None):
     options = "--enable-tvm-ffi" + _target_option()
     if dump_dir:
@@ -83,10 +89,11 @@ def _compile(kernel, *args, dump_dir: str | None = None):
 
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-                dump_dir: str | None = None, head_dim_v: int | None = None) -> CompiledKernel:
+                dump_dir: str | None = None, head_dim_v: int | None = None,
+                mods: ScoreMods = PLAIN_SCORES) -> CompiledKernel:
     cute_dtype = TORCH_TO_CUTE[dtype]
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config, head_dim_v)
+    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config, head_dim_v, mods)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
     q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
     k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
@@ -97,15 +104,17 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
     start = time.perf_counter()
     fn = _compile(kernel, q, k, v, o, lse, counters, partials, cutlass.Float32(1.0),
-                  cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), dump_dir=dump_dir)
+                  cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), *_score_args(),
+                  dump_dir=dump_dir)
     return CompiledKernel(fn, time.perf_counter() - start)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-                has_grad_lse: bool = False, dump_dir: str | None = None) -> CompiledBackward:
+                has_grad_lse: bool = False, dump_dir: str | None = None,
+                mods: ScoreMods = PLAIN_SCORES) -> CompiledBackward:
     cute_dtype = TORCH_TO_CUTE[dtype]
     f32 = cutlass.Float32
-    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config)
+    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config, mods=mods)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
     padded_q = cute.sym_int(divisibility=config.tile_m)
     accum_len = cute.sym_int(divisibility=config.tile_m * head_dim)
@@ -126,7 +135,8 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
                  dsum, dq_accum, semaphore,
                  dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
         _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, f32(1.0), f32(1.0),
-                 cutlass.Int32(1), dump_dir=dump_dir and os.path.join(dump_dir, "main")),
+                 cutlass.Int32(1), *_score_args(),
+                 dump_dir=dump_dir and os.path.join(dump_dir, "main")),
         _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
                  dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
     )

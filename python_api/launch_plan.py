@@ -32,7 +32,7 @@ from . import user_cache
 from .kernels import tail_plan
 from .kernels.config import WARPGROUP_THREADS, BwdConfig, FwdConfig
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 20, 16, 4, 4
 LOG2_E = 1.4426950408889634
 
@@ -40,6 +40,10 @@ LOG2_E = 1.4426950408889634
 class Shape(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("batch", "seqlen_q", "seqlen_k", "heads",
                                                "heads_kv", "head_dim", "head_dim_v")]
+
+
+class Window(ctypes.Structure):
+    _fields_ = [("left", ctypes.c_int64), ("right", ctypes.c_int64)]
 
 
 class FwdVariant(ctypes.Structure):
@@ -75,12 +79,12 @@ class _Plan(ctypes.Structure):
                 ("full_tiles", ctypes.c_int64), ("tail_parts", ctypes.c_int64)]
 
 
-_LAYOUT = (Shape, FwdVariant, BwdVariant, _Buffer, _Arg, _Launch, _Plan)
+_LAYOUT = (Shape, FwdVariant, BwdVariant, _Buffer, _Arg, _Launch, _Plan, Window)
 
 # CuteFaDtype, CuteFaInit, CuteFaArgKind
 INPUT_DTYPE, F32, I32 = 0, 1, 2
 EMPTY, ZERO, UNUSED = 0, 1, 2
-ARG_BUFFER, ARG_SCALE_LOG2, ARG_SCALE, ARG_INT = 0, 1, 2, 3
+ARG_BUFFER, ARG_SCALE_LOG2, ARG_SCALE, ARG_INT, ARG_PRE_TANH = 0, 1, 2, 3, 4
 
 
 class PlannerUnavailable(RuntimeError):
@@ -132,11 +136,12 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.cute_fa_plan_fwd.restype = ctypes.c_int
     lib.cute_fa_plan_fwd.argtypes = [ctypes.POINTER(FwdVariant), ctypes.POINTER(Shape),
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.POINTER(_Plan)]
+                                     ctypes.POINTER(Window), ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
     lib.cute_fa_plan_bwd.restype = ctypes.c_int
     lib.cute_fa_plan_bwd.argtypes = [ctypes.POINTER(BwdVariant), ctypes.POINTER(Shape),
-                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
+                                     ctypes.POINTER(Window), ctypes.c_int64,
+                                     ctypes.POINTER(_Plan)]
     lib.cute_fa_tail_parts.restype = ctypes.c_int64
     lib.cute_fa_tail_parts.argtypes = [ctypes.c_int64] * 4
     version = ctypes.c_int64()
@@ -213,13 +218,15 @@ def shape_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 @functools.lru_cache(maxsize=1024)  # the Python op path asks it on every call
 def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
-             tail: tail_plan.TailPlan | None = None) -> Plan:
+             tail: tail_plan.TailPlan | None = None, window: tuple = (-1, -1)) -> Plan:
     """The forward's plan for `shape` (shape_of); `tail` forces the split of
-    the last round (profiling.sweep's A/B), else the planner's cost model."""
+    the last round (profiling.sweep's A/B), else the planner's cost model;
+    `window` (left, right; -1 unbounded) is a local kernel's."""
     plan = _Plan()
     forced_full, forced_parts = (tail.full_tiles, tail.parts) if tail is not None else (0, 0)
     status = library().cute_fa_plan_fwd(ctypes.byref(fwd_variant(config, shape[6])),
-                                        ctypes.byref(Shape(*shape)), num_sms, forced_full,
+                                        ctypes.byref(Shape(*shape)),
+                                        ctypes.byref(Window(*window)), num_sms, forced_full,
                                         forced_parts, ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no forward launch plan for shape {shape} on {num_sms} SMs with "
@@ -228,11 +235,13 @@ def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_bwd(config: BwdConfig, shape: tuple, num_sms: int) -> Plan:
-    """The backward's plan for `shape` (shape_of)."""
+def plan_bwd(config: BwdConfig, shape: tuple, num_sms: int,
+             window: tuple = (-1, -1)) -> Plan:
+    """The backward's plan for `shape` (shape_of), `window` as plan_fwd's."""
     plan = _Plan()
     status = library().cute_fa_plan_bwd(ctypes.byref(bwd_variant(config)),
-                                        ctypes.byref(Shape(*shape)), num_sms,
+                                        ctypes.byref(Shape(*shape)),
+                                        ctypes.byref(Window(*window)), num_sms,
                                         ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no backward launch plan for shape {shape} on {num_sms} SMs "
@@ -254,10 +263,13 @@ def _stand_in(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((1, 1, 1), dtype=dtype, device=device)
 
 
-def execute(plan: Plan, launches: list, inputs: list, softmax_scale: float) -> tuple:
+def execute(plan: Plan, launches: list, inputs: list, softmax_scale: float,
+            softcap: float = 0.0) -> tuple:
     """Run `plan`: allocate its buffers next to inputs[0], call `launches`
-    (the variant's compiled launches, in order) with their arguments, return
-    the output buffers. Inputs must already be TMA-ready (ops._tma_ready)."""
+    (the variant's compiled launches, in order) with their arguments (the
+    scalars from softmax_scale and softcap, 0: none, as plan_launcher.h makes
+    them), return the output buffers. Inputs must already be TMA-ready
+    (ops._tma_ready)."""
     first = inputs[0]
     device = first.device
     buffers = list(inputs)
@@ -269,7 +281,8 @@ def execute(plan: Plan, launches: list, inputs: list, softmax_scale: float) -> t
             buffers.append(torch.zeros(w.shape, dtype=dtype, device=device))
         else:
             buffers.append(torch.empty(w.shape, dtype=dtype, device=device))
-    scalars = {ARG_SCALE_LOG2: softmax_scale * LOG2_E, ARG_SCALE: softmax_scale}
+    scalars = {ARG_SCALE_LOG2: (softcap or softmax_scale) * LOG2_E, ARG_SCALE: softmax_scale,
+               ARG_PRE_TANH: softmax_scale / softcap if softcap else 0.0}
     for kernel, args in plan.launches:
         launches[kernel](*[buffers[index] if kind == ARG_BUFFER
                            else value if kind == ARG_INT else scalars[kind]

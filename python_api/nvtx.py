@@ -23,14 +23,22 @@ push = _nvtx.push_range  # the default domain keeps the name selectable as `name
 pop = _nvtx.pop_range
 
 
-def range_name(op: str, q, v, causal: bool) -> str:
-    key = (op, q.shape, v.shape, causal, q.dtype)
+def range_name(op: str, q, v, causal: bool, scores=None) -> str:
+    """`scores`: the call's scores.ScoreVariant where it has a window or a cap
+    (named as window=left:right, softcap=c)."""
+    key = (op, q.shape, v.shape, causal, q.dtype, scores)
     name = _names.get(key)
     if name is None:
         b, sq, hq, d = q.shape
         dv = "" if v.shape[3] == d else f"dv={v.shape[3]},"
+        mods = ""
+        if scores is not None and scores.mods.local:
+            mods += f"window={scores.window[0]}:{scores.window[1]},"
+        if scores is not None and scores.softcap:
+            mods += f"softcap={scores.softcap:g},"
         name = (f"cute_fa.{op}[b={b},sq={sq},sk={v.shape[1]},hq={hq},hkv={v.shape[2]},d={d},"
-                f"{dv}causal={int(causal)},{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
+                f"{dv}causal={int(causal)},{mods}"
+                f"{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
         if len(_names) < _MAX_NAMES:  # bounded: varying sequence lengths would grow it forever
             _names[key] = name
     return name

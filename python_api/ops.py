@@ -1,8 +1,10 @@
 """The torch custom ops (`torch.ops.cute_fa.*`): device kernels, fake and CPU
 implementations.
 
-`cute_fa::fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False) -> (out, lse)`
-(softmax_scale None means 1/sqrt(headdim); inputs are validated here, once.)
+`cute_fa::fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False,
+ window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)`
+(softmax_scale None means 1/sqrt(headdim); a sliding window and a soft cap as
+scores.py says; inputs are validated here, once.)
 - CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py), launched by
   its launch plan (csrc/launch_plan.h) from C++ (csrc/cute_fa_native.cpp,
   native.py) where that builds, else from forward_cuda below;
@@ -11,7 +13,8 @@ implementations.
 Every real call runs inside an NVTX range named after the problem (nvtx.py).
 
 `cute_fa::bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
- deterministic=False) -> (grad_q, grad_k, grad_v)`, the autograd formula of `fwd`,
+ deterministic=False, window_left=-1, window_right=-1, softcap=0.0)
+ -> (grad_q, grad_k, grad_v)`, the autograd formula of `fwd`,
 which saves only q, k, v, out and lse. `deterministic` (a forward argument, so
 that autograd can hand it on) makes the gradients bitwise reproducible.
 - CUDA (sm_90): preprocess, the DSL backward kernel and the dQ postprocess
@@ -28,6 +31,7 @@ from .kernels import tail_plan
 from .kernels.config import BwdConfig, FwdConfig, kernel_head_dim
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, default_scale
+from .scores import check_score_args, resolve
 from .validate import check_attention_inputs, check_backward_head_dims, check_backward_inputs
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
@@ -50,27 +54,31 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                  causal: bool, config: FwdConfig | None = None,
-                 tail: tail_plan.TailPlan | None = None):
+                 tail: tail_plan.TailPlan | None = None, window_left: int = -1,
+                 window_right: int = -1, softcap: float = 0.0):
     """Run the DSL forward kernel by its launch plan (launch_plan.py);
     `config` overrides the per-problem default (this is how profiling.sweep
     A/Bs kernel variants), `tail` the split of the last round that a
     split_tail config would choose."""
-    name = nvtx_ranges.range_name("fwd", q, v, causal)  # the caller's head dim
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    # the caller's head dim and mask
+    name = nvtx_ranges.range_name("fwd", q, v, causal, scores if scores.mods.tag else None)
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     if kernel_dim != head_dim:  # zero columns change no score
         q, k = _pad_head_dim(q, kernel_dim), _pad_head_dim(k, kernel_dim)
     if kernel_dim_v != head_dim_v:  # zero columns of v give zero output columns
         v = _pad_head_dim(v, kernel_dim_v)
-    kernel, config, device_index = fwd_kernel_for(q, v, causal, config)
+    kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.mods)
     if tail is not None:
         _check_forced_tail(config, q, tail)
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
-                                tail)
+                                tail, scores.window)
     inputs = [_tma_ready(q), _tma_ready(k), _tma_ready(v)]
     nvtx_ranges.push(name)
     try:
-        out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale)
+        out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale,
+                                       scores.softcap)
     finally:
         nvtx_ranges.pop()
     if kernel_dim_v != head_dim_v:
@@ -101,28 +109,32 @@ def _check_forced_tail(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailP
 
 def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-                  grad_lse: torch.Tensor | None = None, deterministic: bool = False, *,
+                  grad_lse: torch.Tensor | None = None, deterministic: bool = False,
+                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0, *,
                   config: BwdConfig | None = None):
     """Run preprocess, the DSL backward kernel, the dQ postprocess (and the
     group sum of split_gqa) by their launch plan, with the arguments of
     cute_fa::bwd; `config` overrides the per-problem default
     (profiling.sweep), deterministic included."""
     check_backward_head_dims(q, v)
-    name = nvtx_ranges.range_name("bwd", q, v, causal)  # the caller's head dim
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    name = nvtx_ranges.range_name("bwd", q, v, causal, scores if scores.mods.tag else None)
     head_dims = (q.shape[3], k.shape[3], v.shape[3])
     kernel_dim = kernel_head_dim(q.shape[3])  # v's pads to it too (check_backward_head_dims)
     if head_dims != (kernel_dim,) * 3:  # the padded columns' gradients are zero: dropped
         grad_out, q, k, v, out = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
-    kernels, config, device_index = bwd_kernels_for(q, k, causal, deterministic,
-                                                    grad_lse is not None, config)
-    plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index))
+    kernels, config, device_index = bwd_kernels_for(q, k, scores.causal, deterministic,
+                                                    grad_lse is not None, config, scores.mods)
+    plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
+                                scores.window)
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
     inputs = [_tma_ready(grad_out), _tma_ready(q), _tma_ready(k), _tma_ready(v),
               _tma_ready(out), lse, grad_lse]
     nvtx_ranges.push(name)
     try:
-        grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale)
+        grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,
+                                    scores.softcap)
     finally:
         nvtx_ranges.pop()
     if head_dims != (kernel_dim,) * 3:
@@ -142,28 +154,45 @@ def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 # sets the pace of a compiled training step without CUDA graphs
 # (docs/findings.md, "Host path"), and the compiled graph calls both ops once per layer.
 _lib = torch.library.Library("cute_fa", "DEF")
+_SCORE_ARGS = "int window_left=-1, int window_right=-1, float softcap=0.0"
 _lib.define("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
-            "bool deterministic=False) -> (Tensor, Tensor)")
+            f"bool deterministic=False, {_SCORE_ARGS}) -> (Tensor, Tensor)")
 _lib.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "float softmax_scale, bool causal, Tensor? grad_lse=None, "
-            "bool deterministic=False) -> (Tensor, Tensor, Tensor)")
+            f"bool deterministic=False, {_SCORE_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
-def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False):
+def _cpu_scores(q, k, causal, window_left, window_right, softcap):
+    """The reference's window (causal folded in) and cap, and the range's variant."""
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    window = (window_left, 0 if causal else window_right)
+    return window, scores if scores.mods.tag else None
+
+
+def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
+             window_right=-1, softcap=0.0):
     check_attention_inputs(q, k, v, softmax_scale)
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal)):
-        out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal)
+    check_score_args(window_left, window_right, softcap)
+    window, named = _cpu_scores(q, k, causal, window_left, window_right, softcap)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal, named)):
+        out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal,
+                                       window=window, softcap=softcap)
     return out.contiguous(), lse.contiguous()
 
 
-def _fwd_cuda(q, k, v, softmax_scale=None, causal=False, deterministic=False):
+def _fwd_cuda(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
+              window_right=-1, softcap=0.0):
     check_attention_inputs(q, k, v, softmax_scale)
-    return forward_cuda(q, k, v, _resolve_scale(q, softmax_scale), causal)
+    check_score_args(window_left, window_right, softcap)
+    return forward_cuda(q, k, v, _resolve_scale(q, softmax_scale), causal,
+                        window_left=window_left, window_right=window_right, softcap=softcap)
 
 
-def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
+def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
+              window_right=-1, softcap=0.0):
     # Validating here makes a bad call fail while torch.compile traces, not at run time.
     check_attention_inputs(q, k, v, softmax_scale)
+    check_score_args(window_left, window_right, softcap)
     batch, seqlen_q, heads, _ = q.shape
     out = torch.empty((batch, seqlen_q, heads, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -171,24 +200,28 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
 
 
 def _bwd_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
-             deterministic=False):
+             deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, v, causal)):
+    check_score_args(window_left, window_right, softcap)
+    window, named = _cpu_scores(q, k, causal, window_left, window_right, softcap)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, v, causal, named)):
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
-                                             causal, grad_lse)
+                                             causal, grad_lse, window=window, softcap=softcap)
     return tuple(g.contiguous() for g in grads)
 
 
 def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
-              deterministic=False):
+              deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
+    check_score_args(window_left, window_right, softcap)
     return backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse,
-                         deterministic)
+                         deterministic, window_left, window_right, softcap)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
-              deterministic=False):
+              deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
+    check_score_args(window_left, window_right, softcap)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -208,14 +241,18 @@ for _name, _cpu, _cuda, _fake in (("fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
     torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
 # The eager path's kernels, with the arguments of cute_fa::fwd / cute_fa::bwd.
 _eager_fwd = _native.fwd if _native is not None else (
-    lambda q, k, v, scale, causal, deterministic: forward_cuda(q, k, v, scale, causal))
+    lambda q, k, v, scale, causal, deterministic, window_left, window_right, softcap:
+    forward_cuda(q, k, v, scale, causal, window_left=window_left, window_right=window_right,
+                 softcap=softcap))
 _eager_bwd = _native.bwd if _native is not None else backward_cuda
 
 
 def _save_for_backward(ctx, q, k, v, out, lse, softmax_scale: float, causal: bool,
-                       deterministic: bool) -> None:
+                       deterministic: bool, score_args: tuple) -> None:
+    """score_args: (window_left, window_right, softcap) as the forward took them."""
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.score_args = score_args
 
 
 def _saved_grads(ctx, grad_out, grad_lse, backward):
@@ -225,7 +262,7 @@ def _saved_grads(ctx, grad_out, grad_lse, backward):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     return backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                    grad_lse, ctx.deterministic)
+                    grad_lse, ctx.deterministic, *ctx.score_args)
 
 
 # cute_fa::fwd's Autograd kernel, registered directly rather than through
@@ -257,26 +294,29 @@ class _FwdAutograd(torch.autograd.Function):
     the backward is cute_fa::bwd (so torch.compile traces it as that op)."""
 
     @staticmethod
-    def forward(ctx, keyset, q, k, v, softmax_scale, causal, deterministic):
-        out, lse = _fwd_below_autograd(keyset, q, k, v, softmax_scale, causal, deterministic)
+    def forward(ctx, keyset, q, k, v, softmax_scale, causal, deterministic, *score_args):
+        out, lse = _fwd_below_autograd(keyset, q, k, v, softmax_scale, causal, deterministic,
+                                       *score_args)
         # An unused LSE output then reaches the backward as None, not as a tensor
         # of zeros that a compiled graph would fill and the preprocess would read.
         ctx.set_materialize_grads(False)
         _save_for_backward(ctx, q, k, v, out, lse, _resolve_scale(q, softmax_scale), causal,
-                           deterministic)
+                           deterministic, score_args)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         grads = _saved_grads(ctx, grad_out, grad_lse, torch.ops.cute_fa.bwd)
-        return None, *grads, None, None, None
+        return None, *grads, None, None, None, None, None, None
 
 
-def _fwd_autograd(keyset, q, k, v, softmax_scale=None, causal=False, deterministic=False):
+def _fwd_autograd(keyset, q, k, v, softmax_scale=None, causal=False, deterministic=False,
+                  window_left=-1, window_right=-1, softcap=0.0):
     # The dispatcher leaves out trailing arguments that equal their defaults.
+    args = (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FwdAutograd.apply(keyset, q, k, v, softmax_scale, causal, deterministic)
-    return _fwd_below_autograd(keyset, q, k, v, softmax_scale, causal, deterministic)
+        return _FwdAutograd.apply(keyset, *args)
+    return _fwd_below_autograd(keyset, *args)
 
 
 _lib.impl("fwd", _fwd_autograd, "Autograd", with_keyset=True)
@@ -291,13 +331,16 @@ class EagerCudaAttention(torch.autograd.Function):
     back what the forward saved)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window_left=-1,
+                window_right=-1, softcap=0.0):
         scale = _resolve_scale(q, softmax_scale)
-        out, lse = _eager_fwd(q, k, v, scale, causal, deterministic)
-        _save_for_backward(ctx, q, k, v, out, lse, scale, causal, deterministic)
+        score_args = (window_left, window_right, softcap)
+        out, lse = _eager_fwd(q, k, v, scale, causal, deterministic, *score_args)
+        _save_for_backward(ctx, q, k, v, out, lse, scale, causal, deterministic, score_args)
         ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return *_saved_grads(ctx, grad_out, grad_lse, _eager_bwd), None, None, None
+        return *_saved_grads(ctx, grad_out, grad_lse, _eager_bwd), None, None, None, None, \
+            None, None

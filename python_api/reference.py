@@ -4,6 +4,10 @@ Conventions, shared with the kernels:
 - layout (batch, seqlen, nheads, headdim); GQA: query head h reads K/V head
   h // (nheads_q // nheads_kv);
 - causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q;
+- a window (left, right), -1 unbounded, the same alignment: query i sees key j iff
+  i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
+  (causal sets right = 0);
+- softcap > 0: each score s·scale becomes softcap · tanh(s·scale / softcap);
 - a query row that sees no key gives O = 0 and LSE = -inf;
 - LSE is the natural-log log-sum-exp of the scaled scores, (batch, nheads, seqlen_q), fp32.
 """
@@ -21,9 +25,22 @@ def default_scale(head_dim: int) -> float:
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Boolean (seqlen_q, seqlen_k): True where the key is visible."""
-    rows = torch.arange(seqlen_q, device=device)[:, None]
+    return visible_mask(seqlen_q, seqlen_k, (-1, 0), device)
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, window: tuple[int, int],
+                 device=None) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k): True where the window (left, right) lets
+    the query see the key."""
+    left, right = window
+    diag = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
     cols = torch.arange(seqlen_k, device=device)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    visible = torch.ones((seqlen_q, seqlen_k), dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= cols <= diag + right
+    if left >= 0:
+        visible &= cols >= diag - left
+    return visible
 
 
 def _expanded_kv(q, k, v):
@@ -34,16 +51,26 @@ def _expanded_kv(q, k, v):
     return k, v
 
 
-def _scores(q, k, scale, causal):
-    """scale · Q·Kᵀ as (batch, heads, seqlen_q, seqlen_k), -inf where causal hides the key."""
+def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0):
+    """The scores the softmax takes, (batch, heads, seqlen_q, seqlen_k): scale ·
+    Q·Kᵀ, soft-capped, -inf where the mask hides the key; and the cap's
+    slope 1 − tanh² (None without a cap)."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    slope = None
+    if softcap:
+        t = torch.tanh(scores / softcap)
+        scores, slope = softcap * t, 1 - t * t
+    left, right = window
     if causal:
-        visible = causal_mask(q.shape[1], k.shape[1], device=q.device)
+        right = 0
+    if left >= 0 or right >= 0:
+        visible = visible_mask(q.shape[1], k.shape[1], (left, right), device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
-    return scores
+    return scores, slope
 
 
-def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch.float32):
+def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch.float32,
+                        window=(-1, -1), softcap=0.0):
     """Returns (out in q.dtype, lse fp32). compute_dtype=None computes in the input dtype,
     which is PyTorch's own low-precision math path."""
     out_dtype = q.dtype
@@ -51,7 +78,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     k, v = _expanded_kv(q, k, v)
-    scores = _scores(q, k, scale, causal)
+    scores, _ = _scores(q, k, scale, causal, window, softcap)
     lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     probs = torch.exp(scores - lse[..., None].to(scores.dtype))
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
@@ -60,7 +87,8 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
 
 
 def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, causal,
-                                 grad_lse=None, compute_dtype=torch.float32):
+                                 grad_lse=None, compute_dtype=torch.float32, window=(-1, -1),
+                                 softcap=0.0):
     """Closed-form gradients (dq, dk, dv) of attention_reference, in the form the
     backward kernel computes them:
         P  = exp(scale·QKᵀ − LSE)            (0 where masked or the row sees no key)
@@ -68,6 +96,7 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
         D  = rowsum(dO ∘ O) − dLSE
         dS = P ∘ (dP − D)
         dQ = scale·dS·K       dK = scale·dSᵀ·Q
+    (with a softcap, dS also carries the cap's slope 1 − tanh²).
     GQA: dK and dV are summed over the query heads that share a K/V head.
     grad_lse: gradient flowing into the LSE output (None = 0)."""
     dtypes = (q.dtype, k.dtype, v.dtype)
@@ -76,7 +105,7 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
     heads_kv = k.shape[2]
     group = q.shape[2] // heads_kv
     k_rep, v_rep = _expanded_kv(q, k, v)
-    scores = _scores(q, k_rep, softmax_scale, causal)
+    scores, slope = _scores(q, k_rep, softmax_scale, causal, window, softcap)
     probs = torch.nan_to_num(torch.exp(scores - lse[..., None].to(scores.dtype)), nan=0.0)
     grad_v = torch.einsum("bhqk,bqhd->bkhd", probs, grad_out)
     grad_p = torch.einsum("bqhd,bkhd->bhqk", grad_out, v_rep)
@@ -84,6 +113,8 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
     if grad_lse is not None:
         delta = delta - grad_lse.to(delta.dtype)
     grad_s = probs * (grad_p - delta[..., None])
+    if slope is not None:
+        grad_s = grad_s * slope
     grad_q = torch.einsum("bhqk,bkhd->bqhd", grad_s, k_rep) * softmax_scale
     grad_k = torch.einsum("bhqk,bqhd->bkhd", grad_s, q) * softmax_scale
     if group > 1:

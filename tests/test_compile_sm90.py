@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd, get_fwd
-from cute_fa.kernels.config import FwdConfig, default_bwd_config, default_fwd_config
+from cute_fa.kernels.config import FwdConfig, ScoreMods, default_bwd_config, default_fwd_config
 from cute_fa.profiling.kernel_info import dumped_kernel_info
 
 
@@ -302,3 +302,33 @@ def test_split_gqa_backward_stores_fp32_partials(tmp_path, head_dim):
 def test_group_sum_only_for_split_configs(tmp_path):
     compile_bwd(torch.bfloat16, 64, True, default_bwd_config(64, True), dump_dir=str(tmp_path))
     assert not (tmp_path / "group_sum").exists()
+
+
+@pytest.mark.parametrize("head_dim,causal,mods", [
+    (128, False, ScoreMods(local=True)), (64, False, ScoreMods(local=True)),
+    (128, True, ScoreMods(softcap=True)), (96, False, ScoreMods(local=True, softcap=True))])
+def test_forward_score_mods(tmp_path, head_dim, causal, mods):
+    """A window or a cap keeps the forward warp-specialised, spill-free, on
+    HGMMA; a cap costs one tanh.approx per score, not a software tanh."""
+    config = default_fwd_config(head_dim, causal, local=mods.local)
+    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path), mods=mods)
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+    assert ("tanh.approx.f32" in _ptx(tmp_path)) == mods.softcap
+
+
+@pytest.mark.parametrize("head_dim,mods", [(128, ScoreMods(local=True)),
+                                           (64, ScoreMods(local=True)),
+                                           (128, ScoreMods(softcap=True))])
+def test_backward_score_mods(tmp_path, head_dim, mods):
+    """The backward's window and cap variants compile to warp-specialised
+    HGMMA code (the cap's 16-bit slope spills a few values per step at 240
+    registers: counted by the kernel-info report, not asserted here)."""
+    config = default_bwd_config(head_dim, True)  # what variants.bwd_kernels_for picks
+    compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path), mods=mods)
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    assert info.sass["hgmma"] > 0 and not info.wgmma_serialized
+    if not mods.softcap:
+        _assert_no_spills(info)
+    assert ("tanh.approx.f32" in _ptx(tmp_path / "main")) == mods.softcap

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cute_fa import launch_plan
 from cute_fa.kernels import tail_plan
@@ -62,11 +63,14 @@ def test_forward_plan():
     assert plan.num_inputs == 3 and len(plan.launches) == 1
     kernel, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    # q, k, v, out, lse, counters, partials, then scale·log2(e), SMs and the tail
+    # q, k, v, out, lse, counters, partials, then scale·log2(e), SMs, the tail,
+    # the window (unbounded: every key on the left, every query on the right)
+    # and scale / softcap
     assert buffers == list(range(7)) and plan.outputs == (3, 4)
     assert [(kind, value) for kind, _, value in args[7:]] == [
         (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
-        (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3)]
+        (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3), (launch_plan.ARG_INT, 8192),
+        (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0)]
     assert _workspace(plan, 3).shape == (2, 8192, 16, 128)
     assert _workspace(plan, 3).dtype == launch_plan.INPUT_DTYPE
     assert _workspace(plan, 4).shape == (2, 16, 8192)
@@ -187,3 +191,30 @@ def test_the_op_module_does_not_import_the_dsl():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("window,expected", [((-1, -1), (300, 100)), ((5, 0), (5, 0)),
+                                             ((1000, 7), (300, 7)), ((2, 5000), (2, 100))])
+def test_window_arguments_are_clamped_to_the_shape(window, expected):
+    """A side wider than any row reaches is the unbounded one, in int32 range."""
+    shape = (1, 100, 300, 4, 4, 64, 64)
+    for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
+                                              window=window), 0, 11),
+                        (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
+                                              window=window), 1, 13)):
+        args = dict(enumerate(plan.launches[launch][1]))
+        assert (args[first][2], args[first + 1][2]) == expected
+        assert args[first + 2][0] == launch_plan.ARG_PRE_TANH
+
+
+def test_execute_scalars_fold_the_softcap():
+    """scale·log2(e) becomes softcap·log2(e), and scale / softcap goes to the kernel."""
+    seen = []
+    plan = launch_plan.Plan(0, (), ((0, ((launch_plan.ARG_SCALE_LOG2, 0, 0),
+                                         (launch_plan.ARG_SCALE, 0, 0),
+                                         (launch_plan.ARG_PRE_TANH, 0, 0))),), (), 0, 1)
+    launch_plan.execute(plan, [lambda *a: seen.append(a)], [torch.zeros(1)], 0.5, 30.0)
+    launch_plan.execute(plan, [lambda *a: seen.append(a)], [torch.zeros(1)], 0.5)
+    log2e = launch_plan.LOG2_E
+    assert seen[0] == pytest.approx((30.0 * log2e, 0.5, 0.5 / 30.0))
+    assert seen[1] == pytest.approx((0.5 * log2e, 0.5, 0.0))

@@ -117,7 +117,8 @@ def _parse_plan(text: str):
 def _python_plan(plan):
     dtypes, inits = ("input", "f32", "i32"), ("empty", "zero", "unused")
     buffers = [(dtypes[w.dtype], inits[w.init], w.shape) for w in plan.workspaces]
-    names = {launch_plan.ARG_SCALE_LOG2: "scale_log2", launch_plan.ARG_SCALE: "scale"}
+    names = {launch_plan.ARG_SCALE_LOG2: "scale_log2", launch_plan.ARG_SCALE: "scale",
+             launch_plan.ARG_PRE_TANH: "pre_tanh"}
     launches = [(kernel, [f"buffer {i}" if kind == launch_plan.ARG_BUFFER
                           else str(value) if kind == launch_plan.ARG_INT else names[kind]
                           for kind, i, value in args]) for kernel, args in plan.launches]

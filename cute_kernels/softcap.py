@@ -1,0 +1,43 @@
+"""Logit soft-capping (Gemma 2): score = softcap · tanh(scale · q·k / softcap).
+
+The kernels keep t = tanh(q·k · scale / softcap) in the score registers
+(one FMUL and one MUFU.TANH an element) and hand the softmax softcap · log2(e)
+as its exponent factor, so P = exp2(t · softcap · log2(e) − LSE₂) is the same
+one FFMA and ex2 as without a cap. The host folds the constants
+(launch_plan.ScoreParams). In the backward, the chain rule through the cap is
+d score / d(q·k) = scale · (1 − t²): the kernel multiplies dS by 1 − t² and
+the existing scale of dQ and dK does the rest.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .wgmma import acc_rows_cols, pack_rounded
+
+
+@cute.jit
+def cap_scores(acc_s: cute.Tensor, pre_tanh: Float32):
+    """S ← tanh(S · pre_tanh), in place (pre_tanh = scale / softcap)."""
+    s = acc_rows_cols(acc_s)
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, j] = cute.math.tanh(s[r, j] * pre_tanh, approx=True)
+
+
+@cute.jit
+def cap_scores_with_slope(acc_s: cute.Tensor, pre_tanh: Float32, slope: cute.Tensor):
+    """As cap_scores, and slope ← 1 − t², the factor the backward applies to
+    dS, packed in 16 bits (slope: the layout of acc_s in the kernel's dtype;
+    read back with wgmma.read_16bit_as_f32). Half the registers of fp32:
+    dS itself is rounded to 16 bits right after the product."""
+    words = cute.recast_tensor(slope, cutlass.Int32)
+    for w in cutlass.range_constexpr(cute.size(words)):
+        t0 = cute.math.tanh(acc_s[2 * w] * pre_tanh, approx=True)
+        t1 = cute.math.tanh(acc_s[2 * w + 1] * pre_tanh, approx=True)
+        acc_s[2 * w] = t0
+        acc_s[2 * w + 1] = t1
+        words[w] = pack_rounded(Float32(1.0) - t0 * t0, Float32(1.0) - t1 * t1,
+                                slope.element_type)

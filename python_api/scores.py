@@ -1,0 +1,80 @@
+"""What a call does to its scores beyond q·kᵀ·scale: a causal mask, a sliding
+window, a soft cap; checked once, and resolved into the kernel variant that
+serves it.
+
+Conventions (FlashAttention's): window_size = (left, right) in keys around
+each query's diagonal, bottom-right aligned like causal: query i sees key j iff
+    i + s_k - s_q - left <= j <= i + s_k - s_q + right,
+-1 meaning unbounded on that side; causal=True is right = 0 (and with a
+window, the window's left side). softcap > 0 replaces each score s·scale by
+softcap · tanh(s·scale / softcap); 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .kernels.config import PLAIN_SCORES, ScoreMods
+
+NO_WINDOW = (-1, -1)
+
+
+def check_score_args(window_left, window_right, softcap) -> None:
+    """A clear error for a window side or softcap the ops cannot take."""
+    for name, value in (("window_left", window_left), ("window_right", window_right)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int (-1: unbounded), got "
+                            f"{type(value).__name__}")
+        if value < -1:
+            raise ValueError(f"{name}: expected -1 (unbounded) or a size >= 0, got {value}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap: expected a finite value >= 0 (0: no cap), got {softcap}")
+
+
+def window_from_size(window_size) -> tuple[int, int]:
+    """flash_attn_func's window_size (a pair) as (left, right), checked."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a pair (left, right), got {window_size!r}")
+    left, right = window_size
+    for name, value in (("window_size[0]", left), ("window_size[1]", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"{name}: expected -1 (unbounded) or an int >= 0, got {value!r}")
+    return int(left), int(right)
+
+
+@dataclass(frozen=True)
+class ScoreVariant:
+    """The kernel variant of a call: its causal flag and score mods (the
+    compile-time part), the window it hands the kernels and the cap."""
+
+    causal: bool
+    mods: ScoreMods
+    window: tuple[int, int]  # (left, right), -1 unbounded; read by local kernels
+    softcap: float
+
+
+PLAIN = {False: ScoreVariant(False, PLAIN_SCORES, NO_WINDOW, 0.0),
+         True: ScoreVariant(True, PLAIN_SCORES, NO_WINDOW, 0.0)}
+
+
+def resolve(causal: bool, window_left: int, window_right: int, softcap: float,
+            seqlen_q: int, seqlen_k: int) -> ScoreVariant:
+    """The variant that serves a call: a side of the window that reaches every
+    key is unbounded; a window whose left side is unbounded and whose right
+    side is 0 is causal; what remains of a window is a local kernel (causal
+    folded into its right side)."""
+    if window_left == -1 and window_right == -1 and not softcap:
+        return PLAIN[bool(causal)]
+    right = 0 if causal else window_right
+    # query 0 sees the last key with right >= s_q - 1, the last query the
+    # first key with left >= s_k - 1
+    left = -1 if window_left < 0 or window_left >= seqlen_k - 1 else window_left
+    right = -1 if right < 0 or right >= seqlen_q - 1 else right
+    mods = ScoreMods(local=False, softcap=softcap > 0)
+    if left == -1 and right in (-1, 0):
+        return ScoreVariant(right == 0, mods, NO_WINDOW, float(softcap))
+    return ScoreVariant(False, ScoreMods(local=True, softcap=softcap > 0), (left, right),
+                        float(softcap))

@@ -1,0 +1,115 @@
+"""Sliding windows and soft-capped scores on the H100: forward and every
+gradient against the fp32 reference, with the bound the dense tests use
+(2x PyTorch's own low-precision error on the same inputs)."""
+
+import pytest
+import torch
+
+from cute_fa import flash_attn_func
+from cute_fa.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+
+    return (randn(batch, seqlen_q, heads, head_dim), randn(batch, seqlen_k, heads_kv, head_dim),
+            randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_q, heads, head_dim))
+
+
+def _window(causal, window_size):
+    return (window_size[0], 0 if causal else window_size[1])
+
+
+def _grads(fn, q, k, v, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    (out.float() * grad_out.float()).sum().backward()
+    return out.detach(), lse.detach(), [t.grad for t in leaves]
+
+
+def _check(q, k, v, grad_out, causal, window_size, softcap, backward=True):
+    window = _window(causal, window_size)
+
+    def ours(*t):
+        return flash_attn_func(*t, causal=causal, window_size=window_size, softcap=softcap,
+                               return_lse=True)
+
+    def reference(compute_dtype):
+        return lambda *t: attention_reference(*t, None, causal, compute_dtype=compute_dtype,
+                                              window=window, softcap=softcap)
+
+    if not backward:
+        with torch.no_grad():
+            out, lse = ours(q, k, v)
+            ref_out, ref_lse = reference(torch.float32)(q, k, v)
+            low_out, _ = reference(None)(q, k, v)
+        pairs = [("out", out, ref_out, low_out)]
+    else:
+        out, lse, grads = _grads(ours, q, k, v, grad_out)
+        ref_out, ref_lse, ref_grads = _grads(reference(torch.float32), q, k, v, grad_out)
+        low_out, _, low_grads = _grads(reference(None), q, k, v, grad_out)
+        pairs = [("out", out, ref_out, low_out)] + list(zip(("dq", "dk", "dv"), grads,
+                                                             ref_grads, low_grads))
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "LSE -inf rows differ from the reference"
+    if finite.any():
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-2
+    for name, got, ref, low in pairs:
+        assert torch.isfinite(got).all(), f"{name} has NaN/Inf"
+        err = (got.float() - ref.float()).abs().max().item()
+        low_err = (low.float() - ref.float()).abs().max().item()
+        assert err <= 2 * low_err + 2e-5, (f"{name}: max error {err:.3e} > 2 x torch low "
+                                          f"precision {low_err:.3e}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal,window_size", [
+    (False, (256, 0)), (False, (100, 37)), (True, (300, -1)), (False, (0, 0)),
+    (False, (-1, 50)), (False, (513, 513)), (True, (1, -1))])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (300, 777), (777, 300), (1, 513)])
+def test_window_forward_backward(head_dim, causal, window_size, seqlens):
+    q, k, v, g = _inputs(2, *seqlens, 4, 2, head_dim, torch.bfloat16,
+                         seed=seqlens[0] + 3 * window_size[0] + head_dim)
+    _check(q, k, v, g, causal, window_size, 0.0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)),
+                                                (False, (200, 64))])
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+def test_softcap_forward_backward(head_dim, dtype, causal, window_size, softcap):
+    q, k, v, g = _inputs(2, 700, 900, 4, 1, head_dim, dtype, seed=head_dim + int(softcap))
+    # scores that the cap bends: q·k·scale spans several times the cap
+    q = q * (softcap / 4) ** 0.5
+    _check(q, k, v, g, causal, window_size, softcap)
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("causal,window_size,softcap", [(False, (128, 0), 0.0),
+                                                        (True, (-1, -1), 20.0),
+                                                        (False, (300, 100), 20.0)])
+def test_large_head_dims_forward(head_dim, causal, window_size, softcap):
+    q, k, v, g = _inputs(1, 1000, 1200, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
+    _check(q, k, v, g, causal, window_size, softcap, backward=False)
+
+
+@pytest.mark.parametrize("causal,window_size", [(False, (200, 64)), (True, (333, -1))])
+def test_window_deterministic_is_bitwise_reproducible(causal, window_size):
+    q, k, v, g = _inputs(2, 1500, 1500, 8, 2, 128, torch.bfloat16, seed=5)
+
+    def run():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=causal, window_size=window_size,
+                              deterministic=True)
+        (out.float() * g.float()).sum().backward()
+        return [t.grad for t in leaves]
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
