@@ -150,9 +150,7 @@ Variant read_variant(py::handle variant) {
 }
 
 // This layer serves full and causal attention of plain scores; a window or a
-// softcap goes to the Python path (plain_scores).
-constexpr CuteFaWindow kNoWindow{-1, -1};
-
+// softcap goes to the Python path.
 bool plain_scores(int64_t window_left, int64_t window_right, double softcap) {
   return window_left == -1 && window_right == -1 && softcap == 0.0;
 }
@@ -170,10 +168,10 @@ std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool bac
   int status;
   if (backward) {
     const auto v = read_variant<CuteFaBwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_bwd(&v, &shape, &kNoWindow, num_sms, &entry->plan);
+    status = cute_fa_plan_bwd(&v, &shape, &cute_fa::kNoWindow, num_sms, &entry->plan);
   } else {
     const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_fwd(&v, &shape, &kNoWindow, num_sms, 0, 0, &entry->plan);
+    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, num_sms, 0, 0, &entry->plan);
   }
   TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");
   return entry;

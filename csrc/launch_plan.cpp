@@ -90,9 +90,10 @@ class Builder {
   bool ok_ = true;
 };
 
-// The window as the kernels take it (mask.py): a side that is unbounded, or
-// wider than any row reaches, becomes the size that reaches every key.
-void window_args(Builder& b, CuteFaLaunch* l, const CuteFaWindow* w, const CuteFaShape* s) {
+// The score arguments of a main kernel: the window as the kernels take it
+// (mask.py), a side that is unbounded or wider than any row reaches becoming
+// the size that reaches every key; then scale / softcap (the executor's).
+void score_args(Builder& b, CuteFaLaunch* l, const CuteFaWindow* w, const CuteFaShape* s) {
   const int64_t left = (w->left < 0 || w->left > s->seqlen_k) ? s->seqlen_k : w->left;
   const int64_t right = (w->right < 0 || w->right > s->seqlen_q) ? s->seqlen_q : w->right;
   b.arg(l, CUTE_FA_ARG_INT, 0, left);
@@ -178,7 +179,7 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, parts);
-  window_args(b, fwd, window, s);
+  score_args(b, fwd, window, s);
   b.output(out);
   b.output(lse);
   return b.status();
@@ -234,7 +235,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   b.arg(main, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(main, CUTE_FA_ARG_SCALE);
   b.arg(main, CUTE_FA_ARG_INT, 0, num_sms);
-  window_args(b, main, window, s);
+  score_args(b, main, window, s);
   CuteFaLaunch* post = b.launch(2);
   b.tensors(post, {dq_accum, grad_q});
   b.arg(post, CUTE_FA_ARG_SCALE);

@@ -17,6 +17,8 @@
 namespace cute_fa {
 
 constexpr double kLog2E = 1.4426950408889634;  // log2(e)
+// The plans of kernels with plain scores (full or causal): no window.
+constexpr CuteFaWindow kNoWindow{-1, -1};
 
 // The DLPack type of a plan buffer's dtype; `input` is that of the call's q.
 inline DLDataType buffer_dtype(int32_t dtype, DLDataType input) {

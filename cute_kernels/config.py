@@ -46,11 +46,6 @@ class ScoreMods:
     local: bool = False
     softcap: bool = False
 
-    @property
-    def tag(self) -> str:
-        """'' for plain scores, else e.g. 'local', 'softcap', 'local+softcap'."""
-        return "+".join(n for n in ("local", "softcap") if getattr(self, n))
-
 
 PLAIN_SCORES = ScoreMods()
 
@@ -395,9 +390,12 @@ def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
 
 def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, batch: int,
                            seqlen_k: int, heads_q: int, heads_kv: int,
-                           num_sms: int) -> BwdConfig:
+                           num_sms: int, mods: ScoreMods = PLAIN_SCORES) -> BwdConfig:
     """The op's backward config for one problem: default_bwd_config, with
-    split_gqa where split_gqa_pays for the grid that config would launch."""
+    split_gqa where split_gqa_pays for the grid that config would launch. A
+    window or a cap takes the causal choices: the wider query tile of the
+    full mask spills their bounds or the cap's slope."""
+    causal = causal or mods.local or mods.softcap
     config = default_bwd_config(head_dim, causal, deterministic)
     kv_ctas = -(-seqlen_k // config.tile_n) * heads_kv * batch
     if split_gqa_pays(heads_q // heads_kv, kv_ctas, num_sms):

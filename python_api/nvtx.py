@@ -2,7 +2,8 @@
 
 Range names are `cute_fa.<op>` followed by the problem in brackets, e.g.
     cute_fa.fwd[b=2,sq=4096,sk=4096,hq=16,hkv=16,d=128,causal=1,bf16]
-(with `dv=` after `d=` where v's head dim differs from q's).
+(with `dv=` after `d=` where v's head dim differs from q's, and `window=l:r`,
+`softcap=c` before the dtype where the call has them).
 Select every forward kernel with
     ncu --nvtx --nvtx-include "regex:cute_fa\\.fwd.*/" python ...
 """
@@ -24,8 +25,9 @@ pop = _nvtx.pop_range
 
 
 def range_name(op: str, q, v, causal: bool, scores=None) -> str:
-    """`scores`: the call's scores.ScoreVariant where it has a window or a cap
-    (named as window=left:right, softcap=c)."""
+    """`scores`: the call's scores.ScoreVariant (None or plain: no window, no cap)."""
+    if scores is not None and scores.plain:
+        scores = None  # plain calls share their names and keys with callers that pass none
     key = (op, q.shape, v.shape, causal, q.dtype, scores)
     name = _names.get(key)
     if name is None:
@@ -34,7 +36,7 @@ def range_name(op: str, q, v, causal: bool, scores=None) -> str:
         mods = ""
         if scores is not None and scores.mods.local:
             mods += f"window={scores.window[0]}:{scores.window[1]},"
-        if scores is not None and scores.softcap:
+        if scores is not None and scores.mods.softcap:
             mods += f"softcap={scores.softcap:g},"
         name = (f"cute_fa.{op}[b={b},sq={sq},sk={v.shape[1]},hq={hq},hkv={v.shape[2]},d={d},"
                 f"{dv}causal={int(causal)},{mods}"

@@ -61,8 +61,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     A/Bs kernel variants), `tail` the split of the last round that a
     split_tail config would choose."""
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
-    # the caller's head dim and mask
-    name = nvtx_ranges.range_name("fwd", q, v, causal, scores if scores.mods.tag else None)
+    name = nvtx_ranges.range_name("fwd", q, v, causal, scores)  # the caller's head dim
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     if kernel_dim != head_dim:  # zero columns change no score
@@ -118,7 +117,7 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     (profiling.sweep), deterministic included."""
     check_backward_head_dims(q, v)
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
-    name = nvtx_ranges.range_name("bwd", q, v, causal, scores if scores.mods.tag else None)
+    name = nvtx_ranges.range_name("bwd", q, v, causal, scores)  # the caller's head dim
     head_dims = (q.shape[3], k.shape[3], v.shape[3])
     kernel_dim = kernel_head_dim(q.shape[3])  # v's pads to it too (check_backward_head_dims)
     if head_dims != (kernel_dim,) * 3:  # the padded columns' gradients are zero: dropped
@@ -162,21 +161,14 @@ _lib.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tens
             f"bool deterministic=False, {_SCORE_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
-def _cpu_scores(q, k, causal, window_left, window_right, softcap):
-    """The reference's window (causal folded in) and cap, and the range's variant."""
-    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
-    window = (window_left, 0 if causal else window_right)
-    return window, scores if scores.mods.tag else None
-
-
 def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
              window_right=-1, softcap=0.0):
     check_attention_inputs(q, k, v, softmax_scale)
     check_score_args(window_left, window_right, softcap)
-    window, named = _cpu_scores(q, k, causal, window_left, window_right, softcap)
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal, named)):
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal, scores)):
         out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal,
-                                       window=window, softcap=softcap)
+                                       window=(window_left, window_right), softcap=softcap)
     return out.contiguous(), lse.contiguous()
 
 
@@ -203,10 +195,11 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
              deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
     check_score_args(window_left, window_right, softcap)
-    window, named = _cpu_scores(q, k, causal, window_left, window_right, softcap)
-    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, v, causal, named)):
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, v, causal, scores)):
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
-                                             causal, grad_lse, window=window, softcap=softcap)
+                                             causal, grad_lse, window=(window_left, window_right),
+                                             softcap=softcap)
     return tuple(g.contiguous() for g in grads)
 
 

@@ -55,6 +55,11 @@ class ScoreVariant:
     window: tuple[int, int]  # (left, right), -1 unbounded; read by local kernels
     softcap: float
 
+    @property
+    def plain(self) -> bool:
+        """Neither a window nor a cap (full or causal attention)."""
+        return not (self.mods.local or self.mods.softcap)
+
 
 PLAIN = {False: ScoreVariant(False, PLAIN_SCORES, NO_WINDOW, 0.0),
          True: ScoreVariant(True, PLAIN_SCORES, NO_WINDOW, 0.0)}

@@ -64,11 +64,8 @@ def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministi
     problem, as fwd_kernel_for."""
     device_index = _device_index(q)
     batch, _, heads, head_dim = q.shape
-    # a window or a cap takes the causal choices: the wider query tile of the
-    # full mask spills their bounds or the cap's slope
-    config = config or bwd_config_for_problem(head_dim, causal or mods.local or mods.softcap,
-                                              deterministic,
-                                              batch, k.shape[1], heads, k.shape[2],
-                                              num_sms(device_index))
+    config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch,
+                                              k.shape[1], heads, k.shape[2],
+                                              num_sms(device_index), mods)
     return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse, mods), config,
             device_index)
