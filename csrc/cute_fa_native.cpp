@@ -168,10 +168,12 @@ std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool bac
   int status;
   if (backward) {
     const auto v = read_variant<CuteFaBwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_bwd(&v, &shape, &cute_fa::kNoWindow, num_sms, &entry->plan);
+    status = cute_fa_plan_bwd(&v, &shape, &cute_fa::kNoWindow, nullptr, num_sms,
+                              &entry->plan);
   } else {
     const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, num_sms, 0, 0, &entry->plan);
+    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, nullptr, num_sms, 0, 0,
+                              &entry->plan);
   }
   TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");
   return entry;

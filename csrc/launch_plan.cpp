@@ -101,10 +101,49 @@ void score_args(Builder& b, CuteFaLaunch* l, const CuteFaWindow* w, const CuteFa
   b.arg(l, CUTE_FA_ARG_PRE_TANH);
 }
 
-bool shape_ok(const CuteFaShape* s) {
+bool shape_ok(const CuteFaShape* s, const CuteFaVarlen* p) {
   return s->batch > 0 && s->seqlen_q > 0 && s->seqlen_k > 0 && s->heads > 0 &&
          s->heads_kv > 0 && s->heads % s->heads_kv == 0 && s->head_dim > 0 &&
-         s->head_dim_v > 0;
+         s->head_dim_v > 0 &&
+         (p == nullptr || (p->total_q >= s->seqlen_q && p->total_k >= s->seqlen_k));
+}
+
+// The rows of q (k) as the kernels see them: dense (b, s, ...), packed (1, total, ...).
+struct Rows {
+  int64_t batch, q, k;
+};
+
+Rows rows_of(const CuteFaShape* s, const CuteFaVarlen* p) {
+  return p ? Rows{1, p->total_q, p->total_k} : Rows{s->batch, s->seqlen_q, s->seqlen_k};
+}
+
+// The sequence-length tensors (cu_seqlens_q, cu_seqlens_k, seqused_q,
+// seqused_k) the kernels take, and the seqused bits (cute_kernels/varlen.py):
+// a packed batch's inputs (seqlen_inputs, right after the other inputs), or
+// for a dense batch one stand-in it never reads (dense_stand_in, after the
+// other buffers, so that theirs keep their places).
+struct SeqlenArgs {
+  int cu_q, cu_k, used_q, used_k;
+  int64_t seqused;
+};
+
+void dense_stand_in(Builder& b, SeqlenArgs& a) {
+  if (a.cu_q >= 0) return;
+  const int unused = b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
+  a.cu_q = a.cu_k = a.used_q = a.used_k = unused;
+}
+
+SeqlenArgs seqlen_inputs(Builder& b, const CuteFaShape* s, const CuteFaVarlen* p) {
+  if (p == nullptr) return SeqlenArgs{-1, -1, -1, -1, 0};
+  const int64_t cu[3] = {1, 1, s->batch + 1};
+  const int64_t used[3] = {1, 1, s->batch};
+  SeqlenArgs a;
+  a.cu_q = b.input(CUTE_FA_I32, 3, cu, false);
+  a.cu_k = b.input(CUTE_FA_I32, 3, cu, false);
+  a.used_q = b.input(CUTE_FA_I32, 3, used, false);
+  a.used_k = b.input(CUTE_FA_I32, 3, used, false);
+  a.seqused = (p->seqused_q ? 1 : 0) | (p->seqused_k ? 2 : 0);
+  return a;
 }
 
 }  // namespace
@@ -128,17 +167,21 @@ extern "C" int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_
 }
 
 extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
-                                const CuteFaWindow* window, int64_t num_sms,
-                                int64_t forced_full_tiles, int64_t forced_parts,
-                                CuteFaPlan* plan) {
-  if (!shape_ok(s) || v->tile_m <= 0 || v->tile_n <= 0 || num_sms <= 0) return -1;
+                                const CuteFaWindow* window, const CuteFaVarlen* varlen,
+                                int64_t num_sms, int64_t forced_full_tiles,
+                                int64_t forced_parts, CuteFaPlan* plan) {
+  if (!shape_ok(s, varlen) || v->tile_m <= 0 || v->tile_n <= 0 || num_sms <= 0) return -1;
+  // a packed batch's tiles are claimed in turn: no fixed last round to split
+  if (varlen && (v->split_tail || forced_parts > 1)) return -1;
   Builder b(plan);
-  const int64_t bshd_q[4] = {s->batch, s->seqlen_q, s->heads, s->head_dim};
-  const int64_t bshd_k[4] = {s->batch, s->seqlen_k, s->heads_kv, s->head_dim};
-  const int64_t bshd_v[4] = {s->batch, s->seqlen_k, s->heads_kv, s->head_dim_v};
+  const Rows r = rows_of(s, varlen);
+  const int64_t bshd_q[4] = {r.batch, r.q, s->heads, s->head_dim};
+  const int64_t bshd_k[4] = {r.batch, r.k, s->heads_kv, s->head_dim};
+  const int64_t bshd_v[4] = {r.batch, r.k, s->heads_kv, s->head_dim_v};
   const int q = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
   const int k = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
   const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_v, true);
+  SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
 
   const int64_t num_tiles = ceil_div(s->seqlen_q, v->tile_m) * s->heads * s->batch;
   int64_t full_tiles = 0, parts = 1;
@@ -158,9 +201,8 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   plan->full_tiles = full_tiles;
   plan->tail_parts = parts;
 
-  const int out = b.buffer4(CUTE_FA_INPUT_DTYPE, s->batch, s->seqlen_q, s->heads,
-                            s->head_dim_v);
-  const int lse = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, s->batch, s->heads, s->seqlen_q);
+  const int out = b.buffer4(CUTE_FA_INPUT_DTYPE, r.batch, r.q, s->heads, s->head_dim_v);
+  const int lse = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, r.batch, s->heads, r.q);
   // Fresh per call where read: shared ones would be raced by launches on other streams.
   const int counters =
       (v->dynamic_tiles || split_tiles)
@@ -173,28 +215,35 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
                               int64_t{v->threads_per_warpgroup} * v->consumer_warpgroups)
                   : b.buffer3(CUTE_FA_F32, CUTE_FA_UNUSED, 1, 1, 1);
 
+  dense_stand_in(b, seqs);
   CuteFaLaunch* fwd = b.launch(0);
-  b.tensors(fwd, {q, k, vv, out, lse, counters, partials});
+  b.tensors(fwd, {q, k, vv, out, lse, counters, partials, seqs.cu_q, seqs.cu_k, seqs.used_q,
+                  seqs.used_k});
   b.arg(fwd, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, parts);
   score_args(b, fwd, window, s);
+  b.arg(fwd, CUTE_FA_ARG_INT, 0, seqs.seqused);
   b.output(out);
   b.output(lse);
   return b.status();
 }
 
 extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
-                                const CuteFaWindow* window, int64_t num_sms,
-                                CuteFaPlan* plan) {
-  // The backward kernels take one head dim for q, k, v and the output.
-  if (!shape_ok(s) || s->head_dim_v != s->head_dim || v->tile_m <= 0 || num_sms <= 0)
+                                const CuteFaWindow* window, const CuteFaVarlen* varlen,
+                                int64_t num_sms, CuteFaPlan* plan) {
+  // The backward kernels take one head dim for q, k, v and the output; a
+  // packed batch's dK and dV leave per KV head (no split_gqa partials).
+  if (!shape_ok(s, varlen) || s->head_dim_v != s->head_dim || v->tile_m <= 0 ||
+      num_sms <= 0 || (varlen && v->split_gqa))
     return -1;
   Builder b(plan);
   plan->tail_parts = 1;
-  const int64_t B = s->batch, SQ = s->seqlen_q, SK = s->seqlen_k, H = s->heads,
-                HKV = s->heads_kv, D = s->head_dim;
+  const Rows r = rows_of(s, varlen);
+  // B, SQ, SK: the dimensions of the tensors (a packed batch: 1, total_q, total_k)
+  const int64_t B = r.batch, SQ = r.q, SK = r.k, H = s->heads, HKV = s->heads_kv,
+                D = s->head_dim;
   const int64_t bshd_q[4] = {B, SQ, H, D};
   const int64_t bshd_k[4] = {B, SK, HKV, D};
   const int64_t rows[3] = {B, H, SQ};
@@ -205,8 +254,11 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const int out = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
   const int lse = b.input(CUTE_FA_F32, 3, rows, false);
   const int grad_lse = b.input(CUTE_FA_F32, 3, rows, false);
+  SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
 
-  const int64_t padded_q = ceil_div(SQ, v->tile_m) * v->tile_m;
+  // whole query tiles per sequence (a packed batch's: cute_kernels/varlen.py)
+  const int64_t padded_q = ceil_div(varlen ? SQ + s->batch * v->tile_m : SQ, v->tile_m) *
+                           v->tile_m;
   const int lse2 = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q);
   const int dsum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q);
   const int dq_accum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q * D);
@@ -219,26 +271,36 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
                       padded_q / v->tile_m * v->consumer_warpgroups)
       : v->dynamic_tiles ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, 1, 1, 1)
                          : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
-  const int grad_q = b.buffer4(CUTE_FA_INPUT_DTYPE, B, SQ, H, D);
-  const int grad_k = b.buffer4(CUTE_FA_INPUT_DTYPE, B, SK, HKV, D);
-  const int grad_v = b.buffer4(CUTE_FA_INPUT_DTYPE, B, SK, HKV, D);
+  // a packed batch's rows outside every sequence get zero gradients
+  const int32_t grad_init = varlen ? CUTE_FA_ZERO : CUTE_FA_EMPTY;
+  const int grad_q = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_q);
+  const int grad_k = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_k);
+  const int grad_v = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_k);
   int dk_main = grad_k, dv_main = grad_v;
   if (v->split_gqa) {
     dk_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
     dv_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
   }
 
+  dense_stand_in(b, seqs);
   CuteFaLaunch* pre = b.launch(0);
-  b.tensors(pre, {out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore});
+  b.tensors(pre, {out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore, seqs.cu_q,
+                  seqs.used_q});
+  b.arg(pre, CUTE_FA_ARG_INT, 0, seqs.seqused);
+  b.arg(pre, CUTE_FA_ARG_INT, 0, s->seqlen_q);
   CuteFaLaunch* main = b.launch(1);
-  b.tensors(main, {q, k, vv, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore});
+  b.tensors(main, {q, k, vv, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore,
+                   seqs.cu_q, seqs.cu_k, seqs.used_q, seqs.used_k});
   b.arg(main, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(main, CUTE_FA_ARG_SCALE);
   b.arg(main, CUTE_FA_ARG_INT, 0, num_sms);
   score_args(b, main, window, s);
+  b.arg(main, CUTE_FA_ARG_INT, 0, seqs.seqused);
   CuteFaLaunch* post = b.launch(2);
-  b.tensors(post, {dq_accum, grad_q});
+  b.tensors(post, {dq_accum, grad_q, seqs.cu_q, seqs.used_q});
   b.arg(post, CUTE_FA_ARG_SCALE);
+  b.arg(post, CUTE_FA_ARG_INT, 0, seqs.seqused);
+  b.arg(post, CUTE_FA_ARG_INT, 0, s->seqlen_q);
   if (v->split_gqa) {
     CuteFaLaunch* group_sum = b.launch(3);
     b.tensors(group_sum, {dk_main, dv_main, grad_k, grad_v});
@@ -253,7 +315,7 @@ extern "C" void cute_fa_plan_layout(int64_t* version, int64_t* sizes, int32_t nu
   *version = CUTE_FA_PLAN_LAYOUT_VERSION;
   const int64_t all[] = {sizeof(CuteFaShape), sizeof(CuteFaFwdVariant), sizeof(CuteFaBwdVariant),
                          sizeof(CuteFaBuffer), sizeof(CuteFaArg), sizeof(CuteFaLaunch),
-                         sizeof(CuteFaPlan), sizeof(CuteFaWindow)};
+                         sizeof(CuteFaPlan), sizeof(CuteFaWindow), sizeof(CuteFaVarlen)};
   for (int32_t i = 0; i < num_sizes && i < static_cast<int32_t>(sizeof(all) / sizeof(all[0]));
        ++i)
     sizes[i] = all[i];

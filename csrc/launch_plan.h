@@ -22,16 +22,27 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 3
+#define CUTE_FA_PLAN_LAYOUT_VERSION 4
 #define CUTE_FA_PLAN_MAX_BUFFERS 20
-#define CUTE_FA_PLAN_MAX_ARGS 16
+#define CUTE_FA_PLAN_MAX_ARGS 24
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
 #define CUTE_FA_PLAN_MAX_OUTPUTS 4
 
-/* head_dim: that of q and k; head_dim_v: that of v and the output. */
+/* head_dim: that of q and k; head_dim_v: that of v and the output. A
+ * packed (varlen) batch: batch sequences, seqlen_q and seqlen_k their
+ * longest (CuteFaVarlen holds the totals). */
 typedef struct {
   int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v;
 } CuteFaShape;
+
+/* A packed batch: sequences of different lengths one after another on a
+ * token axis of total_q (total_k) rows, found through cu_seqlens; seqused_q
+ * (_k): the lengths come from seqused tensors instead. NULL in the plan
+ * functions: a dense batch. The kernels' side: cute_kernels/varlen.py. */
+typedef struct {
+  int64_t total_q, total_k;
+  int32_t seqused_q, seqused_k;
+} CuteFaVarlen;
 
 /* A sliding window around each query's (bottom-right aligned) diagonal, in
  * keys; -1: unbounded on that side. Read by local kernels only; the plan
@@ -105,19 +116,24 @@ typedef struct {
   int64_t full_tiles, tail_parts;
 } CuteFaPlan;
 
-/* Forward. Inputs: q, k, v. Launches: fwd. Outputs: out, lse.
+/* Forward. Inputs: q, k, v (dense (b, s, h, d); packed (1, total, h, d),
+ * then cu_seqlens_q, cu_seqlens_k (1, 1, b + 1) and seqused_q, seqused_k
+ * (1, 1, b), int32, those not in use bound to any int32 tensor). Launches:
+ * fwd. Outputs: out, lse ((b, h, s_q); packed (1, h, total_q)).
  * forced_parts 0: the split of the tail from the cost model (launch_plan.cpp);
  * otherwise forced_full_tiles / forced_parts (a sweep's A/B, checked by the
  * caller). Returns 0, or -1 for a shape or variant it cannot plan. */
 int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
-                     const CuteFaWindow* window, int64_t num_sms, int64_t forced_full_tiles,
-                     int64_t forced_parts, CuteFaPlan* plan);
+                     const CuteFaWindow* window, const CuteFaVarlen* varlen, int64_t num_sms,
+                     int64_t forced_full_tiles, int64_t forced_parts, CuteFaPlan* plan);
 
 /* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
- * the call has none). Launches: preprocess, main, postprocess[, group_sum].
+ * the call has none); packed: then the forward's four int32 tensors.
+ * Launches: preprocess, main, postprocess[, group_sum].
  * Outputs: grad_q, grad_k, grad_v. */
 int cute_fa_plan_bwd(const CuteFaBwdVariant* variant, const CuteFaShape* shape,
-                     const CuteFaWindow* window, int64_t num_sms, CuteFaPlan* plan);
+                     const CuteFaWindow* window, const CuteFaVarlen* varlen, int64_t num_sms,
+                     CuteFaPlan* plan);
 
 /* The key ranges per tile of the forward's split tail for `num_tiles` tiles of
  * `n_blocks` K/V blocks on `num_sms` persistent CTAs (1: no split). */

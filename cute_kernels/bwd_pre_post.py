@@ -11,14 +11,15 @@ lane, half a sector per instruction; fa4's 0.081):
     the main kernel's tile counter zeroed (BwdConfig.dynamic_tiles: the
     semaphore's first element; harmless otherwise)
 Both per-row vectors are padded to whole query tiles, so the main kernel's
-TMA loads of them never leave the buffer.
+TMA loads of them never leave the buffer (in a packed batch, each sequence's
+rows are: varlen.py).
 
 Postprocess, one CTA per (query tile, head, batch), same threads as the
 main kernel's consumers: dQ = scale · accumulator, converted to 16 bits.
 It reads the accumulator in its register-order layout (dq_accum.py), whose
 values each warpgroup holds as its slice of the main kernel's dQ tiled MMA,
 writes them to shared memory with stmatrix and the tile to dQ with one TMA
-store (4-byte stores straight from registers fill half a sector each: at
+store (a packed sequence's partial last tile row by row; 4-byte stores straight from registers fill half a sector each: at
 16k tokens, d=128, the kernel took 96 µs where fa4's takes 68).
 
 Group sum, after a split_gqa main kernel (BwdConfig.split_gqa), one row
@@ -42,7 +43,8 @@ from cutlass.memory import SmemAllocator
 from . import dq_accum, wgmma
 from .bwd_sm90 import dq_gemm_shape, dq_tiled_mma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
-from .kernel_base import SMEM_ALIGN, permute, tma_store_tile
+from .kernel_base import SMEM_ALIGN, permute, store_rows, tma_store_tile
+from .varlen import Seqlens
 
 LOG2_E = math.log2(math.e)
 LANES_PER_ROW = 8
@@ -50,42 +52,62 @@ PRE_THREADS = 128
 ROWS_PER_CTA = PRE_THREADS // LANES_PER_ROW
 
 
+def _query_seqlens(varlen: bool, mCuSeqlensQ, mSeqUsedQ, seqused, seqlen) -> Seqlens:
+    """The query side of varlen.Seqlens (the key side is never read here)."""
+    return Seqlens(varlen, mCuSeqlensQ, mCuSeqlensQ, mSeqUsedQ, mSeqUsedQ, seqused, seqlen,
+                   seqlen)
+
+
 class BackwardPreprocess:
-    def __init__(self, dtype, head_dim: int, has_grad_lse: bool):
+    def __init__(self, dtype, head_dim: int, has_grad_lse: bool, tile_m: int,
+                 varlen: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.has_grad_lse = has_grad_lse
+        self.tile_m = tile_m  # the main kernel's: the per-row buffers hold whole tiles
+        self.varlen = varlen
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mdLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
-                 mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, stream: cuda.CUstream):
+                 mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                 mSeqUsedQ: cute.Tensor, seqused: cutlass.Int32, max_seqlen_q: cutlass.Int32,
+                 stream: cuda.CUstream):
         """O, dO (b, s, h, d); LSE, dLSE (b, h, s) fp32 (dLSE ignored unless
         has_grad_lse); LSE₂, D (b, h, s_pad) fp32; dQ accumulator (b, h, s_pad·d);
-        the main kernel's semaphore, int32 (its first element is zeroed)."""
-        grid = (cute.ceil_div(mLSE2.shape[2], ROWS_PER_CTA), mLSE2.shape[1], mLSE2.shape[0])
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore).launch(
+        the main kernel's semaphore, int32 (its first element is zeroed).
+        Varlen: packed as the main kernel's, with its cu_seqlens_q, seqused_q
+        and seqused bits; max_seqlen_q: the longest sequence (dense: s)."""
+        seqlens = _query_seqlens(self.varlen, mCuSeqlensQ, mSeqUsedQ, seqused, mO.shape[1])
+        padded_rows = cute.ceil_div(max_seqlen_q, self.tile_m) * self.tile_m
+        grid = (cute.ceil_div(padded_rows, ROWS_PER_CTA), mLSE2.shape[1],
+                seqlens.num_batch(mLSE2.shape[0]))
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore, seqlens).launch(
             grid=list(grid), block=[PRE_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
-               mSemaphore: cute.Tensor):
+               mSemaphore: cute.Tensor, seqlens: Seqlens):
         tid = cute.arch.thread_idx()[0]
         row_block, head, batch = cute.arch.block_idx()
         if (row_block | head | batch | tid) == 0:
             mSemaphore[0, 0, 0] = cutlass.Int32(0)  # the tile counter (dynamic_tiles)
         row = row_block * ROWS_PER_CTA + tid // LANES_PER_ROW
         lane = tid % LANES_PER_ROW
-        seqlen, padded = mO.shape[1], mLSE2.shape[2]
+        seqlen = seqlens.len_q(batch)
+        padded = cute.ceil_div(seqlen, self.tile_m) * self.tile_m
+        start = seqlens.start_q(batch)
+        stats_row = seqlens.padded_start_q(batch, self.tile_m) + row
+        batch = seqlens.buffer_batch(batch)
 
         # A row's lanes take 16-byte pieces in turn (lane, lane + 8, ...), so
         # each load and store instruction covers whole 32-byte sectors; with
         # one contiguous chunk per lane each covered half a sector.
         dot = Float32(0.0)
         if row < seqlen:
-            o, pieces = interleaved_pieces(mO[batch, row, head, None], lane)
-            do, _ = interleaved_pieces(mdO[batch, row, head, None], lane)
+            o, pieces = interleaved_pieces(mO[batch, start + row, head, None], lane)
+            do, _ = interleaved_pieces(mdO[batch, start + row, head, None], lane)
             for i in cutlass.range_constexpr(cute.size(o, mode=[1])):
                 if lane + LANES_PER_ROW * i < pieces:
                     prod = o[None, i].load().to(Float32) * do[None, i].load().to(Float32)
@@ -96,15 +118,16 @@ class BackwardPreprocess:
                 lse2 = Float32.inf
                 dsum = Float32(0.0)
                 if row < seqlen:
-                    lse = mLSE[batch, head, row]
+                    lse = mLSE[batch, head, start + row]
                     if lse != -Float32.inf:
                         lse2 = lse * LOG2_E
                     dsum = dot
                     if cutlass.const_expr(self.has_grad_lse):
-                        dsum = dot - mdLSE[batch, head, row]
-                mLSE2[batch, head, row] = lse2
-                mD[batch, head, row] = dsum
-            acc_row = cute.local_tile(mdQaccum[batch, head, None], (self.head_dim,), (row,))
+                        dsum = dot - mdLSE[batch, head, start + row]
+                mLSE2[batch, head, stats_row] = lse2
+                mD[batch, head, stats_row] = dsum
+            acc_row = cute.local_tile(mdQaccum[batch, head, None], (self.head_dim,),
+                                      (stats_row,))
             zeros, pieces = interleaved_pieces(acc_row, lane)
             for i in cutlass.range_constexpr(cute.size(zeros, mode=[1])):
                 if lane + LANES_PER_ROW * i < pieces:
@@ -126,10 +149,11 @@ def interleaved_pieces(row: cute.Tensor, lane) -> tuple[cute.Tensor, int]:
 
 
 class BackwardPostprocess:
-    def __init__(self, dtype, head_dim: int, config: BwdConfig):
+    def __init__(self, dtype, head_dim: int, config: BwdConfig, varlen: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.cfg = config
+        self.varlen = varlen
 
     def _slab_shape(self) -> tuple[int, int]:
         """The (rows, cols) of the dQ tile one warpgroup holds (dq_tiled_mma):
@@ -140,11 +164,15 @@ class BackwardPostprocess:
         return self.cfg.tile_m, self.head_dim // self.cfg.consumer_warpgroups
 
     @cute.jit
-    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-                 stream: cuda.CUstream):
-        """dQ accumulator (b, h, s_pad·d) fp32 -> dQ (b, s, h, d)."""
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                 mSeqUsedQ: cute.Tensor, softmax_scale: Float32, seqused: cutlass.Int32,
+                 max_seqlen_q: cutlass.Int32, stream: cuda.CUstream):
+        """dQ accumulator (b, h, s_pad·d) fp32 -> dQ (b, s, h, d); varlen as
+        the preprocess."""
         tile_m, d = self.cfg.tile_m, self.head_dim
-        grid = (cute.ceil_div(mdQ.shape[1], tile_m), mdQ.shape[2], mdQ.shape[0])
+        seqlens = _query_seqlens(self.varlen, mCuSeqlensQ, mSeqUsedQ, seqused, mdQ.shape[1])
+        grid = (cute.ceil_div(max_seqlen_q, tile_m), mdQ.shape[2],
+                seqlens.num_batch(mdQ.shape[0]))
         # one swizzle atom per warpgroup slab, so each slab is a plain sub-tile
         sdQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, atom_cols=self._slab_shape()[1])
         tma_dq, tdQ = cpasync.make_tiled_tma_atom(
@@ -157,23 +185,35 @@ class BackwardPostprocess:
                                    SMEM_ALIGN]
 
         mma = dq_tiled_mma(self.dtype, self.cfg, d)
-        self.kernel(mdQaccum, tdQ, tma_dq, softmax_scale, mma, sdQ_layout,
-                    SharedStorage).launch(
+        self.kernel(mdQaccum, tdQ, permute(mdQ, [1, 3, 2, 0]), seqlens, tma_dq, softmax_scale,
+                    mma, sdQ_layout, SharedStorage).launch(
             grid=list(grid), block=[self.cfg.consumer_warpgroups * WARPGROUP_THREADS, 1, 1],
             stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tma_dq: cute.CopyAtom,
-               softmax_scale: Float32, mma: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mdQ_rows: cute.Tensor,
+               seqlens: Seqlens, tma_dq: cute.CopyAtom, softmax_scale: Float32,
+               mma: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
-        tid = cute.arch.thread_idx()[0]
         m_block, head, batch = cute.arch.block_idx()
+        rows_out = seqlens.len_q(batch) - m_block * self.cfg.tile_m
+        if rows_out > 0:  # a packed batch's grid covers its longest sequence
+            self._tile(mdQaccum, mdQ, mdQ_rows, seqlens, tma_dq, softmax_scale, mma, sdQ_layout,
+                       SharedStorage, m_block, head, batch, rows_out)
+
+    @cute.jit
+    def _tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mdQ_rows: cute.Tensor,
+              seqlens: Seqlens, tma_dq: cute.CopyAtom, softmax_scale: Float32,
+              mma: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
+              SharedStorage: cutlass.Constexpr, m_block, head, batch, rows_out):
+        tid = cute.arch.thread_idx()[0]
         tile_m, d, wgs = self.cfg.tile_m, self.head_dim, self.cfg.consumer_warpgroups
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
         storage = SmemAllocator().allocate(SharedStorage)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
-        tile = mdQaccum[batch, head, None].iterator + m_block * tile_m * d
+        first_row = seqlens.padded_start_q(batch, tile_m) + m_block * tile_m
+        tile = mdQaccum[seqlens.buffer_batch(batch), head, None].iterator + first_row * d
         src = dq_accum.thread_view(tile, wg, tid % WARPGROUP_THREADS, tile_m, d, wgs)
         values = cute.make_rmem_tensor(src.shape, Float32)
         cute.autovec_copy(src, values)
@@ -194,8 +234,15 @@ class BackwardPostprocess:
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
-        if tid < 32:  # TMA clips the rows past seqlen_q
-            tma_store_tile(tma_dq, sdQ, cute.local_tile(mdQ[None, None, head, batch],
+        by_rows = cutlass.Boolean(False)
+        if cutlass.const_expr(self.varlen):
+            by_rows = rows_out < tile_m
+        if by_rows:
+            store_rows(sdQ, cute.local_tile(seqlens.q_rows(mdQ_rows, head, batch), (tile_m, d),
+                                            (m_block, 0)),
+                       rows_out, tid, wgs * WARPGROUP_THREADS)
+        elif tid < 32:  # TMA clips the rows past the tensor's end
+            tma_store_tile(tma_dq, sdQ, cute.local_tile(seqlens.q_rows(mdQ, head, batch),
                                                         (tile_m, d), (m_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

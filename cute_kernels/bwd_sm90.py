@@ -56,15 +56,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
-from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
+from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, BwdConfig, Features
 from .dsl_struct import DslStruct
-from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, tma_store_tile,
-                          tma_views)
+from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, store_rows,
+                          tma_store_tile, tma_views)
 from .mask import BlockRange, Limits, QueryBlockRange, Window, apply_mask_transposed
 from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
                        producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
 from .softcap import cap_scores_with_slope
+from .varlen import Seqlens, VarlenScheduler
 
 
 class _ColumnStats:
@@ -81,8 +82,9 @@ class _ColumnStats:
 
 @dataclass
 class KeyTile:
-    """One CTA tile: a key block of one head of one batch entry, and the query
-    heads that read it (all of its KV group's, or with split_gqa one)."""
+    """One CTA tile: a key block of one head of one sequence, the query
+    heads that read it (all of its KV group's, or with split_gqa one), and
+    the sequence's lengths."""
 
     n_block: Int32
     cta_head: Int32  # the scheduler's head: a KV head, or with split_gqa a query head
@@ -90,6 +92,8 @@ class KeyTile:
     head_kv: Int32
     first_head: Int32  # the first query head walked
     head_count: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
 
 
 @dataclass
@@ -98,6 +102,7 @@ class _Tiles(DslStruct):
     BwdConfig.dynamic_tiles its index's, then the ones its producer claims."""
 
     sequence: TileSequence
+    seqlens: Seqlens
     q_per_kv: Int32
     split_gqa: bool  # scheduler heads are query heads, else KV heads
 
@@ -105,15 +110,33 @@ class _Tiles(DslStruct):
         return Int32(cute.arch.block_idx()[0])
 
     def num_tiles(self) -> Int32:
+        """The tiles' count (over a packed batch a scan of its sequences:
+        taken once per role)."""
         return self.sequence.scheduler.num_tiles()
+
+    def own(self, num_tiles: Int32) -> KeyTile:
+        """One CTA per tile (no dynamic_tiles): this CTA's. A packed batch's
+        grid is an upper bound of its tiles: a CTA past the last one gets
+        the last tile with no query heads and no keys, so that it loads,
+        computes and stores nothing (a branch around the roles' work would
+        not do: the pipelines' state may not leave one)."""
+        first = self.first()
+        tile = self.decode(cutlass.max(cutlass.min(first, num_tiles - 1), 0))
+        if cutlass.const_expr(self.seqlens.varlen):
+            keep = cutlass.min(cutlass.max(num_tiles - first, 0), 1)  # 1: a tile of its own
+            tile.head_count = tile.head_count * keep
+            edge = tile.n_block * self.sequence.scheduler.tile
+            tile.seqlen_k = edge + (tile.seqlen_k - edge) * keep
+        return tile
 
     def decode(self, tile: Int32) -> KeyTile:
         n_block, cta_head, batch = self.sequence.scheduler.decode(tile)
+        seqlen_q, seqlen_k = self.seqlens.len_q(batch), self.seqlens.len_k(batch)
         if cutlass.const_expr(self.split_gqa):
             return KeyTile(n_block, cta_head, batch, cta_head // self.q_per_kv, cta_head,
-                           Int32(1))
+                           Int32(1), seqlen_q, seqlen_k)
         return KeyTile(n_block, cta_head, batch, cta_head, cta_head * self.q_per_kv,
-                       self.q_per_kv)
+                       self.q_per_kv, seqlen_q, seqlen_k)
 
 
 @dataclass
@@ -191,8 +214,9 @@ class Consumer:
     copies: Copies
     mdK: cute.Tensor
     mdV: cute.Tensor
-    seqlen_q: Int32
-    seqlen_k: Int32
+    mdK_rows: cute.Tensor  # dK and dV themselves (mdK, mdV: the TMA stores' views)
+    mdV_rows: cute.Tensor
+    seqlens: Seqlens
     softmax_scale_log2: Float32
     softmax_scale: Float32
     limits: Limits
@@ -221,27 +245,41 @@ def dq_gemm_shape(config: BwdConfig, head_dim: int) -> tuple[int, int]:
 
 
 class FlashAttentionBackwardSm90(Sm90AttentionKernel):
-    """One compiled kernel per (dtype, head_dim, causal, score mods, config: BwdConfig)."""
+    """One compiled kernel per (dtype, head_dim, causal, features, config: BwdConfig)."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
+                 features: Features = PLAIN_FEATURES):
+        super().__init__(dtype, head_dim, causal, config, head_dim_v, features)
+        if features.varlen and config.split_gqa:
+            raise ValueError(f"BwdConfig.split_gqa: expected False for a varlen kernel (its "
+                             f"per-head fp32 partials are laid out for a dense batch), got "
+                             f"True (head_dim={head_dim}, config={config})")
 
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor,
-                 softmax_scale_log2: Float32, softmax_scale: Float32, num_sms: Int32,
-                 window_left: Int32, window_right: Int32, score_pre_tanh: Float32,
-                 stream: cuda.CUstream):
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
+                 mSeqUsedK: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+                 num_sms: Int32, window_left: Int32, window_right: Int32,
+                 score_pre_tanh: Float32, seqused: Int32, stream: cuda.CUstream):
         """Torch order: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d); dK, dV
         (b, s_k, h_kv, d), or with split_gqa fp32 (b, s_k, h, d);
         LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
         · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
         (read only in deterministic mode; with dynamic_tiles its first
         element is the tile counter, which the preprocess zeroes). The window
-        and scale / softcap as in the forward (local and softcap kernels)."""
+        and scale / softcap as in the forward (local and softcap kernels). A
+        varlen kernel's tensors are packed batches of one as in the forward,
+        its per-row buffers laid out as varlen.py says, and the cu_seqlens and
+        seqused tensors and bits as the forward's."""
         mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum, mSemaphore = [permute(t, [2, 1, 0])
                                            for t in (mLSE2, mD, mdQaccum, mSemaphore)]
+        seqlens = Seqlens(self.features.varlen, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                          seqused, mQ.shape[0], mK.shape[0])
         tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.cfg.qdo_stages
 
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, stages)
@@ -267,12 +305,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         tma_lse, tLSE2 = cpasync.make_tiled_tma_atom(load, mLSE2, stat_stage, (tile_m,))
         tma_d, tD = cpasync.make_tiled_tma_atom(load, mD, stat_stage, (tile_m,))
         # dK and dV through the K and V buffers: the kernel then gets the
-        # stores' coordinate tensors in place of dK and dV.
-        tma_dk = tma_dv = None
-        if cutlass.const_expr(self._dkv_tma_store()):
-            store = cpasync.CopyBulkTensorTileS2GOp()
-            tma_dk, mdK = cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
-            tma_dv, mdV = cpasync.make_tiled_tma_atom(store, mdV, sK_layout, (tile_n, d))
+        # stores' coordinate tensors as tdK, tdV (and dK and dV themselves,
+        # stored row by row where a packed sequence ends).
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        tma_dk, tdK = (cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
+                       if self._dkv_tma_store() else (None, mdK))
+        tma_dv, tdV = (cpasync.make_tiled_tma_atom(store, mdV, sK_layout, (tile_n, d))
+                       if self._dkv_tma_store() else (None, mdV))
 
         @cute.struct
         class SharedStorage:
@@ -294,9 +333,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                     SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * d], 128]
 
-        grid = (TileScheduler.grid(self._scheduler(mQ, mK).num_tiles(), num_sms,
-                                   self.cfg.dynamic_tiles), 1, 1)
-        self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, mdK, mdV, mSemaphore,
+        if cutlass.const_expr(self.features.varlen):
+            max_tiles = VarlenScheduler.max_tiles(mK.shape[0], seqlens.num_batch(mK.shape[3]),
+                                                  mK.shape[2], tile_n)
+        else:
+            max_tiles = self._scheduler(mQ, mK, seqlens).num_tiles()
+        grid = (TileScheduler.grid(max_tiles, num_sms, self.cfg.dynamic_tiles), 1, 1)
+        self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, tdK, tdV, mdK, mdV,
+                    mSemaphore, seqlens,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
                     softmax_scale_log2, softmax_scale, Window(window_left, window_right),
                     score_pre_tanh, sQ_layout, sK_layout, sdSt_layout,
@@ -308,7 +352,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mSemaphore: cute.Tensor, tma_q: cute.CopyAtom,
+               mdV: cute.Tensor, mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,
+               mSemaphore: cute.Tensor, seqlens: Seqlens, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, tma_dk, tma_dv,
                softmax_scale_log2: Float32, softmax_scale: Float32, window: Window,
@@ -350,32 +395,35 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
         )
-        tiles = _Tiles(TileSequence(self._scheduler(mQ, mK),
+        tiles = _Tiles(TileSequence(self._scheduler(mQ, mK, seqlens),
                                     TileQueue(mSemaphore, storage.tile_slots.get_tensor(
                                         cute.make_layout(2))),
                                     self.cfg.dynamic_tiles),
-                       mQ.shape[2] // mK.shape[2], self.cfg.split_gqa)
+                       seqlens, mQ.shape[2] // mK.shape[2], self.cfg.split_gqa)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
-        limits = Limits(self.causal, self.mods.local, window)
+        limits = Limits(self.causal, self.features.local, window)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles, limits)
             if warp_idx == 1:
-                self.write_dq(mdQaccum, mSemaphore, smem.dq, mQ.shape[0], mK.shape[0],
-                              pipes.kv, tiles, limits)
+                self.write_dq(mdQaccum, mSemaphore, smem.dq, pipes.kv, tiles, limits)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mdK, mdV, copies, mQ.shape[0], mK.shape[0], softmax_scale_log2,
+            self.consume(mdK, mdV, mdK_rows, mdV_rows, copies, seqlens, softmax_scale_log2,
                          softmax_scale, limits, score_pre_tanh, smem, pipes, mma_sdp, mma_dkv,
                          mma_dq, tiles)
 
-    def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
+    def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor, seqlens: Seqlens):
         """One CTA per (key block, KV head or with split_gqa query head, batch),
         causal key blocks longest-first. Every key block of a query head reads
         its Q and dO and adds into its dQ accumulator: that is what the CTAs of
-        an L2 section share."""
+        an L2 section share. Over a packed batch: sequence after sequence
+        (varlen.VarlenScheduler)."""
+        if cutlass.const_expr(self.features.varlen):
+            return VarlenScheduler(seqlens, True, self.tile_n, mK.shape[2],
+                                   seqlens.num_batch(mK.shape[3]), False)
         q_per_kv = mQ.shape[2] // mK.shape[2]
         split = self.cfg.split_gqa
         query_rows = mQ.shape[0] if split else mQ.shape[0] * q_per_kv
@@ -405,50 +453,56 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         q_state = producer_state(self.cfg.qdo_stages)
         do_state = producer_state(self.cfg.qdo_stages)
         kv_state = producer_state(1)
+        num_tiles = tiles.num_tiles()
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             round_idx = Int32(0)
             tile = tiles.first()
-            while tile < tiles.num_tiles():
+            while tile < num_tiles:
                 tiles.sequence.queue.publish(round_idx, tile)
                 q_state, do_state = self._produce_tile(
                     mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles.decode(tile),
-                    q_state, do_state, kv_state, limits)
+                    q_state, do_state, kv_state, limits, tiles.seqlens)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.claimed(round_idx)
             tiles.sequence.queue.finish(round_idx, tile, pipes.kv, kv_state)
         else:
             self._produce_tile(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes,
-                               tiles.decode(tiles.first()), q_state, do_state, kv_state, limits)
+                               tiles.own(num_tiles), q_state, do_state, kv_state, limits,
+                               tiles.seqlens)
 
     @cute.jit
     def _produce_tile(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers,
                       pipes: Pipes, tile: KeyTile, q_state, do_state, kv_state,
-                      limits: Limits):
+                      limits: Limits, seqlens: Seqlens):
         d = self.head_dim
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         n_block, batch = tile.n_block, tile.batch
 
         tKs, tKg = tma_views(copies.k, smem.k, cute.local_tile(
-            mK[None, None, tile.head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
+            seqlens.k_rows(mK, tile.head_kv, batch), (self.tile_n, d), (n_block, 0)),
+            staged=False)
         tVs, tVg = tma_views(copies.v, smem.v, cute.local_tile(
-            mV[None, None, tile.head_kv, batch], (self.tile_n, d), (n_block, 0)), staged=False)
+            seqlens.k_rows(mV, tile.head_kv, batch), (self.tile_n, d), (n_block, 0)),
+            staged=False)
         pipes.kv.producer_acquire(kv_state)
         kv_bar = pipes.kv.producer_get_barrier(kv_state)
         cute.copy(copies.k, tKg, tKs, tma_bar_ptr=kv_bar)
         cute.copy(copies.v, tVg, tVs, tma_bar_ptr=kv_bar)
 
-        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k, limits)
+        m_min, m_count = self._query_blocks(n_block, tile.seqlen_q, tile.seqlen_k, limits)
+        stats_start = seqlens.padded_start_q(batch, self.tile_m)
         for h in cutlass.range(tile.head_count, unroll=1):
             head = tile.first_head + h
             tQs, tQg = tma_views(copies.q, smem.q, cute.local_tile(
-                mQ[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
+                seqlens.q_rows(mQ, head, batch), (self.tile_m, d), (None, 0)), staged=True)
             tdOs, tdOg = tma_views(copies.do, smem.do, cute.local_tile(
-                mdO[None, None, head, batch], (self.tile_m, d), (None, 0)), staged=True)
+                seqlens.q_rows(mdO, head, batch), (self.tile_m, d), (None, 0)), staged=True)
             tLs, tLg = tma_views(copies.lse2, smem.lse2, cute.local_tile(
-                mLSE2[None, head, batch], (self.tile_m,), (None,)), staged=True)
+                seqlens.row_stats(mLSE2, stats_start, head, batch), (self.tile_m,), (None,)),
+                staged=True)
             tDs, tDg = tma_views(copies.d, smem.d, cute.local_tile(
-                mD[None, head, batch], (self.tile_m,), (None,)), staged=True)
+                seqlens.row_stats(mD, stats_start, head, batch), (self.tile_m,), (None,)),
+                staged=True)
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 pipes.q.producer_acquire(q_state)
@@ -469,7 +523,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mdK, mdV, copies: Copies, seqlen_q: Int32, seqlen_k: Int32,
+    def consume(self, mdK, mdV, mdK_rows, mdV_rows, copies: Copies, seqlens: Seqlens,
                 softmax_scale_log2: Float32, softmax_scale: Float32, limits: Limits,
                 pre_tanh: Float32, smem: Buffers,
                 pipes: Pipes, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
@@ -485,17 +539,18 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                             .partition_shape_C((tile_n, d)), Float32),
                       mma_sdp.get_slice(tid).partition_C(
                           cute.make_identity_tensor((tile_n, tile_m))),
-                      wg, tid, smem, pipes, copies, mdK, mdV, seqlen_q, seqlen_k,
+                      wg, tid, smem, pipes, copies, mdK, mdV, mdK_rows, mdV_rows, seqlens,
                       softmax_scale_log2, softmax_scale, limits, pre_tanh)
         q_state = consumer_state(self.cfg.qdo_stages)
         do_state = consumer_state(self.cfg.qdo_stages)
         step = Int32(0)
+        num_tiles = tiles.num_tiles()
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             kv_state = consumer_state(1)
             round_idx = Int32(0)
             # the tile comes with its K and V
             tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
-            while tile < tiles.num_tiles():
+            while tile < num_tiles:
                 q_state, do_state, step = self._consume_tile(me, tiles.decode(tile),
                                                              q_state, do_state, step)
                 # K and V are read (the dK/dV stores' reads of them waited for
@@ -506,7 +561,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
         else:
             wait_full(pipes.kv, consumer_state(1))
-            self._consume_tile(me, tiles.decode(tiles.first()), q_state, do_state, step)
+            self._consume_tile(me, tiles.own(num_tiles), q_state, do_state, step)
 
     def _operands(self, smem: Buffers, mma_sdp, mma_dkv, mma_dq, wg: Int32) -> Operands:
         """WGMMA operands are per warpgroup (descriptors / register A)."""
@@ -540,11 +595,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         n_block = tile.n_block
         me.acc_dk.fill(0.0)
         me.acc_dv.fill(0.0)
-        m_min, m_count = self._query_blocks(n_block, me.seqlen_q, me.seqlen_k, me.limits)
+        seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
+        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k, me.limits)
         blocks = QueryBlockRange(tile_m, tile_n, me.limits)
-        m_unmasked = blocks.m_block_min_unmasked(n_block, me.seqlen_q, me.seqlen_k)
-        m_left_masked = blocks.m_block_left_masked(n_block, me.seqlen_q, me.seqlen_k)
-        seqlen_edge = (n_block + 1) * tile_n > me.seqlen_k
+        m_unmasked = blocks.m_block_min_unmasked(n_block, seqlen_q, seqlen_k)
+        m_left_masked = blocks.m_block_left_masked(n_block, seqlen_q, seqlen_k)
+        seqlen_edge = (n_block + 1) * tile_n > seqlen_k
         for h in cutlass.range(tile.head_count, unroll=1):
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
@@ -553,7 +609,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     needs_mask = needs_mask or m_block < m_unmasked
                 if cutlass.const_expr(me.limits.local):
                     needs_mask = needs_mask or m_block >= m_left_masked
-                self.step(me, q_state, do_state, step % 2, needs_mask, n_block, m_block)
+                self.step(me, q_state, do_state, step % 2, needs_mask, tile, m_block)
                 q_state.advance()
                 do_state.advance()
                 step += 1
@@ -561,9 +617,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
             acc_dk[i] = acc_dk[i] * me.softmax_scale
         if cutlass.const_expr(self._dkv_tma_store()):
-            self.store_dkv_via_smem(me, n_block, tile.cta_head, tile.batch)
+            self.store_dkv_via_smem(me, tile)
         else:
-            self.store_dkv(me, n_block, tile.cta_head, tile.batch)
+            self.store_dkv(me, tile)
         return q_state, do_state, step
 
     @cute.jit
@@ -581,7 +637,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def step(self, me: Consumer, q_state, do_state, ds_buffer: Int32, needs_mask,
-             n_block: Int32, m_block: Int32):
+             tile: KeyTile, m_block: Int32):
         """One query block: all five GEMMs retired and the dQ partial handed to
         the writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
@@ -605,12 +661,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                    zero_init=True, wait_groups=-1)
         warpgroup.wait_group(1)  # Sᵀ has landed
         slope = None
-        if cutlass.const_expr(self.mods.softcap):
+        if cutlass.const_expr(self.features.softcap):
             slope = cute.make_rmem_tensor_like(acc_s, self.dtype)  # 1 − t², dS's factor
             cap_scores_with_slope(acc_s, me.pre_tanh, slope)
         if needs_mask:
-            apply_mask_transposed(acc_s, me.st_coords, n_block, m_block, me.seqlen_q,
-                                  me.seqlen_k, tile_n, tile_m, me.limits)
+            apply_mask_transposed(acc_s, me.st_coords, tile.n_block, m_block, tile.seqlen_q,
+                                  tile.seqlen_k, tile_n, tile_m, me.limits)
         p = wgmma.acc_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
             lse2_j = lse2[j]
@@ -627,7 +683,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             dsum_j = dsum[j]
             for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
                 p_rj = wgmma.read_16bit_as_f32(ops.pt, acc_s.layout.shape, r, j)
-                if cutlass.const_expr(self.mods.softcap):
+                if cutlass.const_expr(self.features.softcap):
                     p_rj = p_rj * wgmma.read_16bit_as_f32(slope, acc_s.layout.shape, r, j)
                 ds[r, j] = p_rj * (ds[r, j] - dsum_j)
         if cutlass.const_expr(not self.cfg.dv_at_ds_barrier):
@@ -683,7 +739,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                 seqlen_q: Int32, seqlen_k: Int32, pipe_kv, tiles: _Tiles, limits: Limits):
+                 pipe_kv, tiles: _Tiles, limits: Limits):
         """The dQ writer warp: per query block and consumer warpgroup, one bulk
         reduce-add of the slab into the accumulator (lane 0 issues it). In
         deterministic mode it first waits until the key blocks before this one
@@ -692,34 +748,39 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         for w in cutlass.range_constexpr(self.consumer_wgs):  # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                      number_of_threads=DQ_HANDOFF_THREADS)
+        num_tiles = tiles.num_tiles()
         if cutlass.const_expr(self.cfg.dynamic_tiles):
             kv_state = consumer_state(1)
             round_idx = Int32(0)
             # the tile's index is published with K/V
             tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
-            while tile < tiles.num_tiles():
+            while tile < num_tiles:
                 # The index is read: the producer may reuse its slot (and,
                 # when no query block sees this key block, this warp cannot
                 # fall two tiles behind the K/V barrier's phase).
                 if lane == 0:
                     cute.arch.mbarrier_arrive(pipe_kv.sync_object_empty.get_barrier(
                         kv_state.index))
-                self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
-                                    tiles.decode(tile), limits)
+                self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile), tiles.seqlens,
+                                    limits)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
         else:
-            self._write_dq_tile(mdQaccum, mSemaphore, sdQ, seqlen_q, seqlen_k,
-                                tiles.decode(tiles.first()), limits)
+            self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.own(num_tiles), tiles.seqlens,
+                                limits)
 
     @cute.jit
     def _write_dq_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                       seqlen_q: Int32, seqlen_k: Int32, tile: KeyTile, limits: Limits):
+                       tile: KeyTile, seqlens: Seqlens, limits: Limits):
         tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
+        seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
         region = dq_accum.warpgroup_region(tile_m, d, wgs)
         lane = cute.arch.lane_idx()
         n_block, batch = tile.n_block, tile.batch
+        # a packed sequence's query tiles start at its padded row (varlen.py)
+        first_m_block = seqlens.padded_start_q(batch, tile_m) // tile_m
+        buffer_batch = seqlens.buffer_batch(batch)
         m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k, limits)
         # the key blocks that add into a query block before this one: all
         # before it, or with a window those from its first visible one on
@@ -732,12 +793,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + w,
                                       number_of_threads=DQ_HANDOFF_THREADS)
                     if lane == 0:
-                        offset = m_block * tile_m * d + w * region
-                        dst = mdQaccum.iterator + cute.crd2idx((offset, head, batch),
+                        offset = (first_m_block + m_block) * tile_m * d + w * region
+                        dst = mdQaccum.iterator + cute.crd2idx((offset, head, buffer_batch),
                                                                mdQaccum.layout)
                         if cutlass.const_expr(self.cfg.deterministic):
                             semaphore = mSemaphore.iterator + cute.crd2idx(
-                                (m_block * wgs + w, head, batch), mSemaphore.layout)
+                                ((first_m_block + m_block) * wgs + w, head, buffer_batch),
+                                mSemaphore.layout)
                             dq_accum.wait_turn(semaphore, n_block - key_blocks.n_block_min(
                                 m_block, seqlen_q, seqlen_k))
                         dq_accum.bulk_reduce_add_f32(dst, sdQ.iterator + w * region, region * 4)
@@ -759,10 +821,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         return not self.cfg.split_gqa
 
     @cute.jit
-    def store_dkv_via_smem(self, me: Consumer, n_block: Int32, head_kv: Int32, batch: Int32):
+    def store_dkv_via_smem(self, me: Consumer, tile: KeyTile):
         """dK (scaled) and dV, 16-bit, into the K and V buffers with stmatrix
         (each warpgroup its 64 rows), then one TMA store each from the first
-        consumer warp; TMA clips the rows past seqlen_k."""
+        consumer warp; TMA clips the rows past the tensor's end. A packed
+        sequence's last, partial key block leaves row by row, from every
+        consumer thread (kernel_base.store_rows)."""
         outputs = []
         for acc in (me.acc_dk, me.acc_dv):
             values = cute.make_rmem_tensor_like(acc, self.dtype)
@@ -779,10 +843,29 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
                           number_of_threads=self.consumer_threads)
-        if me.tid < 32:
-            for atom, s, m_out in ((me.copies.dk, me.smem.k, me.mdK),
-                                   (me.copies.dv, me.smem.v, me.mdV)):
-                tma_store_tile(atom, s, cute.local_tile(m_out[None, None, head_kv, batch],
+        self._store_dkv_tile(me.smem.k, me.smem.v, me.mdK, me.mdV, me.mdK_rows, me.mdV_rows,
+                             me.copies.dk, me.copies.dv, me.seqlens, tile, me.tid)
+
+    @cute.jit
+    def _store_dkv_tile(self, sK: cute.Tensor, sV: cute.Tensor, tdK: cute.Tensor,
+                        tdV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, tma_dk, tma_dv,
+                        seqlens: Seqlens, tile: KeyTile, tid: Int32):
+        """The stores of store_dkv_via_smem. (A function of its own: a branch
+        where the Consumer is in scope would carry all of its state.)"""
+        n_block, head_kv, batch = tile.n_block, tile.cta_head, tile.batch
+        rows_out = tile.seqlen_k - n_block * self.tile_n
+        by_rows = cutlass.Boolean(False)
+        if cutlass.const_expr(self.features.varlen):
+            by_rows = rows_out < self.tile_n
+        if by_rows:
+            # each thread's loads of K and V are done before it releases them
+            for s, m_out in ((sK, mdK), (sV, mdV)):
+                store_rows(s, cute.local_tile(seqlens.k_rows(m_out, head_kv, batch),
+                                              (self.tile_n, self.head_dim), (n_block, 0)),
+                           rows_out, tid, self.consumer_threads)
+        elif tid < 32:
+            for atom, s, m_out in ((tma_dk, sK, tdK), (tma_dv, sV, tdV)):
+                tma_store_tile(atom, s, cute.local_tile(seqlens.k_rows(m_out, head_kv, batch),
                                                         (self.tile_n, self.head_dim),
                                                         (n_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
@@ -790,11 +873,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def store_dkv(self, me: Consumer, n_block: Int32, out_head: Int32, batch: Int32):
+    def store_dkv(self, me: Consumer, tile: KeyTile):
         """split_gqa: dK (scaled) and dV straight from registers (once per
-        CTA), the fp32 partials of query head out_head."""
+        CTA), the fp32 partials of query head tile.cta_head (dense batches)."""
+        n_block, out_head, batch = tile.n_block, tile.cta_head, tile.batch
         thr = me.mma_dkv.get_slice(me.tid)
-        rows_valid = me.seqlen_k - n_block * self.tile_n
+        rows_valid = tile.seqlen_k - n_block * self.tile_n
         for acc, m_out in ((me.acc_dk, me.mdK), (me.acc_dv, me.mdV)):
             g_tile = cute.local_tile(m_out[None, None, out_head, batch],
                                      (self.tile_n, self.head_dim), (n_block, 0))

@@ -32,22 +32,27 @@ HEAD_DIM_MULTIPLE = 8
 
 
 @dataclass(frozen=True)
-class ScoreMods:
-    """The compile-time part of what a problem does to its scores, beside
-    causal (which stays its own key): the sizes and the cap are runtime
-    arguments of the kernels, so every window and cap shares one kernel.
+class Features:
+    """A kernel's compile-time features beside causal (which stays its own
+    key): what a problem does to its scores, and how its batch is laid out.
+    Window sizes, the cap and the sequence lengths are runtime arguments of
+    the kernels, so every window, cap and batch shares one kernel.
 
     local: a sliding window, query i (aligned bottom-right, as causal) seeing
         keys i + s_k - s_q - window_left ... i + s_k - s_q + window_right;
         key blocks outside every row's window are neither loaded nor multiplied.
     softcap: scores soft-capped as softcap · tanh(scale · q·k / softcap).
+    varlen: sequences of different lengths packed along one token axis
+        (total_tokens, heads, d), found through cu_seqlens (varlen.py);
+        otherwise a dense (batch, seqlen, heads, d) batch.
     """
 
     local: bool = False
     softcap: bool = False
+    varlen: bool = False
 
 
-PLAIN_SCORES = ScoreMods()
+PLAIN_FEATURES = Features()
 
 
 def kernel_head_dim(head_dim: int) -> int | None:
@@ -223,7 +228,7 @@ class FwdConfig(_KernelConfig):
 
 @functools.lru_cache(maxsize=None)
 def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
-                       local: bool = False) -> FwdConfig:
+                       features: Features = PLAIN_FEATURES) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -231,7 +236,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       non-causal deals them in a fixed order and splits the last round
       (split_tail, where the plan's cost model gains);
     - head dim 64: 192 query rows (three consumer warpgroups amortise each
-      K/V tile), three K/V stages, 160 registers per consumer thread;
+      K/V tile), three K/V stages, 160 registers per consumer thread, the
+      epilogue's addresses re-derived (held through the main loop they spill);
     - head dim 128 non-causal: 160 keys per step; causal keeps 128 (fewer
       masked columns on the diagonal);
     - head dims 192 and 256: O staged in the V ring (o_in_v_smem), which
@@ -241,8 +247,12 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile: the 192-row one spills its window bounds.
+    - a packed batch (varlen) too: its tiles differ in length with their
+      sequences; at head dim 64 the 128-row tile (a sequence's last tile
+      is partly empty, half a tile on average).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    local = features.local or features.varlen
     claimed = causal or local
     if head_dim > 128:
         tile_n = 80 if head_dim > 192 else 128 if head_dim_v <= 128 else 112
@@ -255,7 +265,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     if head_dim <= 64 and not local:
         return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
                          dynamic_tiles=causal, split_tail=not causal, producer_regs=32,
-                         consumer_regs=160, rederive_epilogue_coords=not causal,
+                         consumer_regs=160, rederive_epilogue_coords=True,
                          pv_wait_after_exp2=2 if causal else 4)
     if head_dim <= 96 or claimed:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True,
@@ -390,13 +400,17 @@ def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
 
 def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, batch: int,
                            seqlen_k: int, heads_q: int, heads_kv: int,
-                           num_sms: int, mods: ScoreMods = PLAIN_SCORES) -> BwdConfig:
+                           num_sms: int, features: Features = PLAIN_FEATURES) -> BwdConfig:
     """The op's backward config for one problem: default_bwd_config, with
     split_gqa where split_gqa_pays for the grid that config would launch. A
     window or a cap takes the causal choices: the wider query tile of the
-    full mask spills their bounds or the cap's slope."""
-    causal = causal or mods.local or mods.softcap
+    full mask spills their bounds or the cap's slope. A packed batch (varlen)
+    claims its key blocks and never splits GQA groups."""
+    causal = causal or features.local or features.softcap
     config = default_bwd_config(head_dim, causal, deterministic)
+    if features.varlen:
+        # key blocks differ with their sequences: claimed, unless deterministic
+        return config.replace(dynamic_tiles=not deterministic)
     kv_ctas = -(-seqlen_k // config.tile_n) * heads_kv * batch
     if split_gqa_pays(heads_q // heads_kv, kv_ctas, num_sms):
         return default_bwd_config(head_dim, causal, deterministic, split_gqa=True)

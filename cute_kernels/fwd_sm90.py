@@ -42,9 +42,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import wgmma
-from .config import PLAIN_SCORES, WARPGROUP_THREADS, WGMMA_M, ScoreMods
+from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
-                          tma_store_tile, tma_views)
+                          store_rows, tma_store_tile, tma_views)
 from .mask import BlockRange, Limits, ScoreMask, Window
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
                        producer_state, release, release_after, wait_full)
@@ -52,6 +52,7 @@ from .scheduler import TileQueue, TileScheduler, TileSequence
 from .softcap import cap_scores
 from .softmax import OnlineSoftmax
 from .tail_split import TailSplit
+from .varlen import Seqlens, VarlenScheduler
 
 
 @dataclass
@@ -86,7 +87,8 @@ class Copies:
 @dataclass
 class Work:
     """One unit of work: a query tile (m_block, head, batch) and the K/V
-    blocks [n_lo, n_max) it visits, a part of its tile's `parts`."""
+    blocks [n_lo, n_max) it visits, a part of its tile's `parts`; the
+    lengths of its sequence."""
 
     m_block: Int32
     head: Int32
@@ -94,6 +96,8 @@ class Work:
     n_lo: Int32
     n_max: Int32
     parts: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
 
 
 @dataclass
@@ -117,26 +121,33 @@ class Consumer:
 
 
 class FlashAttentionForwardSm90(Sm90AttentionKernel):
-    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, score mods,
+    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, features,
     config: FwdConfig)."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
-                 mods: ScoreMods = PLAIN_SCORES):
-        super().__init__(dtype, head_dim, causal, config, head_dim_v, mods)
-        if (causal or mods.local) and config.split_tail:
-            raise ValueError(f"FwdConfig.split_tail: expected False for a causal or local "
-                             f"kernel (its tiles differ in length or start; dynamic_tiles "
-                             f"balances them), got True (head_dim={head_dim}, config={config})")
+                 features: Features = PLAIN_FEATURES):
+        super().__init__(dtype, head_dim, causal, config, head_dim_v, features)
+        if (causal or features.local or features.varlen) and config.split_tail:
+            raise ValueError(f"FwdConfig.split_tail: expected False for a causal, local or "
+                             f"varlen kernel (its tiles differ in length or start; "
+                             f"dynamic_tiles balances them), got True (head_dim={head_dim}, "
+                             f"config={config})")
 
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
-                 softmax_scale_log2: Float32, num_sms: Int32, full_tiles: Int32,
-                 tail_parts: Int32, window_left: Int32, window_right: Int32,
-                 score_pre_tanh: Float32, stream: cuda.CUstream):
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
+                 mSeqUsedK: cute.Tensor, softmax_scale_log2: Float32, num_sms: Int32,
+                 full_tiles: Int32, tail_parts: Int32, window_left: Int32,
+                 window_right: Int32, score_pre_tanh: Float32, seqused: Int32,
+                 stream: cuda.CUstream):
         """Tensors in torch order: Q, O (b, s_q, h, d); K, V (b, s_k, h_kv, d);
-        LSE (b, h, s_q) fp32. Read only by some configs: the counters, int32
+        LSE (b, h, s_q) fp32; a varlen kernel's are packed batches of one,
+        (1, total, h, d) and (1, h, total_q), with cu_seqlens (1, 1, b + 1)
+        int32 and, as the seqused bits say (varlen.SEQUSED_Q, _K), the
+        seqused lengths (1, 1, b) int32; other kernels never read those four.
+        Read only by some configs: the counters, int32
         (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
         0; split_tail: the split tiles' counters after it), and with
         split_tail the fp32 partials workspace and the tail plan, full_tiles
@@ -145,6 +156,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         softmax_scale_log2 then softcap · log2(e) (softcap.py)."""
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        seqlens = Seqlens(self.features.varlen, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                          seqused, mQ.shape[0], mK.shape[0])
         mLSE = permute(mLSE, [2, 1, 0])
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
@@ -168,12 +181,16 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
-        num_tiles = (cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3])
+        if cutlass.const_expr(self.features.varlen):
+            num_tiles = VarlenScheduler.max_tiles(mQ.shape[0], seqlens.num_batch(mQ.shape[3]),
+                                                  mQ.shape[2], tile_m)
+        else:
+            num_tiles = cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3]
         # Built whatever the config; only split_tail kernels read it.
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mLSE, mCounters, tail, tma_q, tma_k, tma_v, tma_o,
+        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, tail, seqlens, tma_q, tma_k, tma_v, tma_o,
                     softmax_scale_log2, Window(window_left, window_right), score_pre_tanh,
                     sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
@@ -211,8 +228,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     # ---------------------------------------------------------------- kernel
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mCounters: cute.Tensor, tail: TailSplit,
-               tma_q: cute.CopyAtom,
+               mO_rows: cute.Tensor, mLSE: cute.Tensor, mCounters: cute.Tensor,
+               tail: TailSplit, seqlens: Seqlens, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale_log2: Float32, window: Window, score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -250,28 +267,34 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner),
         )
-        scheduler = TileScheduler.create(
-            cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
-            mQ.shape[2] // mK.shape[2], (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
-            self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
+        if cutlass.const_expr(self.features.varlen):
+            scheduler = VarlenScheduler(seqlens, False, self.tile_m, mQ.shape[2],
+                                        seqlens.num_batch(mQ.shape[3]), self.causal)
+        else:
+            scheduler = TileScheduler.create(
+                cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
+                mQ.shape[2] // mK.shape[2],
+                (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
+                self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
         tiles = TileSequence(scheduler,
                              TileQueue(mCounters, storage.tile_slots.get_tensor(
                                  cute.make_layout(2))),
                              self.cfg.dynamic_tiles)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
-        limits = Limits(self.causal, self.mods.local, window)
+        limits = Limits(self.causal, self.features.local, window)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, o_read, limits)
+                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, seqlens, o_read,
+                             limits)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
                                mma_operand_view(storage.sK, sK_layout, self.dtype),
                                mma_operand_view(storage.sV, sV_layout, self.dtype), smem.o)
-            self.consume(mO, mLSE, copies, mK.shape[0], softmax_scale_log2, score_pre_tanh,
+            self.consume(mO, mO_rows, mLSE, copies, seqlens, softmax_scale_log2, score_pre_tanh,
                          limits, mma_smem, pipes, tiles, tail,
                          storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
                          tiled_mma_qk, tiled_mma_pv)
@@ -280,9 +303,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
                 smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
-                o_read: cute.Pointer, limits: Limits):
+                seqlens: Seqlens, o_read: cute.Pointer, limits: Limits):
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
         kv_state = producer_state(self.cfg.kv_stages)
@@ -293,13 +315,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         while tile < num_units:
             if dynamic:
                 tiles.queue.publish(round_idx, tile)
-            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlen_q, seqlen_k)
+            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens)
             head_kv = work.head // q_per_kv
-            gQ = cute.local_tile(mQ[None, None, work.head, work.batch],
+            gQ = cute.local_tile(seqlens.q_rows(mQ, work.head, work.batch),
                                  (self.tile_m, self.head_dim), (work.m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, work.batch],
+            gK = cute.local_tile(seqlens.k_rows(mK, head_kv, work.batch),
                                  (self.tile_n, self.head_dim), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, work.batch],
+            gV = cute.local_tile(seqlens.k_rows(mV, head_kv, work.batch),
                                  (self.tile_n, self.head_dim_v), (None, 0))
             tQs, tQg = tma_views(copies.q, smem.q, gQ, staged=False)
             tKs, tKg = tma_views(copies.k, smem.k, gK, staged=True)
@@ -349,8 +371,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         return num_tiles
 
     @cute.jit
-    def _locate(self, scheduler: TileScheduler, tail: TailSplit, blocks: BlockRange,
-                unit: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Work:
+    def _locate(self, scheduler, tail: TailSplit, blocks: BlockRange, unit: Int32,
+                seqlens: Seqlens) -> Work:
         """A unit of work -> its Work. Without split_tail a unit is a tile, and
         the first block and the parts are Python constants (the loops' bounds
         stay as they were)."""
@@ -358,12 +380,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(self.cfg.split_tail):
             tile, part, parts = tail.locate(unit)
         m_block, head, batch = scheduler.decode(tile)
+        seqlen_q, seqlen_k = seqlens.len_q(batch), seqlens.len_k(batch)
         n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
-        if cutlass.const_expr(self.mods.local):
+        if cutlass.const_expr(self.features.local):
             n_lo = blocks.n_block_min(m_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.cfg.split_tail):
             n_lo, n_max = TailSplit.key_range(part, parts, n_max)
-        return Work(m_block, head, batch, n_lo, n_max, parts)
+        return Work(m_block, head, batch, n_lo, n_max, parts, seqlen_q, seqlen_k)
 
     @cute.jit
     def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
@@ -374,8 +397,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, copies: Copies, seqlen_k: Int32,
-                softmax_scale_log2: Float32, score_pre_tanh: Float32, limits: Limits,
+    def consume(self, mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor, copies: Copies,
+                seqlens: Seqlens, softmax_scale_log2: Float32, score_pre_tanh: Float32, limits: Limits,
                 smem: Buffers, pipes: Pipes,
                 tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
                 o_read: cute.Pointer, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
@@ -402,7 +425,6 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                       score_pre_tanh, pingpong, wg)
 
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
-        seqlen_q = mO.shape[0]
         q_state = consumer_state(1)
         kv_state = consumer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
@@ -410,15 +432,15 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         round_idx = Int32(0)
         tile = tiles.received(round_idx, pipes.q, q_state)  # with its Q (TileQueue)
         while tile < num_units:
-            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlen_q, seqlen_k)
+            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens)
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)
             if not dynamic:  # a claimed tile's Q was waited for with the tile
                 wait_full(pipes.q, q_state)
             if work.n_max > work.n_lo:
-                mask = ScoreMask(s_coords, work.m_block, seqlen_q, seqlen_k, self.tile_m,
-                                 self.tile_n, limits)
+                mask = ScoreMask(s_coords, work.m_block, work.seqlen_q, work.seqlen_k,
+                                 self.tile_m, self.tile_n, limits)
                 kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks, work.n_lo,
                                          work.n_max)
             else:
@@ -430,7 +452,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 # from an opaque copy of the index, so that the main loop's
                 # coordinates need not stay live through it
                 out = self._locate(tiles.scheduler, tail, blocks,
-                                   cute.arch.make_warp_uniform(tile), seqlen_q, seqlen_k)
+                                   cute.arch.make_warp_uniform(tile), seqlens)
             if cutlass.const_expr(self.cfg.split_tail):
                 writes = cutlass.Boolean(True)
                 if work.parts > 1:
@@ -438,14 +460,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                         int(NamedBarrier.EPILOGUE_BASE) + wg, split_arrivals)
                 self._o_staging_free()
                 if writes:
-                    self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, smem.o, copies.o, wg, tid,
-                                  out, seqlen_q, o_read)
+                    self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,
+                                  wg, tid, out, seqlens, o_read)
                 else:
                     self._o_left(o_read, tid)
             else:
                 self._o_staging_free()
-                self.epilogue(acc_o, lse, tiled_mma_pv, mO, mLSE, smem.o, copies.o, wg, tid,
-                              out, seqlen_q, o_read)
+                self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,
+                              wg, tid, out, seqlens, o_read)
             round_idx += 1
             tile = tiles.received(round_idx, pipes.q, q_state)
         if tid % WARPGROUP_THREADS < 32:
@@ -529,7 +551,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     apply_mask: cutlass.Constexpr[bool]):
         """S as the softmax takes it: soft-capped (softcap), then masked where
         the block needs it (the cap comes first: tanh(-inf) is no -inf)."""
-        if cutlass.const_expr(self.mods.softcap):
+        if cutlass.const_expr(self.features.softcap):
             cap_scores(acc_s, me.pre_tanh)
         if cutlass.const_expr(apply_mask):
             mask.apply(acc_s, n_block)
@@ -605,6 +627,22 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     # -------------------------------------------------------------- epilogue
     @cute.jit
+    def _store_slab(self, slab: cute.Tensor, tma_o: cute.CopyAtom, out_rows: cute.Tensor,
+                    row_block: Int32, rows_out: Int32, wg: Int32, is_store_warp):
+        """The store warp's TMA store of this warpgroup's O slab, once the
+        others' stmatrix writes are in (they arrive, it waits)."""
+        if is_store_warp:
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
+                              number_of_threads=WARPGROUP_THREADS)
+            if rows_out > 0:  # TMA clips the rows past the tensor's end
+                tma_store_tile(tma_o, slab, cute.local_tile(out_rows, (WGMMA_M, self.head_dim_v),
+                                                            (row_block, 0)))
+            cute.arch.cp_async_bulk_commit_group()
+        else:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
+                                     number_of_threads=WARPGROUP_THREADS)
+
+    @cute.jit
     def _o_staging_free(self):
         """With O staged in the V ring: every consumer warpgroup's last P·V
         has completed before any of them writes O over the V stages it read."""
@@ -626,15 +664,18 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                 mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
-                 wg: Int32, tid: Int32, work: Work, seqlen_q: Int32, o_read: cute.Pointer):
+                 mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor,
+                 tma_o: cute.CopyAtom, wg: Int32, tid: Int32, work: Work, seqlens: Seqlens,
+                 o_read: cute.Pointer):
         """O (registers) -> this warpgroup's smem slab -> TMA store; LSE -> global.
+        A packed sequence's last, partial slab is stored row by row instead
+        (kernel_base.store_rows), by the whole warpgroup.
 
         A slab of its own: the slab's previous store is awaited here, not
         right after issuing it, so the store drains while the next tile's
         main loop runs. A slab in the V ring: awaited right after (_o_left),
         as the producer's next V load waits for it."""
-        m_block, head, batch = work.m_block, work.head, work.batch
+        m_block, head, batch, seqlen_q = work.m_block, work.head, work.batch, work.seqlen_q
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         wgmma.convert_to_16bit(acc_o, r_o)
         if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
@@ -660,21 +701,27 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
         rows = wgmma.acc_rows_cols(o_coords)
         if rows[0, 0][1] == 0:
+            first_row = seqlens.start_q(batch) + m_block * self.tile_m
             for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
-                row = m_block * self.tile_m + rows[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                if m_block * self.tile_m + rows[r, 0][0] < seqlen_q:
+                    mLSE[first_row + rows[r, 0][0], head, seqlens.buffer_batch(batch)] = lse[r]
 
         row_block = m_block * self.consumer_wgs + wg
-        if is_store_warp:
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
-                              number_of_threads=WARPGROUP_THREADS)
-            if row_block * WGMMA_M < seqlen_q:  # TMA clips the rows past seqlen_q
-                gO = cute.local_tile(mO[None, None, head, batch], (WGMMA_M, self.head_dim_v),
-                                     (row_block, 0))
-                tma_store_tile(tma_o, slab, gO)
-            cute.arch.cp_async_bulk_commit_group()
+        rows_out = seqlen_q - row_block * WGMMA_M
+        out_rows = seqlens.q_rows(mO, head, batch)
+        if cutlass.const_expr(self.features.varlen):
+            if rows_out > 0 and rows_out < WGMMA_M:
+                cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
+                                  number_of_threads=WARPGROUP_THREADS)
+                store_rows(slab, cute.local_tile(seqlens.q_rows(mO_rows, head, batch),
+                                                 (WGMMA_M, self.head_dim_v), (row_block, 0)),
+                           rows_out, wg_tid, WARPGROUP_THREADS)
+                if cutlass.const_expr(self.cfg.o_in_v_smem):
+                    # every thread's reads of the slab are done before V may load over it
+                    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
+                                      number_of_threads=WARPGROUP_THREADS)
+            else:
+                self._store_slab(slab, tma_o, out_rows, row_block, rows_out, wg, is_store_warp)
         else:
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
-                                     number_of_threads=WARPGROUP_THREADS)
+            self._store_slab(slab, tma_o, out_rows, row_block, rows_out, wg, is_store_warp)
         self._o_left(o_read, tid)

@@ -1,13 +1,19 @@
-"""What the SM90 attention kernels share on the host side: the static
-description every compiled kernel carries, the torch-order to kernel-order
-view of a tensor, and the TMA partition of a (staged) shared-memory buffer."""
+"""What the SM90 attention kernels share: the static description every
+compiled kernel carries, the torch-order to kernel-order view of a tensor,
+the TMA partition of a (staged) shared-memory buffer, and the two ways a
+shared-memory tile leaves for global memory (one TMA store, or row by row
+where the tile ends past its sequence)."""
 
 from __future__ import annotations
 
+import math
+
+import cutlass
 import cutlass.cute as cute
+from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
-from .config import PLAIN_SCORES, WARPGROUP_THREADS, ScoreMods
+from .config import PLAIN_FEATURES, WARPGROUP_THREADS, Features
 
 SMEM_ALIGN = 1024  # the 128 B swizzle pattern repeats every 1 KB
 
@@ -32,6 +38,42 @@ def tma_store_tile(atom, s: cute.Tensor, g: cute.Tensor) -> None:
     cute.copy(atom, s_view, g_view)
 
 
+def _row_copy_threads(tile_rows: int, pieces: int, threads: int) -> tuple[int, int]:
+    """(threads per row, threads used) of store_rows: a row's 16-byte pieces
+    spread over threads that divide them, as many rows at once as divide
+    the tile's."""
+    lanes_per_row = math.gcd(pieces, 32)
+    used = threads
+    while tile_rows % (used // lanes_per_row):
+        used //= 2
+    return lanes_per_row, used
+
+
+@cute.jit
+def store_rows(s: cute.Tensor, g: cute.Tensor, rows: Int32, thread: Int32,
+               threads: cutlass.Constexpr[int]):
+    """Copy rows [0, rows) of the shared-memory tile s (R, C), swizzled or
+    not, to the global tile g of the same shape, 16 bytes per copy, by
+    `threads` threads (thread in [0, threads)). For a tile that ends past
+    its sequence in a packed batch, where a TMA store, which clips only at
+    the tensor's end, would write over the next sequence's rows."""
+    vec = 128 // s.element_type.width
+    tile_rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
+    lanes_per_row, used = _row_copy_threads(tile_rows, cols // vec, threads)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s.element_type,
+                               num_bits_per_copy=128)
+    tiled = cute.make_tiled_copy_tv(
+        atom, cute.make_ordered_layout((used // lanes_per_row, lanes_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)))
+    if thread < used:
+        thr = tiled.get_slice(thread)
+        src, dst = thr.partition_S(s), thr.partition_D(g)
+        coords = thr.partition_S(cute.make_identity_tensor((tile_rows, cols)))
+        for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            if coords[0, m, 0][0] < rows:
+                cute.copy(atom, src[None, m, None], dst[None, m, None])
+
+
 def mma_operand_view(mem_range, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
     """A SharedStorage field as a swizzled tensor for WGMMA operands, its base
     address made opaque to LLVM (passed through make_warp_uniform's shuffle).
@@ -49,22 +91,22 @@ def mma_operand_view(mem_range, layout: cute.ComposedLayout, dtype) -> cute.Tens
 
 class Sm90AttentionKernel:
     """One compiled kernel per (dtype, head_dim, head_dim_v, causal, score
-    mods, config); head_dim is that of q and k, head_dim_v that of v and o
+    features, config); head_dim is that of q and k, head_dim_v that of v and o
     (None: the same). The config (FwdConfig or BwdConfig) is validated before
     anything is traced."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
-                 mods: ScoreMods = PLAIN_SCORES):
+                 features: Features = PLAIN_FEATURES):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         config.validate(head_dim, head_dim_v)
-        if causal and mods.local:
-            raise ValueError("mods.local: expected False for a causal kernel (a causal window "
+        if causal and features.local:
+            raise ValueError("features.local: expected False for a causal kernel (a causal window "
                              "is a local kernel with window_right = 0), got True")
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = causal
-        self.mods = mods
+        self.features = features
         self.cfg = config
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n

@@ -40,6 +40,18 @@ from .dsl_struct import DslStruct
 from .pipeline import wait_full
 
 
+@cute.jit
+def deal(round_idx: Int32) -> Int32:
+    """The linear tile this CTA computes in round `round_idx` of the fixed
+    deal, a snake (may be past the end)."""
+    cta = Int32(cute.arch.block_idx()[0])
+    grid = Int32(cute.arch.grid_dim()[0])
+    offset = cta
+    if round_idx % 2 == 1:
+        offset = grid - 1 - cta
+    return round_idx * grid + offset
+
+
 @dataclass
 class TileScheduler(DslStruct):
     num_blocks: Int32
@@ -69,15 +81,8 @@ class TileScheduler(DslStruct):
             return cutlass.min(num_tiles, num_sms)
         return num_tiles
 
-    @cute.jit
     def tile_at(self, round_idx: Int32) -> Int32:
-        """The linear tile this CTA computes in round `round_idx` (may be past the end)."""
-        cta = Int32(cute.arch.block_idx()[0])
-        grid = Int32(cute.arch.grid_dim()[0])
-        offset = cta
-        if round_idx % 2 == 1:
-            offset = grid - 1 - cta
-        return round_idx * grid + offset
+        return deal(round_idx)
 
     def decode(self, tile: Int32):
         """Linear tile index -> (block, head, batch), marked warp-uniform.

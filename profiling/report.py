@@ -202,7 +202,7 @@ def _shape(row: dict) -> str:
     return f"{row['batch']}×{heads}×{seqlen}"
 
 
-def _machine(env: dict) -> list[str]:
+def machine_lines(env: dict) -> list[str]:
     """The machine section: one bullet per line of what was measured on."""
     def v(key, unknown="unknown"):
         value = env.get(key)
@@ -261,7 +261,7 @@ def format_markdown(rows: list[dict], env: dict, command: str, arguments: dict |
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     lines = ["# Attention benchmark: cute_fa against its peers", "",
              f"Date: {date.astimezone(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
-             "## Machine", "", *_machine(env), "",
+             "## Machine", "", *machine_lines(env), "",
              "## Command", "", "```", command, "```", "",
              "## How it was measured", "", _method(arguments or {}), "",
              "## Results (TFLOP/s)", ""]

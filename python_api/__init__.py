@@ -2,9 +2,11 @@
 
     from . import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)      # (batch, seqlen, nheads, headdim)
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k)  # packed batches
 
 The work is done by `torch.ops.cute_fa.fwd` and `torch.ops.cute_fa.bwd`
-(ops.py): the DSL kernels on an sm_90 GPU, the reference math on the CPU.
+(ops.py) and their packed-batch twins `varlen_fwd` and `varlen_bwd`
+(varlen.py): the DSL kernels on an sm_90 GPU, the reference math on the CPU.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
+from . import varlen  # noqa: F401  (registers torch.ops.cute_fa.varlen_*)
 from .reference import attention_reference
 from .scores import check_score_args, window_from_size
 from .validate import check_argument_types, check_attention_tensors
 
-__all__ = ["flash_attn_func", "attention_reference"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "attention_reference"]
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -60,4 +63,49 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal),
                                          bool(deterministic), window_left, window_right,
                                          softcap)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                           seqused_q: torch.Tensor | None = None,
+                           seqused_k: torch.Tensor | None = None,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           deterministic: bool = False, return_lse: bool = False):
+    """flash_attn_func over a packed batch of sequences of different lengths
+    (FlashAttention's varlen layout and names).
+
+    q: (total_q, nheads, headdim); k: (total_k, nheads_kv, headdim); v:
+    (total_k, nheads_kv, headdim_v). cu_seqlens_q / cu_seqlens_k: int32
+    (batch + 1,), cumulative lengths from 0: sequence b's queries are rows
+    cu_seqlens_q[b] to cu_seqlens_q[b+1] of q, its keys those of k. Each
+    sequence attends on its own; causal masks and windows are aligned to its
+    own lengths (bottom-right), a sequence with no keys gives output 0 and
+    LSE -inf. seqused_q / seqused_k: int32 (batch,), how many rows of each
+    segment take part (the rest are left out; their outputs are undefined
+    and their gradients 0).
+    max_seqlen_q / max_seqlen_k: the longest sequences, at least every
+    sequence's length. None reads them from cu_seqlens (and seqused) on the
+    host, checking those values too: a wait for the GPU, which a caller that
+    knows them (or runs under CUDA graphs) avoids by passing them.
+    Returns out (total_q, nheads, headdim_v), and with return_lse the fp32
+    LSE (nheads, total_q). Differentiable like flash_attn_func.
+    """
+    check_argument_types(q, k, v, softmax_scale)
+    window_left, window_right = window_from_size(window_size)
+    check_score_args(window_left, window_right, softcap)
+    varlen.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0,
+                               max_seqlen_k or 0, seqused_q, seqused_k, softmax_scale)
+    if max_seqlen_q is None or max_seqlen_k is None:
+        longest_q, longest_k = varlen.check_seqlen_values(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q, seqused_k)
+        max_seqlen_q = longest_q if max_seqlen_q is None else max_seqlen_q
+        max_seqlen_k = longest_k if max_seqlen_k is None else max_seqlen_k
+    out, lse = torch.ops.cute_fa.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                            int(max_seqlen_q), int(max_seqlen_k), seqused_q,
+                                            seqused_k, softmax_scale, bool(causal),
+                                            bool(deterministic), window_left, window_right,
+                                            float(softcap))
     return (out, lse) if return_lse else out

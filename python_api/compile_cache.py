@@ -2,7 +2,7 @@
 across processes (kernel_store.py), compiled (kernel_compile.py) only when
 neither has them.
 
-Keys: (kernel, dtype, head_dim, [head_dim_v,] causal, score mods, config[, has_grad_lse]); batch,
+Keys: (kernel, dtype, head_dim, [head_dim_v,] causal, features, config[, has_grad_lse]); batch,
 sequence lengths and head counts are runtime values of the compiled kernels.
 This module does not import the DSL: loading every kernel from the store
 costs milliseconds, where importing the DSL alone costs about a second.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernel_store
-from .kernels.config import PLAIN_SCORES, BwdConfig, FwdConfig, ScoreMods
+from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features
 
 # The kernels' target where no GPU is visible to detect one from.
 CPU_TARGET_ARCH = "sm_90a"
@@ -41,9 +41,9 @@ class CompiledKernel:
 
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-            head_dim_v: int, mods: ScoreMods = PLAIN_SCORES) -> tuple:
+            head_dim_v: int, features: Features = PLAIN_FEATURES) -> tuple:
     # FwdConfig is frozen, so hashable: the key costs no copying on the hot path.
-    return ("fwd_sm90", dtype, head_dim, head_dim_v, bool(causal), mods, config)
+    return ("fwd_sm90", dtype, head_dim, head_dim_v, bool(causal), features, config)
 
 
 @dataclass
@@ -76,29 +76,29 @@ class CompiledBackward:
 
 
 def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-            has_grad_lse: bool, mods: ScoreMods = PLAIN_SCORES) -> tuple:
-    return ("bwd_sm90", dtype, head_dim, bool(causal), mods, config, bool(has_grad_lse))
+            has_grad_lse: bool, features: Features = PLAIN_FEATURES) -> tuple:
+    return ("bwd_sm90", dtype, head_dim, bool(causal), features, config, bool(has_grad_lse))
 
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
                 dump_dir: str | None = None, head_dim_v: int | None = None,
-                mods: ScoreMods = PLAIN_SCORES) -> CompiledKernel:
+                features: Features = PLAIN_FEATURES) -> CompiledKernel:
     """Compile the forward kernel now (no cache); dump_dir keeps its PTX and
     cubin; head_dim_v is that of v and o (None: head_dim)."""
     from . import kernel_compile
 
     return kernel_compile.compile_fwd(dtype, head_dim, causal, config, dump_dir, head_dim_v,
-                                      mods)
+                                      features)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
                 has_grad_lse: bool = False, dump_dir: str | None = None,
-                mods: ScoreMods = PLAIN_SCORES) -> CompiledBackward:
+                features: Features = PLAIN_FEATURES) -> CompiledBackward:
     """Compile the backward's kernels now (no cache); dump_dir keeps PTX and cubins."""
     from . import kernel_compile
 
     return kernel_compile.compile_bwd(dtype, head_dim, causal, config, has_grad_lse, dump_dir,
-                                      mods)
+                                      features)
 
 
 _cache: dict[tuple, object] = {}
@@ -136,14 +136,14 @@ def _stored(key: tuple, kind, compile_variant, args: tuple):
 
 
 def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-            head_dim_v: int | None = None, mods: ScoreMods = PLAIN_SCORES) -> CompiledKernel:
+            head_dim_v: int | None = None, features: Features = PLAIN_FEATURES) -> CompiledKernel:
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    return _cached(fwd_key(dtype, head_dim, causal, config, head_dim_v, mods), CompiledKernel,
-                   compile_fwd, dtype, head_dim, causal, config, None, head_dim_v, mods)
+    return _cached(fwd_key(dtype, head_dim, causal, config, head_dim_v, features), CompiledKernel,
+                   compile_fwd, dtype, head_dim, causal, config, None, head_dim_v, features)
 
 
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-            has_grad_lse: bool, mods: ScoreMods = PLAIN_SCORES) -> CompiledBackward:
-    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse, mods),
+            has_grad_lse: bool, features: Features = PLAIN_FEATURES) -> CompiledBackward:
+    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse, features),
                    CompiledBackward, compile_bwd, dtype, head_dim, causal, config,
-                   has_grad_lse, None, mods)
+                   has_grad_lse, None, features)

@@ -39,7 +39,7 @@ import cutlass.cute as cute  # noqa: E402
 from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
                                        GroupSum)
 from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
-from .kernels.config import PLAIN_SCORES, BwdConfig, FwdConfig, ScoreMods  # noqa: E402
+from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features  # noqa: E402
 from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 
 TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -79,6 +79,12 @@ def _score_args() -> tuple:
     return cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(0.0)
 
 
+def _seqlen_tensors() -> list:
+    """cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k: int32 (1, 1, n), which
+    every main kernel takes and only varlen kernels read (varlen.Seqlens)."""
+    return [_fake_rows(cutlass.Int32, _sym(), _sym(), _sym()) for _ in range(4)]
+
+
 def _compile(kernel, *args, dump_dir: str | None = None):
     options = "--enable-tvm-ffi" + _target_option()
     if dump_dir:
@@ -90,10 +96,10 @@ def _compile(kernel, *args, dump_dir: str | None = None):
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
                 dump_dir: str | None = None, head_dim_v: int | None = None,
-                mods: ScoreMods = PLAIN_SCORES) -> CompiledKernel:
+                features: Features = PLAIN_FEATURES) -> CompiledKernel:
     cute_dtype = TORCH_TO_CUTE[dtype]
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config, head_dim_v, mods)
+    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config, head_dim_v, features)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
     q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
     k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
@@ -103,18 +109,18 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     counters = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, n)
     partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
     start = time.perf_counter()
-    fn = _compile(kernel, q, k, v, o, lse, counters, partials, cutlass.Float32(1.0),
-                  cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), *_score_args(),
-                  dump_dir=dump_dir)
+    fn = _compile(kernel, q, k, v, o, lse, counters, partials, *_seqlen_tensors(),
+                  cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1),
+                  *_score_args(), cutlass.Int32(0), dump_dir=dump_dir)
     return CompiledKernel(fn, time.perf_counter() - start)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
                 has_grad_lse: bool = False, dump_dir: str | None = None,
-                mods: ScoreMods = PLAIN_SCORES) -> CompiledBackward:
+                features: Features = PLAIN_FEATURES) -> CompiledBackward:
     cute_dtype = TORCH_TO_CUTE[dtype]
     f32 = cutlass.Float32
-    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config, mods=mods)
+    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config, features=features)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
     padded_q = cute.sym_int(divisibility=config.tile_m)
     accum_len = cute.sym_int(divisibility=config.tile_m * head_dim)
@@ -129,15 +135,20 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     semaphore = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # tiny unless deterministic
     lse, dlse = (_fake_rows(f32, batch, heads_q, seqlen_q) for _ in range(2))
     dq = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
+    seqlen_tensors = _seqlen_tensors()
     start = time.perf_counter()
     fns = (
-        _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse), q, do, lse, dlse, lse2,
-                 dsum, dq_accum, semaphore,
+        _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse, config.tile_m,
+                                    features.varlen), q, do, lse, dlse, lse2, dsum, dq_accum,
+                 semaphore, seqlen_tensors[0], seqlen_tensors[2], cutlass.Int32(0),
+                 cutlass.Int32(1),
                  dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
-        _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, f32(1.0), f32(1.0),
-                 cutlass.Int32(1), *_score_args(),
+        _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, *seqlen_tensors,
+                 f32(1.0), f32(1.0), cutlass.Int32(1), *_score_args(), cutlass.Int32(0),
                  dump_dir=dump_dir and os.path.join(dump_dir, "main")),
-        _compile(BackwardPostprocess(cute_dtype, head_dim, config), dq_accum, dq, f32(1.0),
+        _compile(BackwardPostprocess(cute_dtype, head_dim, config, features.varlen), dq_accum,
+                 dq, seqlen_tensors[0], seqlen_tensors[2], f32(1.0), cutlass.Int32(0),
+                 cutlass.Int32(1),
                  dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
     )
     group_sum = None

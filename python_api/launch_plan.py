@@ -32,8 +32,8 @@ from . import user_cache
 from .kernels import tail_plan
 from .kernels.config import WARPGROUP_THREADS, BwdConfig, FwdConfig
 
-LAYOUT_VERSION = 3
-MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 20, 16, 4, 4
+LAYOUT_VERSION = 4
+MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 20, 24, 4, 4
 LOG2_E = 1.4426950408889634
 
 
@@ -44,6 +44,11 @@ class Shape(ctypes.Structure):
 
 class Window(ctypes.Structure):
     _fields_ = [("left", ctypes.c_int64), ("right", ctypes.c_int64)]
+
+
+class Varlen(ctypes.Structure):
+    _fields_ = [("total_q", ctypes.c_int64), ("total_k", ctypes.c_int64),
+                ("seqused_q", ctypes.c_int32), ("seqused_k", ctypes.c_int32)]
 
 
 class FwdVariant(ctypes.Structure):
@@ -79,7 +84,7 @@ class _Plan(ctypes.Structure):
                 ("full_tiles", ctypes.c_int64), ("tail_parts", ctypes.c_int64)]
 
 
-_LAYOUT = (Shape, FwdVariant, BwdVariant, _Buffer, _Arg, _Launch, _Plan, Window)
+_LAYOUT = (Shape, FwdVariant, BwdVariant, _Buffer, _Arg, _Launch, _Plan, Window, Varlen)
 
 # CuteFaDtype, CuteFaInit, CuteFaArgKind
 INPUT_DTYPE, F32, I32 = 0, 1, 2
@@ -136,12 +141,13 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.cute_fa_plan_fwd.restype = ctypes.c_int
     lib.cute_fa_plan_fwd.argtypes = [ctypes.POINTER(FwdVariant), ctypes.POINTER(Shape),
-                                     ctypes.POINTER(Window), ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
+                                     ctypes.POINTER(Window), ctypes.POINTER(Varlen),
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.POINTER(_Plan)]
     lib.cute_fa_plan_bwd.restype = ctypes.c_int
     lib.cute_fa_plan_bwd.argtypes = [ctypes.POINTER(BwdVariant), ctypes.POINTER(Shape),
-                                     ctypes.POINTER(Window), ctypes.c_int64,
-                                     ctypes.POINTER(_Plan)]
+                                     ctypes.POINTER(Window), ctypes.POINTER(Varlen),
+                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
     lib.cute_fa_tail_parts.restype = ctypes.c_int64
     lib.cute_fa_tail_parts.argtypes = [ctypes.c_int64] * 4
     version = ctypes.c_int64()
@@ -216,18 +222,34 @@ def shape_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return (batch, seqlen_q, k.shape[1], heads, k.shape[2], head_dim, v.shape[3])
 
 
+def varlen_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
+                 max_seqlen_q: int, max_seqlen_k: int) -> tuple:
+    """A packed batch's shape for the planner: packed q, k, v (total, heads,
+    d), its sequence count and longest sequences."""
+    return (batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+
+
+def _varlen_arg(varlen: tuple | None):
+    """(total_q, total_k, seqused_q given, seqused_k given) as the planner's
+    CuteFaVarlen; None (a dense batch) as NULL."""
+    return None if varlen is None else ctypes.byref(Varlen(*varlen))
+
+
 @functools.lru_cache(maxsize=1024)  # the Python op path asks it on every call
 def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
-             tail: tail_plan.TailPlan | None = None, window: tuple = (-1, -1)) -> Plan:
-    """The forward's plan for `shape` (shape_of); `tail` forces the split of
-    the last round (profiling.sweep's A/B), else the planner's cost model;
-    `window` (left, right; -1 unbounded) is a local kernel's."""
+             tail: tail_plan.TailPlan | None = None, window: tuple = (-1, -1),
+             varlen: tuple | None = None) -> Plan:
+    """The forward's plan for `shape` (shape_of, or for a packed batch
+    varlen_shape); `tail` forces the split of the last round
+    (profiling.sweep's A/B), else the planner's cost model; `window` (left,
+    right; -1 unbounded) is a local kernel's; `varlen` (total_q, total_k,
+    seqused_q given, seqused_k given) a packed batch's."""
     plan = _Plan()
     forced_full, forced_parts = (tail.full_tiles, tail.parts) if tail is not None else (0, 0)
     status = library().cute_fa_plan_fwd(ctypes.byref(fwd_variant(config, shape[6])),
                                         ctypes.byref(Shape(*shape)),
-                                        ctypes.byref(Window(*window)), num_sms, forced_full,
-                                        forced_parts, ctypes.byref(plan))
+                                        ctypes.byref(Window(*window)), _varlen_arg(varlen),
+                                        num_sms, forced_full, forced_parts, ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no forward launch plan for shape {shape} on {num_sms} SMs with "
                          f"tail {tail} and config {config}")
@@ -236,13 +258,13 @@ def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
 
 @functools.lru_cache(maxsize=1024)
 def plan_bwd(config: BwdConfig, shape: tuple, num_sms: int,
-             window: tuple = (-1, -1)) -> Plan:
-    """The backward's plan for `shape` (shape_of), `window` as plan_fwd's."""
+             window: tuple = (-1, -1), varlen: tuple | None = None) -> Plan:
+    """The backward's plan for `shape`, `window` and `varlen` as plan_fwd's."""
     plan = _Plan()
     status = library().cute_fa_plan_bwd(ctypes.byref(bwd_variant(config)),
                                         ctypes.byref(Shape(*shape)),
-                                        ctypes.byref(Window(*window)), num_sms,
-                                        ctypes.byref(plan))
+                                        ctypes.byref(Window(*window)), _varlen_arg(varlen),
+                                        num_sms, ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no backward launch plan for shape {shape} on {num_sms} SMs "
                          f"with config {config}")

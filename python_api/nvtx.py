@@ -3,7 +3,8 @@
 Range names are `cute_fa.<op>` followed by the problem in brackets, e.g.
     cute_fa.fwd[b=2,sq=4096,sk=4096,hq=16,hkv=16,d=128,causal=1,bf16]
 (with `dv=` after `d=` where v's head dim differs from q's, and `window=l:r`,
-`softcap=c` before the dtype where the call has them).
+`softcap=c` before the dtype where the call has them); a packed batch's, e.g.
+    cute_fa.varlen_fwd[b=12,total_q=16384,total_k=16384,max_sq=8000,max_sk=8000,...]
 Select every forward kernel with
     ncu --nvtx --nvtx-include "regex:cute_fa\\.fwd.*/" python ...
 """
@@ -33,17 +34,33 @@ def range_name(op: str, q, v, causal: bool, scores=None) -> str:
     if name is None:
         b, sq, hq, d = q.shape
         dv = "" if v.shape[3] == d else f"dv={v.shape[3]},"
-        mods = ""
-        if scores is not None and scores.mods.local:
-            mods += f"window={scores.window[0]}:{scores.window[1]},"
-        if scores is not None and scores.mods.softcap:
-            mods += f"softcap={scores.softcap:g},"
         name = (f"cute_fa.{op}[b={b},sq={sq},sk={v.shape[1]},hq={hq},hkv={v.shape[2]},d={d},"
-                f"{dv}causal={int(causal)},{mods}"
+                f"{dv}causal={int(causal)},{_score_mods(scores)}"
                 f"{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
         if len(_names) < _MAX_NAMES:  # bounded: varying sequence lengths would grow it forever
             _names[key] = name
     return name
+
+
+def _score_mods(scores) -> str:
+    mods = ""
+    if scores is not None and scores.features.local:
+        mods += f"window={scores.window[0]}:{scores.window[1]},"
+    if scores is not None and scores.features.softcap:
+        mods += f"softcap={scores.softcap:g},"
+    return mods
+
+
+def varlen_range_name(op: str, q, v, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool, scores) -> str:
+    """A packed batch's range: q, v packed (total, heads, d); its sequence
+    count and longest sequences. Not cached: totals vary from call to call."""
+    total_q, hq, d = q.shape
+    dv = "" if v.shape[2] == d else f"dv={v.shape[2]},"
+    return (f"cute_fa.{op}[b={batch},total_q={total_q},total_k={v.shape[0]},"
+            f"max_sq={max_seqlen_q},max_sk={max_seqlen_k},hq={hq},hkv={v.shape[1]},d={d},{dv}"
+            f"causal={int(causal)},{_score_mods(scores)}"
+            f"{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
 
 
 @contextlib.contextmanager

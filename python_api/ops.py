@@ -68,7 +68,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
         q, k = _pad_head_dim(q, kernel_dim), _pad_head_dim(k, kernel_dim)
     if kernel_dim_v != head_dim_v:  # zero columns of v give zero output columns
         v = _pad_head_dim(v, kernel_dim_v)
-    kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.mods)
+    kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.features)
     if tail is not None:
         _check_forced_tail(config, q, tail)
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
@@ -123,7 +123,7 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if head_dims != (kernel_dim,) * 3:  # the padded columns' gradients are zero: dropped
         grad_out, q, k, v, out = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
     kernels, config, device_index = bwd_kernels_for(q, k, scores.causal, deterministic,
-                                                    grad_lse is not None, config, scores.mods)
+                                                    grad_lse is not None, config, scores.features)
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
                                 scores.window)
     lse = lse.contiguous()
@@ -153,12 +153,12 @@ def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 # sets the pace of a compiled training step without CUDA graphs
 # (docs/findings.md, "Host path"), and the compiled graph calls both ops once per layer.
 _lib = torch.library.Library("cute_fa", "DEF")
-_SCORE_ARGS = "int window_left=-1, int window_right=-1, float softcap=0.0"
+SCORE_ARGS = "int window_left=-1, int window_right=-1, float softcap=0.0"
 _lib.define("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
-            f"bool deterministic=False, {_SCORE_ARGS}) -> (Tensor, Tensor)")
+            f"bool deterministic=False, {SCORE_ARGS}) -> (Tensor, Tensor)")
 _lib.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "float softmax_scale, bool causal, Tensor? grad_lse=None, "
-            f"bool deterministic=False, {_SCORE_ARGS}) -> (Tensor, Tensor, Tensor)")
+            f"bool deterministic=False, {SCORE_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
 def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,

@@ -9,7 +9,9 @@ Conventions, shared with the kernels:
   (causal sets right = 0);
 - softcap > 0: each score s·scale becomes softcap · tanh(s·scale / softcap);
 - a query row that sees no key gives O = 0 and LSE = -inf;
-- LSE is the natural-log log-sum-exp of the scaled scores, (batch, nheads, seqlen_q), fp32.
+- LSE is the natural-log log-sum-exp of the scaled scores, (batch, nheads, seqlen_q), fp32;
+- a packed (varlen) batch, (total, nheads, headdim) with cu_seqlens, is each
+  sequence on its own, its LSE (nheads, total_q).
 """
 
 from __future__ import annotations
@@ -121,3 +123,52 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
         grad_k = grad_k.unflatten(2, (heads_kv, group)).sum(3)
         grad_v = grad_v.unflatten(2, (heads_kv, group)).sum(3)
     return grad_q.to(dtypes[0]), grad_k.to(dtypes[1]), grad_v.to(dtypes[2])
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
+    """Per sequence of a packed batch: (query rows, key rows) as slices."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = seqused_q.tolist() if seqused_q is not None else None
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    for b in range(len(cu_q) - 1):
+        len_q = used_q[b] if used_q is not None else cu_q[b + 1] - cu_q[b]
+        len_k = used_k[b] if used_k is not None else cu_k[b + 1] - cu_k[b]
+        yield slice(cu_q[b], cu_q[b] + len_q), slice(cu_k[b], cu_k[b] + len_k)
+
+
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None,
+                               causal=False, seqused_q=None, seqused_k=None,
+                               compute_dtype=torch.float32, window=(-1, -1), softcap=0.0):
+    """attention_reference over a packed batch: q (total_q, nheads, d), k, v
+    (total_k, nheads_kv, d); each sequence on its own (masks aligned to its
+    own lengths). Returns out (total_q, nheads, dv) in q.dtype, 0 on rows
+    outside every sequence, and the fp32 LSE (nheads, total_q), -inf there."""
+    out = q.new_zeros(q.shape[:2] + v.shape[2:])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        if rows_q.stop == rows_q.start:
+            continue
+        o, l = attention_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                   softmax_scale, causal, compute_dtype, window, softcap)
+        out[rows_q], lse[:, rows_q] = o[0], l[0]
+    return out, lse
+
+
+def varlen_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              softmax_scale, causal, seqused_q=None, seqused_k=None,
+                              grad_lse=None, compute_dtype=torch.float32, window=(-1, -1),
+                              softcap=0.0):
+    """attention_backward_reference over a packed batch (lse, grad_lse:
+    (nheads, total_q)); rows outside every sequence get zero gradients."""
+    grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
+            continue
+        seq_grad_lse = None if grad_lse is None else grad_lse[None, :, rows_q]
+        dq, dk, dv = attention_backward_reference(
+            grad_out[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+            out[None, rows_q], lse[None, :, rows_q], softmax_scale, causal, seq_grad_lse,
+            compute_dtype, window, softcap)
+        grads[0][rows_q], grads[1][rows_k], grads[2][rows_k] = dq[0], dk[0], dv[0]
+    return tuple(grads)

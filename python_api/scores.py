@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .kernels.config import PLAIN_SCORES, ScoreMods
+from .kernels.config import Features
 
 NO_WINDOW = (-1, -1)
 
@@ -47,39 +47,40 @@ def window_from_size(window_size) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ScoreVariant:
-    """The kernel variant of a call: its causal flag and score mods (the
+    """The kernel variant of a call: its causal flag and features (the
     compile-time part), the window it hands the kernels and the cap."""
 
     causal: bool
-    mods: ScoreMods
+    features: Features
     window: tuple[int, int]  # (left, right), -1 unbounded; read by local kernels
     softcap: float
 
     @property
     def plain(self) -> bool:
         """Neither a window nor a cap (full or causal attention)."""
-        return not (self.mods.local or self.mods.softcap)
+        return not (self.features.local or self.features.softcap)
 
 
-PLAIN = {False: ScoreVariant(False, PLAIN_SCORES, NO_WINDOW, 0.0),
-         True: ScoreVariant(True, PLAIN_SCORES, NO_WINDOW, 0.0)}
+PLAIN = {(causal, varlen): ScoreVariant(causal, Features(varlen=varlen), NO_WINDOW, 0.0)
+         for causal in (False, True) for varlen in (False, True)}
 
 
 def resolve(causal: bool, window_left: int, window_right: int, softcap: float,
-            seqlen_q: int, seqlen_k: int) -> ScoreVariant:
+            seqlen_q: int, seqlen_k: int, varlen: bool = False) -> ScoreVariant:
     """The variant that serves a call: a side of the window that reaches every
     key is unbounded; a window whose left side is unbounded and whose right
     side is 0 is causal; what remains of a window is a local kernel (causal
-    folded into its right side)."""
+    folded into its right side). A packed batch (varlen) passes its longest
+    sequences as seqlen_q and seqlen_k."""
     if window_left == -1 and window_right == -1 and not softcap:
-        return PLAIN[bool(causal)]
+        return PLAIN[bool(causal), bool(varlen)]
     right = 0 if causal else window_right
     # query 0 sees the last key with right >= s_q - 1, the last query the
     # first key with left >= s_k - 1
     left = -1 if window_left < 0 or window_left >= seqlen_k - 1 else window_left
     right = -1 if right < 0 or right >= seqlen_q - 1 else right
-    mods = ScoreMods(local=False, softcap=softcap > 0)
+    features = Features(softcap=softcap > 0, varlen=bool(varlen))
     if left == -1 and right in (-1, 0):
-        return ScoreVariant(right == 0, mods, NO_WINDOW, float(softcap))
-    return ScoreVariant(False, ScoreMods(local=True, softcap=softcap > 0), (left, right),
-                        float(softcap))
+        return ScoreVariant(right == 0, features, NO_WINDOW, float(softcap))
+    return ScoreVariant(False, Features(local=True, softcap=softcap > 0, varlen=bool(varlen)),
+                        (left, right), float(softcap))

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .kernels.config import (PLAIN_SCORES, BwdConfig, FwdConfig, ScoreMods,
+from .kernels.config import (PLAIN_FEATURES, BwdConfig, FwdConfig, Features,
                              bwd_config_for_problem, default_fwd_config)
 from .validate import check_cuda_device
 
@@ -46,26 +46,26 @@ def _kernels():
 
 
 def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
-                   config: FwdConfig | None = None, mods: ScoreMods = PLAIN_SCORES):
+                   config: FwdConfig | None = None, features: Features = PLAIN_FEATURES):
     """(compiled forward, its config, device index) for a problem: the device
     checked, `config` or the per-problem default. The op's Python path
     asks it per call, the C++ host layer's planner (native.py) once per problem."""
     device_index = _device_index(q)
     head_dim, head_dim_v = q.shape[3], v.shape[3]
-    config = config or default_fwd_config(head_dim, causal, head_dim_v, mods.local)
-    return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v, mods), config,
+    config = config or default_fwd_config(head_dim, causal, head_dim_v, features)
+    return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v, features), config,
             device_index)
 
 
 def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,
                     has_grad_lse: bool, config: BwdConfig | None = None,
-                    mods: ScoreMods = PLAIN_SCORES):
+                    features: Features = PLAIN_FEATURES):
     """(compiled backward launches, their config, device index) for a
     problem, as fwd_kernel_for."""
     device_index = _device_index(q)
     batch, _, heads, head_dim = q.shape
     config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch,
                                               k.shape[1], heads, k.shape[2],
-                                              num_sms(device_index), mods)
-    return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse, mods), config,
+                                              num_sms(device_index), features)
+    return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse, features), config,
             device_index)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd, get_fwd
-from cute_fa.kernels.config import FwdConfig, ScoreMods, default_bwd_config, default_fwd_config
+from cute_fa.kernels.config import (Features, FwdConfig, bwd_config_for_problem,
+                                    default_bwd_config, default_fwd_config)
 from cute_fa.profiling.kernel_info import dumped_kernel_info
 
 
@@ -304,31 +305,58 @@ def test_group_sum_only_for_split_configs(tmp_path):
     assert not (tmp_path / "group_sum").exists()
 
 
-@pytest.mark.parametrize("head_dim,causal,mods", [
-    (128, False, ScoreMods(local=True)), (64, False, ScoreMods(local=True)),
-    (128, True, ScoreMods(softcap=True)), (96, False, ScoreMods(local=True, softcap=True))])
-def test_forward_score_mods(tmp_path, head_dim, causal, mods):
+@pytest.mark.parametrize("head_dim,causal,features", [
+    (128, False, Features(local=True)), (64, False, Features(local=True)),
+    (128, True, Features(softcap=True)), (96, False, Features(local=True, softcap=True))])
+def test_forward_score_mods(tmp_path, head_dim, causal, features):
     """A window or a cap keeps the forward warp-specialised, spill-free, on
     HGMMA; a cap costs one tanh.approx per score, not a software tanh."""
-    config = default_fwd_config(head_dim, causal, local=mods.local)
-    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path), mods=mods)
+    config = default_fwd_config(head_dim, causal, features=features)
+    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path), features=features)
     info = dumped_kernel_info(str(tmp_path))
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)
-    assert ("tanh.approx.f32" in _ptx(tmp_path)) == mods.softcap
+    assert ("tanh.approx.f32" in _ptx(tmp_path)) == features.softcap
 
 
-@pytest.mark.parametrize("head_dim,mods", [(128, ScoreMods(local=True)),
-                                           (64, ScoreMods(local=True)),
-                                           (128, ScoreMods(softcap=True))])
-def test_backward_score_mods(tmp_path, head_dim, mods):
+@pytest.mark.parametrize("head_dim,features", [(128, Features(local=True)),
+                                           (64, Features(local=True)),
+                                           (128, Features(softcap=True))])
+def test_backward_score_mods(tmp_path, head_dim, features):
     """The backward's window and cap variants compile to warp-specialised
     HGMMA code (the cap's 16-bit slope spills a few values per step at 240
     registers: counted by the kernel-info report, not asserted here)."""
     config = default_bwd_config(head_dim, True)  # what variants.bwd_kernels_for picks
-    compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path), mods=mods)
+    compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path), features=features)
     info = dumped_kernel_info(str(tmp_path / "main"))
     assert info.sass["hgmma"] > 0 and not info.wgmma_serialized
-    if not mods.softcap:
+    if not features.softcap:
         _assert_no_spills(info)
-    assert ("tanh.approx.f32" in _ptx(tmp_path / "main")) == mods.softcap
+    assert ("tanh.approx.f32" in _ptx(tmp_path / "main")) == features.softcap
+
+
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False), (256, True)])
+def test_forward_varlen(tmp_path, head_dim, causal):
+    """A packed batch keeps the forward warp-specialised, spill-free, on HGMMA
+    with TMA loads; its partial last slabs leave through 16-byte stores."""
+    features = Features(varlen=True)
+    config = default_fwd_config(head_dim, causal, features=features)
+    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
+                features=features)
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+    ptx = _ptx(tmp_path)
+    assert "cp.async.bulk.tensor" in ptx and "st.global.v4" in ptx
+
+
+@pytest.mark.parametrize("head_dim,causal,deterministic", [(128, True, False), (64, False, True)])
+def test_backward_varlen(tmp_path, head_dim, causal, deterministic):
+    features = Features(varlen=True)
+    config = bwd_config_for_problem(head_dim, causal, deterministic, 8, 1024, 8, 8, 132,
+                                    features)
+    compile_bwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
+                features=features)
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    assert info.sass["hgmma"] > 0 and not info.wgmma_serialized
+    _assert_no_spills(info)

@@ -11,7 +11,8 @@ import torch
 
 from cute_fa import launch_plan
 from cute_fa.kernels import tail_plan
-from cute_fa.kernels.config import default_bwd_config, default_fwd_config
+from cute_fa.kernels.config import (Features, bwd_config_for_problem, default_bwd_config,
+                                    default_fwd_config)
 from cute_fa.launch_plan import tail_parts
 
 
@@ -63,14 +64,16 @@ def test_forward_plan():
     assert plan.num_inputs == 3 and len(plan.launches) == 1
     kernel, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    # q, k, v, out, lse, counters, partials, then scale·log2(e), SMs, the tail,
-    # the window (unbounded: every key on the left, every query on the right)
-    # and scale / softcap
-    assert buffers == list(range(7)) and plan.outputs == (3, 4)
-    assert [(kind, value) for kind, _, value in args[7:]] == [
+    # q, k, v, out, lse, counters, partials, the four sequence-length tensors
+    # (a dense batch: one stand-in), then scale·log2(e), SMs, the tail, the
+    # window (unbounded: every key on the left, every query on the right),
+    # scale / softcap and the seqused bits
+    assert buffers == list(range(7)) + [7] * 4 and plan.outputs == (3, 4)
+    assert _workspace(plan, 7).init == launch_plan.UNUSED
+    assert [(kind, value) for kind, _, value in args[11:]] == [
         (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
         (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3), (launch_plan.ARG_INT, 8192),
-        (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0)]
+        (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0), (launch_plan.ARG_INT, 0)]
     assert _workspace(plan, 3).shape == (2, 8192, 16, 128)
     assert _workspace(plan, 3).dtype == launch_plan.INPUT_DTYPE
     assert _workspace(plan, 4).shape == (2, 16, 8192)
@@ -199,9 +202,9 @@ def test_window_arguments_are_clamped_to_the_shape(window, expected):
     """A side wider than any row reaches is the unbounded one, in int32 range."""
     shape = (1, 100, 300, 4, 4, 64, 64)
     for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
-                                              window=window), 0, 11),
+                                              window=window), 0, 15),
                         (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
-                                              window=window), 1, 13)):
+                                              window=window), 1, 17)):
         args = dict(enumerate(plan.launches[launch][1]))
         assert (args[first][2], args[first + 1][2]) == expected
         assert args[first + 2][0] == launch_plan.ARG_PRE_TANH
@@ -218,3 +221,42 @@ def test_execute_scalars_fold_the_softcap():
     log2e = launch_plan.LOG2_E
     assert seen[0] == pytest.approx((30.0 * log2e, 0.5, 0.5 / 30.0))
     assert seen[1] == pytest.approx((0.5 * log2e, 0.5, 0.0))
+
+
+def test_packed_forward_plan():
+    """A packed batch: q, k, v as batches of one of their totals, the four
+    int32 sequence-length inputs after them, out and LSE packed too; its
+    window bounds from the longest sequences; no split tail."""
+    config = default_fwd_config(128, True, 128, Features(varlen=True))
+    shape = (6, 1000, 900, 8, 2, 128, 128)  # 6 sequences, the longest 1000 / 900
+    plan = launch_plan.plan_fwd(config, shape, 132, None, (-1, -1), (3000, 2500, True, False))
+    assert plan.num_inputs == 7 and plan.tail == tail_plan.NO_SPLIT
+    _, args = plan.launches[0]
+    buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
+    assert buffers[7:] == [3, 4, 5, 6]
+    assert [value for _, _, value in args[-4:-1]] == [900, 1000, 0]  # window, pre-tanh
+    assert args[-1] == (launch_plan.ARG_INT, 0, 1)  # seqused_q read, seqused_k not
+    assert _workspace(plan, plan.outputs[0]).shape == (1, 3000, 8, 128)
+    assert _workspace(plan, plan.outputs[1]).shape == (1, 8, 3000)
+    with pytest.raises(ValueError):  # a packed batch's tail is never split
+        launch_plan.plan_fwd(config.replace(split_tail=True, dynamic_tiles=False), shape, 132,
+                             None, (-1, -1), (3000, 2500, False, False))
+
+
+def test_packed_backward_plan():
+    """Per-row buffers hold each sequence in whole query tiles (total +
+    batch · tile_m rows); the gradients are zeroed (rows outside every
+    sequence); the pre- and postprocess get the longest query sequence."""
+    config = bwd_config_for_problem(128, True, False, 6, 900, 8, 2, 132, Features(varlen=True))
+    assert config.dynamic_tiles and not config.split_gqa
+    shape = (6, 1000, 900, 8, 2, 128, 128)
+    plan = launch_plan.plan_bwd(config, shape, 132, (-1, -1), (3000, 2500, False, False))
+    assert plan.num_inputs == 11
+    padded = -(-(3000 + 6 * config.tile_m) // config.tile_m) * config.tile_m
+    assert _workspace(plan, 11).shape == (1, 8, padded)
+    assert all(_workspace(plan, i).init == launch_plan.ZERO for i in plan.outputs)
+    pre, main, post = (args for _, args in plan.launches)
+    assert pre[-1] == (launch_plan.ARG_INT, 0, 1000) and post[-1] == (launch_plan.ARG_INT, 0, 1000)
+    with pytest.raises(ValueError):  # no split_gqa partials for a packed batch
+        launch_plan.plan_bwd(config.replace(split_gqa=True), shape, 132, (-1, -1),
+                             (3000, 2500, False, False))

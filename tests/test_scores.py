@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cute_fa import flash_attn_func
-from cute_fa.kernels.config import ScoreMods
+from cute_fa.kernels.config import Features
 from cute_fa.reference import attention_backward_reference, attention_reference, visible_mask
 from cute_fa.scores import check_score_args, resolve
 
@@ -38,19 +38,19 @@ def test_op_checks_its_score_arguments():
 
 
 @pytest.mark.parametrize("causal,left,right,seqlens,expected", [
-    (False, -1, -1, (100, 100), (False, ScoreMods(), (-1, -1))),
-    (True, -1, -1, (100, 100), (True, ScoreMods(), (-1, -1))),
-    (False, -1, 0, (100, 100), (True, ScoreMods(), (-1, -1))),       # a causal window
-    (True, 40, 7, (100, 100), (False, ScoreMods(local=True), (40, 0))),
-    (False, 99, 99, (100, 100), (False, ScoreMods(), (-1, -1))),     # reaches every key
-    (False, 98, -1, (100, 100), (False, ScoreMods(local=True), (98, -1))),
-    (True, 200, 3, (10, 300), (False, ScoreMods(local=True), (200, 0))),
-    (True, -1, -1, (1, 300), (True, ScoreMods(), (-1, -1))),
+    (False, -1, -1, (100, 100), (False, Features(), (-1, -1))),
+    (True, -1, -1, (100, 100), (True, Features(), (-1, -1))),
+    (False, -1, 0, (100, 100), (True, Features(), (-1, -1))),       # a causal window
+    (True, 40, 7, (100, 100), (False, Features(local=True), (40, 0))),
+    (False, 99, 99, (100, 100), (False, Features(), (-1, -1))),     # reaches every key
+    (False, 98, -1, (100, 100), (False, Features(local=True), (98, -1))),
+    (True, 200, 3, (10, 300), (False, Features(local=True), (200, 0))),
+    (True, -1, -1, (1, 300), (True, Features(), (-1, -1))),
 ])
 def test_resolve_picks_the_smallest_variant(causal, left, right, seqlens, expected):
     got = resolve(causal, left, right, 0.0, *seqlens)
-    assert (got.causal, got.mods, got.window) == expected
-    assert resolve(causal, left, right, 2.0, *seqlens).mods.softcap
+    assert (got.causal, got.features, got.window) == expected
+    assert resolve(causal, left, right, 2.0, *seqlens).features.softcap
 
 
 @pytest.mark.parametrize("seqlens", [(5, 5), (3, 8), (8, 3)])
