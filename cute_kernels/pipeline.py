@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cpipeline
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 

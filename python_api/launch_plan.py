@@ -291,7 +291,7 @@ def execute(plan: Plan, launches: list, inputs: list, softmax_scale: float,
     (the variant's compiled launches, in order) with their arguments (the
     scalars from softmax_scale and softcap, 0: none, as plan_launcher.h makes
     them), return the output buffers. Inputs must already be TMA-ready
-    (ops._tma_ready)."""
+    (ops.tma_ready)."""
     first = inputs[0]
     device = first.device
     buffers = list(inputs)

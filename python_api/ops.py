@@ -30,13 +30,13 @@ from . import launch_plan, native
 from .kernels import tail_plan
 from .kernels.config import BwdConfig, FwdConfig, kernel_head_dim
 from . import nvtx as nvtx_ranges
-from .reference import attention_backward_reference, attention_reference, default_scale
+from .reference import attention_backward_reference, attention_reference, resolve_scale
 from .scores import check_score_args, resolve
 from .validate import check_attention_inputs, check_backward_head_dims, check_backward_inputs
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """`t` (4-D), or a compact copy where TMA could not read it: TMA needs a
     16-byte aligned base and strides that are multiples of 16 bytes."""
     s = t.stride()
@@ -65,15 +65,15 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     if kernel_dim != head_dim:  # zero columns change no score
-        q, k = _pad_head_dim(q, kernel_dim), _pad_head_dim(k, kernel_dim)
+        q, k = pad_head_dim(q, kernel_dim), pad_head_dim(k, kernel_dim)
     if kernel_dim_v != head_dim_v:  # zero columns of v give zero output columns
-        v = _pad_head_dim(v, kernel_dim_v)
+        v = pad_head_dim(v, kernel_dim_v)
     kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.features)
     if tail is not None:
         _check_forced_tail(config, q, tail)
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
                                 tail, scores.window)
-    inputs = [_tma_ready(q), _tma_ready(k), _tma_ready(v)]
+    inputs = [tma_ready(q), tma_ready(k), tma_ready(v)]
     nvtx_ranges.push(name)
     try:
         out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale,
@@ -85,7 +85,7 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     return out, lse
 
 
-def _pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """`t` with zero columns up to `head_dim` (a head dim the kernels have):
     q·k is unchanged, and v's zero columns give zero output columns."""
     if t.shape[-1] == head_dim:
@@ -121,15 +121,15 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     head_dims = (q.shape[3], k.shape[3], v.shape[3])
     kernel_dim = kernel_head_dim(q.shape[3])  # v's pads to it too (check_backward_head_dims)
     if head_dims != (kernel_dim,) * 3:  # the padded columns' gradients are zero: dropped
-        grad_out, q, k, v, out = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
+        grad_out, q, k, v, out = (pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
     kernels, config, device_index = bwd_kernels_for(q, k, scores.causal, deterministic,
                                                     grad_lse is not None, config, scores.features)
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
                                 scores.window)
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
-    inputs = [_tma_ready(grad_out), _tma_ready(q), _tma_ready(k), _tma_ready(v),
-              _tma_ready(out), lse, grad_lse]
+    inputs = [tma_ready(grad_out), tma_ready(q), tma_ready(k), tma_ready(v),
+              tma_ready(out), lse, grad_lse]
     nvtx_ranges.push(name)
     try:
         grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,
@@ -140,10 +140,6 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         grads = tuple(g[..., :d].contiguous() if d != kernel_dim else g
                       for g, d in zip(grads, head_dims))
     return grads
-
-
-def _resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    return default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
 
 
 # The ops are defined on a torch.library.Library and their kernels registered
@@ -167,7 +163,7 @@ def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False, win
     check_score_args(window_left, window_right, softcap)
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
     with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal, scores)):
-        out, lse = attention_reference(q, k, v, _resolve_scale(q, softmax_scale), causal,
+        out, lse = attention_reference(q, k, v, resolve_scale(q, softmax_scale), causal,
                                        window=(window_left, window_right), softcap=softcap)
     return out.contiguous(), lse.contiguous()
 
@@ -176,7 +172,7 @@ def _fwd_cuda(q, k, v, softmax_scale=None, causal=False, deterministic=False, wi
               window_right=-1, softcap=0.0):
     check_attention_inputs(q, k, v, softmax_scale)
     check_score_args(window_left, window_right, softcap)
-    return forward_cuda(q, k, v, _resolve_scale(q, softmax_scale), causal,
+    return forward_cuda(q, k, v, resolve_scale(q, softmax_scale), causal,
                         window_left=window_left, window_right=window_right, softcap=softcap)
 
 
@@ -293,7 +289,7 @@ class _FwdAutograd(torch.autograd.Function):
         # An unused LSE output then reaches the backward as None, not as a tensor
         # of zeros that a compiled graph would fill and the preprocess would read.
         ctx.set_materialize_grads(False)
-        _save_for_backward(ctx, q, k, v, out, lse, _resolve_scale(q, softmax_scale), causal,
+        _save_for_backward(ctx, q, k, v, out, lse, resolve_scale(q, softmax_scale), causal,
                            deterministic, score_args)
         return out, lse
 
@@ -326,7 +322,7 @@ class EagerCudaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window_left=-1,
                 window_right=-1, softcap=0.0):
-        scale = _resolve_scale(q, softmax_scale)
+        scale = resolve_scale(q, softmax_scale)
         score_args = (window_left, window_right, softcap)
         out, lse = _eager_fwd(q, k, v, scale, causal, deterministic, *score_args)
         _save_for_backward(ctx, q, k, v, out, lse, scale, causal, deterministic, score_args)

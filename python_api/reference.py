@@ -25,6 +25,11 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def resolve_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    """The scale an op applies: the caller's, else 1/sqrt(q's head dim)."""
+    return default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+
+
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Boolean (seqlen_q, seqlen_k): True where the key is visible."""
     return visible_mask(seqlen_q, seqlen_k, (-1, 0), device)
@@ -78,7 +83,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
     out_dtype = q.dtype
     if compute_dtype is not None:
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    scale = resolve_scale(q, softmax_scale)
     k, v = _expanded_kv(q, k, v)
     scores, _ = _scores(q, k, scale, causal, window, softcap)
     lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)

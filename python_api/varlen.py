@@ -27,7 +27,7 @@ import torch
 from . import launch_plan, ops
 from . import nvtx as nvtx_ranges
 from .kernels.config import kernel_head_dim
-from .reference import default_scale, varlen_attention_reference, varlen_backward_reference
+from .reference import resolve_scale, varlen_attention_reference, varlen_backward_reference
 from .scores import check_score_args, resolve
 from .validate import check_backward_head_dims, check_cuda_device
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
@@ -120,23 +120,9 @@ def check_seqlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
     return longest[0], longest[1]
 
 
-def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    return default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-
-
-def _pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    if t.shape[-1] == head_dim:
-        return t
-    return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """A packed tensor as the kernels take it: a batch of one, TMA-readable
-    (16-byte aligned base and strides), else a compact copy."""
-    mask = 16 // t.element_size() - 1
-    if (t.data_ptr() & 15) | (t.stride(0) & mask) | (t.stride(1) & mask):
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t.unsqueeze(0)
+def _batch_of_one(t: torch.Tensor) -> torch.Tensor:
+    """A packed tensor as the kernels take it: a TMA-ready batch of one."""
+    return ops.tma_ready(t.unsqueeze(0))
 
 
 def _seqlen_inputs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> list:
@@ -167,9 +153,9 @@ def varlen_forward_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
     name = nvtx_ranges.varlen_range_name("varlen_fwd", q, v, batch, max_seqlen_q, max_seqlen_k,
                                          causal, scores)
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
-    q, k = _pad_head_dim(q, kernel_dim), _pad_head_dim(k, kernel_dim)
-    v = _pad_head_dim(v, kernel_dim_v)
-    inputs = [_tma_ready(q), _tma_ready(k), _tma_ready(v)]
+    q, k = ops.pad_head_dim(q, kernel_dim), ops.pad_head_dim(k, kernel_dim)
+    v = ops.pad_head_dim(v, kernel_dim_v)
+    inputs = [_batch_of_one(q), _batch_of_one(k), _batch_of_one(v)]
     kernel, config, device_index = fwd_kernel_for(inputs[0], inputs[2], scores.causal, config,
                                                   scores.features)
     plan = launch_plan.plan_fwd(
@@ -203,8 +189,8 @@ def varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
                                          causal, scores)
     head_dims = (q.shape[2], k.shape[2], v.shape[2])
     kernel_dim = kernel_head_dim(q.shape[2])
-    grad_out, q, k, v, out = (_pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
-    packed = [_tma_ready(t) for t in (grad_out, q, k, v, out)]
+    grad_out, q, k, v, out = (ops.pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
+    packed = [_batch_of_one(t) for t in (grad_out, q, k, v, out)]
     kernels, config, device_index = bwd_kernels_for(
         packed[1], packed[2], scores.causal, deterministic, grad_lse is not None, config,
         scores.features)
@@ -275,7 +261,7 @@ def _fwd_cpu(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softma
     scores = resolve(causal, window_left, window_right, softcap, max_q, max_k, varlen=True)
     with nvtx_ranges.op_range(nvtx_ranges.varlen_range_name(
             "varlen_fwd", q, v, cu_q.numel() - 1, max_q, max_k, causal, scores)):
-        return varlen_attention_reference(q, k, v, cu_q, cu_k, _scale(q, softmax_scale), causal,
+        return varlen_attention_reference(q, k, v, cu_q, cu_k, resolve_scale(q, softmax_scale), causal,
                                           used_q, used_k, window=(window_left, window_right),
                                           softcap=softcap)
 
@@ -285,7 +271,7 @@ def _fwd_cuda(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softm
     _check_fwd(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, window_left,
                window_right, softcap)
     return varlen_forward_cuda(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k,
-                               _scale(q, softmax_scale), causal, window_left, window_right,
+                               resolve_scale(q, softmax_scale), causal, window_left, window_right,
                                softcap)
 
 
@@ -338,7 +324,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
     ctx.max_seqlens = (max_q, max_k)
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = _scale(q, softmax_scale), causal, \
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = resolve_scale(q, softmax_scale), causal, \
         deterministic
     ctx.score_args = score_args
     ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None

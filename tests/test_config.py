@@ -106,7 +106,7 @@ def test_backward_statistics_stages_start_128_byte_aligned():
     """Each LSE₂/D stage is a TMA destination: 80 rows (320 bytes) gave the
     H100 a misaligned address (cudaErrorMisalignedAddress) before the stride
     was rounded up."""
-    from cute_fa.kernels.config import BwdConfig, default_bwd_config
+    from cute_fa.kernels.config import BwdConfig
     for tile_m in (16, 64, 80, 112, 128):
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() * 4 % 128 == 0
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() >= tile_m
