@@ -149,10 +149,11 @@ Variant read_variant(py::handle variant) {
   return v;
 }
 
-// This layer serves full and causal attention of plain scores; a window or a
-// softcap goes to the Python path.
-bool plain_scores(int64_t window_left, int64_t window_right, double softcap) {
-  return window_left == -1 && window_right == -1 && softcap == 0.0;
+// This layer serves full and causal attention of plain scores; a window, a
+// softcap or learnable sinks go to the Python path.
+bool plain_scores(int64_t window_left, int64_t window_right, double softcap,
+                  const std::optional<at::Tensor>& learnable_sink) {
+  return window_left == -1 && window_right == -1 && softcap == 0.0 && !learnable_sink;
 }
 
 // Asks the Python planner (which compiles the kernels the first time) and
@@ -168,11 +169,11 @@ std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool bac
   int status;
   if (backward) {
     const auto v = read_variant<CuteFaBwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_bwd(&v, &shape, &cute_fa::kNoWindow, nullptr, num_sms,
+    status = cute_fa_plan_bwd(&v, &shape, &cute_fa::kNoWindow, nullptr, 0, num_sms,
                               &entry->plan);
   } else {
     const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, nullptr, num_sms, 0, 0,
+    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, nullptr, 0, num_sms, 0, 0,
                               &entry->plan);
   }
   TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");
@@ -304,11 +305,13 @@ at::Tensor tma_ready(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, std::optional<double> scale,
                                             bool causal, bool deterministic, int64_t window_left,
-                                            int64_t window_right, double softcap) {
-  if (!attention_tensors_ok(q, k, v, scale) || !plain_scores(window_left, window_right, softcap))
+                                            int64_t window_right, double softcap,
+                                            const std::optional<at::Tensor>& learnable_sink) {
+  if (!attention_tensors_ok(q, k, v, scale) ||
+      !plain_scores(window_left, window_right, softcap, learnable_sink))
     return fall_back<std::tuple<at::Tensor, at::Tensor>>(state().fallback_fwd, [&] {
       return py::make_tuple(q, k, v, scale, causal, deterministic, window_left, window_right,
-                            softcap);
+                            softcap, learnable_sink);
     });
   const CuteFaShape shape = shape_of(q, k, v);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
@@ -344,18 +347,20 @@ bool backward_inputs_ok(const at::Tensor& grad_out, const at::Tensor& q, const a
   return stats_ok(lse) && (!grad_lse || stats_ok(*grad_lse));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double scale, bool causal,
-    const std::optional<at::Tensor>& grad_lse, bool deterministic, int64_t window_left,
-    int64_t window_right, double softcap) {
+// grad_q, grad_k, grad_v and the sinks' gradient (empty without sinks: ops.py)
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Grads bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, double scale,
+               bool causal, const std::optional<at::Tensor>& grad_lse, bool deterministic,
+               int64_t window_left, int64_t window_right, double softcap,
+               const std::optional<at::Tensor>& learnable_sink) {
   if (!backward_inputs_ok(grad_out, q, k, v, out, lse, scale, grad_lse) ||
-      !plain_scores(window_left, window_right, softcap))
-    return fall_back<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
-        state().fallback_bwd, [&] {
-          return py::make_tuple(grad_out, q, k, v, out, lse, scale, causal, grad_lse,
-                                deterministic, window_left, window_right, softcap);
-        });
+      !plain_scores(window_left, window_right, softcap, learnable_sink))
+    return fall_back<Grads>(state().fallback_bwd, [&] {
+      return py::make_tuple(grad_out, q, k, v, out, lse, scale, causal, grad_lse,
+                            deterministic, window_left, window_right, softcap, learnable_sink);
+    });
   const CuteFaShape shape = shape_of(q, k, v);
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
@@ -370,7 +375,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                   grad_lse ? grad_lse->to(at::kFloat).contiguous() : lse_c};
   buffers.reserve(CUTE_FA_PLAN_MAX_BUFFERS);
   auto grads = execute(*entry, buffers, scale);
-  return {grads[0], grads[1], grads[2]};
+  return {grads[0], grads[1], grads[2], at::empty({0}, lse.options())};
 }
 
 // Registered on demand (register_cuda_kernels), not at load time, so that the
@@ -416,12 +421,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd_cuda, "cute_fa::fwd on CUDA tensors, without the dispatcher", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("softmax_scale") = py::none(),
         py::arg("causal") = false, py::arg("deterministic") = false,
-        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0);
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
+        py::arg("learnable_sink") = py::none());
   m.def("bwd", &bwd_cuda, "cute_fa::bwd on CUDA tensors, without the dispatcher",
         py::arg("grad_out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("grad_lse") = py::none(), py::arg("deterministic") = false,
-        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0);
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
+        py::arg("learnable_sink") = py::none());
   m.def("cached_plans", [] { return state().plans.size(); });
   m.def("plan_capacity", [] { return kMaxPlans; });
   // What a prebuilt module (CMake) was built against; native.py compares it

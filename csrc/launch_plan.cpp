@@ -146,6 +146,21 @@ SeqlenArgs seqlen_inputs(Builder& b, const CuteFaShape* s, const CuteFaVarlen* p
   return a;
 }
 
+// The learnable sinks, fp32 (1, 1, h): an input where the call has them, or
+// one stand-in the kernels never read (after the other buffers).
+int sink_input(Builder& b, const CuteFaShape* s, int32_t sink) {
+  if (!sink) return -1;
+  const int64_t shape[3] = {1, 1, s->heads};
+  return b.input(CUTE_FA_F32, 3, shape, false);
+}
+
+int f32_stand_in(Builder& b, int index) {
+  return index >= 0 ? index : b.buffer3(CUTE_FA_F32, CUTE_FA_UNUSED, 1, 1, 1);
+}
+
+// The preprocess's warps per CTA and rows per CTA (cute_kernels/bwd_pre_post.py).
+constexpr int64_t kPreprocessWarps = 4, kPreprocessRows = 16;
+
 }  // namespace
 
 extern "C" int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_t n_blocks,
@@ -168,7 +183,7 @@ extern "C" int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_
 
 extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
                                 const CuteFaWindow* window, const CuteFaVarlen* varlen,
-                                int64_t num_sms, int64_t forced_full_tiles,
+                                int32_t sink, int64_t num_sms, int64_t forced_full_tiles,
                                 int64_t forced_parts, CuteFaPlan* plan) {
   if (!shape_ok(s, varlen) || v->tile_m <= 0 || v->tile_n <= 0 || num_sms <= 0) return -1;
   // a packed batch's tiles are claimed in turn: no fixed last round to split
@@ -182,6 +197,7 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   const int k = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
   const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_v, true);
   SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
+  int sinks = sink_input(b, s, sink);
 
   const int64_t num_tiles = ceil_div(s->seqlen_q, v->tile_m) * s->heads * s->batch;
   int64_t full_tiles = 0, parts = 1;
@@ -216,9 +232,10 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
                   : b.buffer3(CUTE_FA_F32, CUTE_FA_UNUSED, 1, 1, 1);
 
   dense_stand_in(b, seqs);
+  sinks = f32_stand_in(b, sinks);
   CuteFaLaunch* fwd = b.launch(0);
   b.tensors(fwd, {q, k, vv, out, lse, counters, partials, seqs.cu_q, seqs.cu_k, seqs.used_q,
-                  seqs.used_k});
+                  seqs.used_k, sinks});
   b.arg(fwd, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);
@@ -232,7 +249,7 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
 
 extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
                                 const CuteFaWindow* window, const CuteFaVarlen* varlen,
-                                int64_t num_sms, CuteFaPlan* plan) {
+                                int32_t sink, int64_t num_sms, CuteFaPlan* plan) {
   // The backward kernels take one head dim for q, k, v and the output; a
   // packed batch's dK and dV leave per KV head (no split_gqa partials).
   if (!shape_ok(s, varlen) || s->head_dim_v != s->head_dim || v->tile_m <= 0 ||
@@ -255,6 +272,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const int lse = b.input(CUTE_FA_F32, 3, rows, false);
   const int grad_lse = b.input(CUTE_FA_F32, 3, rows, false);
   SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
+  int sinks = sink_input(b, s, sink);
 
   // whole query tiles per sequence (a packed batch's: cute_kernels/varlen.py)
   const int64_t padded_q = ceil_div(varlen ? SQ + s->batch * v->tile_m : SQ, v->tile_m) *
@@ -282,10 +300,18 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
     dv_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
   }
 
+  // one partial of d(sink) per preprocess warp, each written once
+  const int sink_partials =
+      sink ? b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, s->batch, H,
+                       ceil_div(ceil_div(s->seqlen_q, v->tile_m) * v->tile_m, kPreprocessRows) *
+                           kPreprocessWarps)
+           : -1;
+
   dense_stand_in(b, seqs);
+  sinks = f32_stand_in(b, sinks);
   CuteFaLaunch* pre = b.launch(0);
   b.tensors(pre, {out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore, seqs.cu_q,
-                  seqs.used_q});
+                  seqs.used_q, sinks, sink_partials >= 0 ? sink_partials : sinks});
   b.arg(pre, CUTE_FA_ARG_INT, 0, seqs.seqused);
   b.arg(pre, CUTE_FA_ARG_INT, 0, s->seqlen_q);
   CuteFaLaunch* main = b.launch(1);
@@ -308,6 +334,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   b.output(grad_q);
   b.output(grad_k);
   b.output(grad_v);
+  if (sink_partials >= 0) b.output(sink_partials);
   return b.status();
 }
 

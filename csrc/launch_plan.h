@@ -22,8 +22,8 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 4
-#define CUTE_FA_PLAN_MAX_BUFFERS 20
+#define CUTE_FA_PLAN_LAYOUT_VERSION 5
+#define CUTE_FA_PLAN_MAX_BUFFERS 24
 #define CUTE_FA_PLAN_MAX_ARGS 24
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
 #define CUTE_FA_PLAN_MAX_OUTPUTS 4
@@ -118,22 +118,26 @@ typedef struct {
 
 /* Forward. Inputs: q, k, v (dense (b, s, h, d); packed (1, total, h, d),
  * then cu_seqlens_q, cu_seqlens_k (1, 1, b + 1) and seqused_q, seqused_k
- * (1, 1, b), int32, those not in use bound to any int32 tensor). Launches:
- * fwd. Outputs: out, lse ((b, h, s_q); packed (1, h, total_q)).
+ * (1, 1, b), int32, those not in use bound to any int32 tensor); sink != 0:
+ * then the learnable sinks, fp32 (1, 1, h). Launches: fwd. Outputs: out,
+ * lse ((b, h, s_q); packed (1, h, total_q)).
  * forced_parts 0: the split of the tail from the cost model (launch_plan.cpp);
  * otherwise forced_full_tiles / forced_parts (a sweep's A/B, checked by the
  * caller). Returns 0, or -1 for a shape or variant it cannot plan. */
 int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
-                     const CuteFaWindow* window, const CuteFaVarlen* varlen, int64_t num_sms,
-                     int64_t forced_full_tiles, int64_t forced_parts, CuteFaPlan* plan);
+                     const CuteFaWindow* window, const CuteFaVarlen* varlen, int32_t sink,
+                     int64_t num_sms, int64_t forced_full_tiles, int64_t forced_parts,
+                     CuteFaPlan* plan);
 
 /* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
- * the call has none); packed: then the forward's four int32 tensors.
- * Launches: preprocess, main, postprocess[, group_sum].
- * Outputs: grad_q, grad_k, grad_v. */
+ * the call has none); packed: then the forward's four int32 tensors; sink:
+ * then the sinks. Launches: preprocess, main, postprocess[, group_sum].
+ * Outputs: grad_q, grad_k, grad_v; sink: then the sink gradient's partials,
+ * fp32 (b, h, n), whose sum over b and n is d(sink) (the preprocess,
+ * cute_kernels/bwd_pre_post.py). */
 int cute_fa_plan_bwd(const CuteFaBwdVariant* variant, const CuteFaShape* shape,
-                     const CuteFaWindow* window, const CuteFaVarlen* varlen, int64_t num_sms,
-                     CuteFaPlan* plan);
+                     const CuteFaWindow* window, const CuteFaVarlen* varlen, int32_t sink,
+                     int64_t num_sms, CuteFaPlan* plan);
 
 /* The key ranges per tile of the forward's split tail for `num_tiles` tiles of
  * `n_blocks` K/V blocks on `num_sms` persistent CTAs (1: no split). */

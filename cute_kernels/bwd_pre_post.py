@@ -8,6 +8,11 @@ lane, half a sector per instruction; fa4's 0.081):
     LSE₂ = LSE · log2(e)             (+inf for rows with no visible key and for padding,
                                       so exp2(s·scale_log2 − LSE₂) is 0 there, never NaN)
     dQ accumulator rows zeroed
+    with a learnable sink (Features.sink): each warp's share of
+        dsink[h] = −Σ_rows exp(sink[h] − LSE) · D
+    (the sink's probability times D: its column has no value, so dO·V
+    drops out), one partial per warp that torch sums (a fixed order, so
+    deterministic)
     the main kernel's tile counter zeroed (BwdConfig.dynamic_tiles: the
     semaphore's first element; harmless otherwise)
 Both per-row vectors are padded to whole query tiles, so the main kernel's
@@ -60,37 +65,44 @@ def _query_seqlens(varlen: bool, mCuSeqlensQ, mSeqUsedQ, seqused, seqlen) -> Seq
 
 class BackwardPreprocess:
     def __init__(self, dtype, head_dim: int, has_grad_lse: bool, tile_m: int,
-                 varlen: bool = False):
+                 varlen: bool = False, sink: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.has_grad_lse = has_grad_lse
         self.tile_m = tile_m  # the main kernel's: the per-row buffers hold whole tiles
         self.varlen = varlen
+        self.sink = sink
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mdLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                  mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                 mSeqUsedQ: cute.Tensor, seqused: cutlass.Int32, max_seqlen_q: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 mSeqUsedQ: cute.Tensor, mSink: cute.Tensor, mSinkGrad: cute.Tensor,
+                 seqused: cutlass.Int32, max_seqlen_q: cutlass.Int32, stream: cuda.CUstream):
         """O, dO (b, s, h, d); LSE, dLSE (b, h, s) fp32 (dLSE ignored unless
         has_grad_lse); LSE₂, D (b, h, s_pad) fp32; dQ accumulator (b, h, s_pad·d);
         the main kernel's semaphore, int32 (its first element is zeroed).
         Varlen: packed as the main kernel's, with its cu_seqlens_q, seqused_q
-        and seqused bits; max_seqlen_q: the longest sequence (dense: s)."""
+        and seqused bits; max_seqlen_q: the longest sequence (dense: s).
+        With a sink: the sinks (1, 1, h) fp32 and the gradient's partials
+        (sequences, h, warps: 4 per CTA of the grid's first mode), fp32,
+        each written by one warp; otherwise neither is read."""
         seqlens = _query_seqlens(self.varlen, mCuSeqlensQ, mSeqUsedQ, seqused, mO.shape[1])
         padded_rows = cute.ceil_div(max_seqlen_q, self.tile_m) * self.tile_m
         grid = (cute.ceil_div(padded_rows, ROWS_PER_CTA), mLSE2.shape[1],
                 seqlens.num_batch(mLSE2.shape[0]))
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore, seqlens).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore, mSink, mSinkGrad,
+                    seqlens).launch(
             grid=list(grid), block=[PRE_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
-               mSemaphore: cute.Tensor, seqlens: Seqlens):
+               mSemaphore: cute.Tensor, mSink: cute.Tensor, mSinkGrad: cute.Tensor,
+               seqlens: Seqlens):
         tid = cute.arch.thread_idx()[0]
         row_block, head, batch = cute.arch.block_idx()
+        sequence = batch
         if (row_block | head | batch | tid) == 0:
             mSemaphore[0, 0, 0] = cutlass.Int32(0)  # the tile counter (dynamic_tiles)
         row = row_block * ROWS_PER_CTA + tid // LANES_PER_ROW
@@ -113,6 +125,9 @@ class BackwardPreprocess:
                     prod = o[None, i].load().to(Float32) * do[None, i].load().to(Float32)
                     dot += prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         dot = cute.arch.warp_reduction_sum(dot, threads_in_group=LANES_PER_ROW)
+        if cutlass.const_expr(self.sink):
+            self._sink_grad(mLSE, mdLSE, mSink, mSinkGrad, dot, row, seqlen, start, head,
+                            batch, sequence, row_block, tid)
         if row < padded:
             if lane == 0:
                 lse2 = Float32.inf
@@ -132,6 +147,27 @@ class BackwardPreprocess:
             for i in cutlass.range_constexpr(cute.size(zeros, mode=[1])):
                 if lane + LANES_PER_ROW * i < pieces:
                     zeros[None, i].fill(0.0)
+
+
+    @cute.jit
+    def _sink_grad(self, mLSE: cute.Tensor, mdLSE: cute.Tensor, mSink: cute.Tensor,
+                   mSinkGrad: cute.Tensor, dot: Float32, row, seqlen, start, head, batch,
+                   sequence, row_block, tid):
+        """This warp's partial of dsink[head]: −exp(sink − LSE)·D over its rows
+        (one lane per row holds a term; every lane takes part in the sum)."""
+        term = Float32(0.0)
+        if row < seqlen and tid % LANES_PER_ROW == 0:
+            lse = mLSE[batch, head, start + row]
+            dsum = dot
+            if cutlass.const_expr(self.has_grad_lse):
+                dsum = dot - mdLSE[batch, head, start + row]
+            if lse != -Float32.inf:  # (a sink of -inf: no sink)
+                term = -cute.math.exp2((mSink[0, 0, head] - lse) * LOG2_E,
+                                       fastmath=True) * dsum
+        term = cute.arch.warp_reduction_sum(term)
+        if tid % 32 == 0:
+            warps = PRE_THREADS // 32
+            mSinkGrad[sequence, head, row_block * warps + tid // 32] = term
 
 
 def interleaved_pieces(row: cute.Tensor, lane) -> tuple[cute.Tensor, int]:

@@ -45,11 +45,16 @@ class Features:
     varlen: sequences of different lengths packed along one token axis
         (total_tokens, heads, d), found through cu_seqlens (varlen.py);
         otherwise a dense (batch, seqlen, heads, d) batch.
+    sink: a learnable sink per query head, one more softmax column of that
+        logit (scaled units) and no value: it takes part in every row's
+        normaliser and LSE, never in O (softmax.py); the backward's
+        preprocess sums its gradient.
     """
 
     local: bool = False
     softcap: bool = False
     varlen: bool = False
+    sink: bool = False
 
 
 PLAIN_FEATURES = Features()

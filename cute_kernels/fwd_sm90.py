@@ -31,6 +31,7 @@ S_j and P·V_{j+1}, and the other warpgroup's GEMMs fill the gaps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -53,6 +54,8 @@ from .softcap import cap_scores
 from .softmax import OnlineSoftmax
 from .tail_split import TailSplit
 from .varlen import Seqlens, VarlenScheduler
+
+LOG2_E = math.log2(math.e)
 
 
 @dataclass
@@ -138,7 +141,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
-                 mSeqUsedK: cute.Tensor, softmax_scale_log2: Float32, num_sms: Int32,
+                 mSeqUsedK: cute.Tensor, mSink: cute.Tensor, softmax_scale_log2: Float32,
+                 num_sms: Int32,
                  full_tiles: Int32, tail_parts: Int32, window_left: Int32,
                  window_right: Int32, score_pre_tanh: Float32, seqused: Int32,
                  stream: cuda.CUstream):
@@ -147,6 +151,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         (1, total, h, d) and (1, h, total_q), with cu_seqlens (1, 1, b + 1)
         int32 and, as the seqused bits say (varlen.SEQUSED_Q, _K), the
         seqused lengths (1, 1, b) int32; other kernels never read those four.
+        A sink kernel's learnable sinks, (1, 1, h) fp32 (others never read it).
         Read only by some configs: the counters, int32
         (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
         0; split_tail: the split tiles' counters after it), and with
@@ -190,7 +195,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, tail, seqlens, tma_q, tma_k, tma_v, tma_o,
+        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, tail, seqlens, tma_q, tma_k,
+                    tma_v, tma_o,
                     softmax_scale_log2, Window(window_left, window_right), score_pre_tanh,
                     sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
@@ -229,7 +235,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, mCounters: cute.Tensor,
-               tail: TailSplit, seqlens: Seqlens, tma_q: cute.CopyAtom,
+               mSink: cute.Tensor, tail: TailSplit, seqlens: Seqlens, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale_log2: Float32, window: Window, score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -294,7 +300,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
                                mma_operand_view(storage.sK, sK_layout, self.dtype),
                                mma_operand_view(storage.sV, sV_layout, self.dtype), smem.o)
-            self.consume(mO, mO_rows, mLSE, copies, seqlens, softmax_scale_log2, score_pre_tanh,
+            self.consume(mO, mO_rows, mLSE, mSink, copies, seqlens, softmax_scale_log2,
+                         score_pre_tanh,
                          limits, mma_smem, pipes, tiles, tail,
                          storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
                          tiled_mma_qk, tiled_mma_pv)
@@ -389,6 +396,24 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         return Work(m_block, head, batch, n_lo, n_max, parts, seqlen_q, seqlen_k)
 
     @cute.jit
+    def _sink(self, mSink: cute.Tensor, work: Work) -> Float32:
+        """The tile's learnable sink (natural log units); -inf without sinks."""
+        sink = -Float32.inf
+        if cutlass.const_expr(self.features.sink):
+            sink = mSink[0, 0, work.head]
+        return sink
+
+    @cute.jit
+    def _sink_log2(self, sink: Float32, work: Work) -> Float32:
+        """The sink in log2 units for finalize_with_sink; -inf for a part of
+        a split tile (the merge adds it once)."""
+        sink_log2 = sink * LOG2_E
+        if cutlass.const_expr(self.cfg.split_tail):
+            if work.parts > 1:
+                sink_log2 = -Float32.inf
+        return sink_log2
+
+    @cute.jit
     def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
         pipe.producer_acquire(state)
         cute.copy(atom, g_view[None, n_block], s_view[None, state.index],
@@ -397,7 +422,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor, copies: Copies,
+    def consume(self, mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor,
+                mSink: cute.Tensor, copies: Copies,
                 seqlens: Seqlens, softmax_scale_log2: Float32, score_pre_tanh: Float32, limits: Limits,
                 smem: Buffers, pipes: Pipes,
                 tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
@@ -433,6 +459,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         tile = tiles.received(round_idx, pipes.q, q_state)  # with its Q (TileQueue)
         while tile < num_units:
             work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens)
+            # the sink's load is issued here, its latency hidden by the main loop
+            sink = self._sink(mSink, work)
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)
@@ -446,7 +474,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             else:
                 release(pipes.q, q_state)
             q_state.advance()
-            lse = softmax.finalize(acc_o)
+            if cutlass.const_expr(self.features.sink):
+                lse = softmax.finalize_with_sink(acc_o, self._sink_log2(sink, work))
+            else:
+                lse = softmax.finalize(acc_o)
             out = work  # where the epilogue writes
             if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
                 # from an opaque copy of the index, so that the main loop's
@@ -457,7 +488,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 writes = cutlass.Boolean(True)
                 if work.parts > 1:
                     writes = tail.merge(acc_o, lse, tile, wg, tid,
-                                        int(NamedBarrier.EPILOGUE_BASE) + wg, split_arrivals)
+                                        int(NamedBarrier.EPILOGUE_BASE) + wg, split_arrivals,
+                                        sink)
                 self._o_staging_free()
                 if writes:
                     self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,

@@ -8,6 +8,13 @@ two butterfly shuffles per update; the running sum stays a per-thread partial
 until `finalize`, which reduces it once.
 Rows with no visible key keep m = -inf and l = 0: they produce O = 0 and
 LSE = -inf (the log of an empty sum), never NaN.
+
+A learnable sink (Features.sink, gpt-oss) is one more column of the row,
+of logit `sink` in the units of the scaled scores, with no value vector:
+finalize_with_sink adds exp(sink) to the normaliser against the larger of
+the row's maximum and the sink (a sink far above every score cannot
+overflow), so O shrinks by the sink's share and LSE = log(Σ exp(s) + exp(sink)).
+A row with no visible key then gets O = 0 and LSE = sink.
 """
 
 from __future__ import annotations
@@ -94,5 +101,28 @@ class OnlineSoftmax(DslStruct):
             else:
                 inv[r] = cute.arch.rcp_approx(total)
                 lse[r] = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+        self.rescale_o(acc_o, inv)
+        return lse
+
+    @cute.jit
+    def finalize_with_sink(self, acc_o: cute.Tensor, sink_log2: Float32) -> cute.Tensor:
+        """finalize, with the sink column of logit sink_log2 (log2 units, the
+        scale applied; -inf: none, as for a part of a split tile, whose
+        merge adds it)."""
+        lse = cute.make_rmem_tensor(self.rows, Float32)
+        inv = cute.make_rmem_tensor(self.rows, Float32)
+        for r in cutlass.range_constexpr(self.rows):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            row_top = self.row_max[r] * self.scale_log2  # -inf for a row with no key
+            top = cute.arch.fmax(row_top, sink_log2)
+            if top == -Float32.inf:
+                inv[r] = Float32(0.0)
+                lse[r] = -Float32.inf
+            else:
+                # the row's sum moves from its maximum to `top`
+                weight = cute.math.exp2(row_top - top, fastmath=True)
+                normaliser = total * weight + cute.math.exp2(sink_log2 - top, fastmath=True)
+                inv[r] = weight * cute.arch.rcp_approx(normaliser)
+                lse[r] = (top + cute.math.log2(normaliser, fastmath=True)) * LN2
         self.rescale_o(acc_o, inv)
         return lse

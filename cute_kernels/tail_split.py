@@ -18,7 +18,9 @@ every SM, and the parts' results are merged by whichever finishes last:
   in with one atomic add on the tile's per-warpgroup counter. The part that
   counts last sums every part's rows in part order (O = sum_p
   O_p·exp(lse_p - lse), lse = log sum_p exp(lse_p); the same bits whichever
-  part is last) and runs the ordinary epilogue; the others skip it.
+  part is last) and runs the ordinary epilogue; the others skip it. A
+  learnable sink (Features.sink) enters there, once per row, as one more
+  term of that sum with no O.
 
 The launch plan (csrc/launch_plan.cpp) chooses `full_tiles` and `parts` on the host.
 """
@@ -74,14 +76,15 @@ class TailSplit(DslStruct):
 
     @cute.jit
     def merge(self, acc_o: cute.Tensor, lse: cute.Tensor, unit: Int32, wg: Int32, tid: Int32,
-              barrier_id: Int32, arrived: cute.Tensor) -> cutlass.Boolean:
+              barrier_id: Int32, arrived: cute.Tensor, sink: Float32) -> cutlass.Boolean:
         """One warpgroup's end of a part: publish its O and LSE rows, count in,
         and if it is the tile's last part, merge every part into acc_o and lse
         (in place). Returns whether this warpgroup then writes the tile.
 
         tid: the thread's index among the consumer threads; barrier_id: a
         named barrier of this warpgroup's 128 threads; arrived: one Int32 per
-        warpgroup in shared memory."""
+        warpgroup in shared memory; sink: the row's learnable sink (natural
+        log units; -inf: none), which the parts left out."""
         o = acc_rows_cols(acc_o)
         rows, cols = cute.size(o, mode=[0]), cute.size(o, mode=[1])
         rest = unit - self.full_tiles
@@ -103,11 +106,12 @@ class TailSplit(DslStruct):
         if is_last:
             # Acquire: the other parts' rows, counted in before our count.
             cute.arch.fence_acq_rel_gpu()
-            self._sum_parts(o, lse, split_tile * self.parts, tid)
+            self._sum_parts(o, lse, split_tile * self.parts, tid, sink)
         return is_last
 
     @cute.jit
-    def _sum_parts(self, o: cute.Tensor, lse: cute.Tensor, first: Int32, tid: Int32):
+    def _sum_parts(self, o: cute.Tensor, lse: cute.Tensor, first: Int32, tid: Int32,
+                   sink: Float32):
         """o, lse <- the merge of the tile's parts (units first, first + 1, ...),
         all read back from the workspace in part order, this one's too: the
         sum does not depend on which part came last, so the output is the same
@@ -131,10 +135,11 @@ class TailSplit(DslStruct):
             top[r] = part_lse[0, r]
             for p in cutlass.range_constexpr(1, MAX_PARTS):
                 top[r] = cute.arch.fmax(top[r], part_lse[p, r])
+            top[r] = cute.arch.fmax(top[r], sink)
             # Rows every part found empty keep -inf: weigh against 0, not -inf.
             if top[r] == -Float32.inf:
                 top[r] = Float32(0.0)
-            total[r] = Float32(0.0)
+            total[r] = cute.math.exp2((sink - top[r]) * LOG2_E, fastmath=True)
             for p in cutlass.range_constexpr(MAX_PARTS):
                 w = cute.math.exp2((part_lse[p, r] - top[r]) * LOG2_E, fastmath=True)
                 if p > last:

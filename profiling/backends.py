@@ -60,18 +60,23 @@ def add_direction_option(p, default="fwd", choices=DIRECTIONS, multiple: bool = 
 
 
 def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direction: str,
-                  compiled: bool = False, window_size: tuple = (-1, -1), softcap: float = 0.0):
+                  compiled: bool = False, window_size: tuple = (-1, -1), softcap: float = 0.0,
+                  learnable_sink=None):
     """A zero-argument callable running `direction`: 'fwd', 'bwd' (the backward of one
     recorded forward, graph retained) or 'fwd_bwd'. compiled: the attention call
-    goes through torch.compile(fullgraph=True). window_size, softcap: as
-    flash_attn_func's."""
+    goes through torch.compile(fullgraph=True). window_size, softcap,
+    learnable_sink: as flash_attn_func's (backward: the sinks' gradient too)."""
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {name!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected 'fwd', 'bwd' or 'fwd_bwd', got {direction!r}")
 
+    sink = learnable_sink
+    if sink is not None and direction != "fwd":
+        sink = sink.detach().requires_grad_(True)
+
     def attend(q_, k_, v_):
-        return attention(q_, k_, v_, causal, softmax_scale, name, window_size, softcap)
+        return attention(q_, k_, v_, causal, softmax_scale, name, window_size, softcap, sink)
 
     if compiled:
         attend = torch.compile(attend, fullgraph=True, dynamic=False)

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: -1,-1, none)")
     p.add_argument("--softcap", type=float, default=0.0, metavar="C",
                    help="soft-cap every problem's scores at C (default: 0, none)")
+    p.add_argument("--sink", action="store_true",
+                   help="learnable sinks in every problem (one fp32 logit per query head, "
+                        "flash_attn_func's learnable_sink; the backward computes their "
+                        "gradient too) (default: none)")
     p.add_argument("--math-max-seqlen", type=positive_int, default=4096,
                    help="skip sdpa_math above this sequence length: its memory and time are "
                         "quadratic in it (default: 4096)")
@@ -123,7 +127,7 @@ def problems(args) -> list[dict]:
                                         head_dim_v=head_dim_v, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,
                                         batch=batch_for(args.total_tokens, seqlen), heads=heads,
                                         heads_kv=heads // args.gqa, window=args.window,
-                                        softcap=args.softcap))
+                                        softcap=args.softcap, sink=args.sink))
     return out
 
 
@@ -137,6 +141,10 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
                        head_dim_v=dv)
     flops = attention_flops(b, h, s, problem["seqlen_k"], d, problem["causal"],
                             problem["direction"], head_dim_v=dv, window=problem["window"])
+    sinks = None
+    if problem.get("sink"):
+        gen = torch.Generator(device=q.device).manual_seed(1)
+        sinks = torch.randn(h, device=q.device, generator=gen)
     rows, runnable = {}, {}
     for name in backends:
         rows[name] = dict(problem, backend=name, status="ok", median_ms=None, tflops=None,
@@ -145,7 +153,8 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
             if name == "sdpa_math" and s > args.math_max_seqlen:
                 raise BackendUnavailable(f"skipped above --math-max-seqlen {args.math_max_seqlen}")
             fn = make_callable(name, q, k, v, problem["causal"], d ** -0.5, problem["direction"],
-                               window_size=problem["window"], softcap=problem["softcap"])
+                               window_size=problem["window"], softcap=problem["softcap"],
+                               learnable_sink=sinks)
             # The first call (JIT compile included) runs alone; a backend that
             # cannot run this problem fails here, as its own row.
             first_ms, peak = first_call(fn)
@@ -168,6 +177,7 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
 def _label(problem: dict) -> str:
     mods = "" if problem["window"] == (-1, -1) else f" window={problem['window']}"
     mods += f" softcap={problem['softcap']:g}" if problem["softcap"] else ""
+    mods += " sink" if problem.get("sink") else ""
     return (f"{problem['direction']} {problem['dtype']} d={head_dims_text(problem)} "
             f"causal={problem['causal']}{mods} seqlen={problem['seqlen_q']}")
 

@@ -23,9 +23,9 @@ PROBLEM_KEYS = ("direction", "dtype", "head_dim", "causal", "seqlen_q", "seqlen_
 
 
 def problem_key(row: dict) -> tuple:
-    # window and softcap: rows recorded before they existed have neither
+    # window, softcap and sink: rows recorded before they existed have none
     return tuple(row[k] for k in PROBLEM_KEYS) + (head_dim_v(row), tuple(row.get(
-        "window", (-1, -1))), row.get("softcap", 0.0))
+        "window", (-1, -1))), row.get("softcap", 0.0), row.get("sink", False))
 
 
 def head_dim_v(row: dict) -> int:

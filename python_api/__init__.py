@@ -16,7 +16,7 @@ import torch
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
 from . import varlen  # noqa: F401  (registers torch.ops.cute_fa.varlen_*)
 from .reference import attention_reference
-from .scores import check_score_args, window_from_size
+from .scores import check_score_args, check_sink, check_sink_type, window_from_size
 from .validate import check_argument_types, check_attention_tensors
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "attention_reference"]
@@ -25,7 +25,8 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "attention_reference"]
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    return_lse: bool = False, deterministic: bool = False):
+                    learnable_sink: torch.Tensor | None = None, return_lse: bool = False,
+                    deterministic: bool = False):
     """Exact attention softmax(q·kᵀ·scale)·v.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
@@ -39,6 +40,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         i + seqlen_k - seqlen_q + right; -1 is unbounded on that side; with
         causal, right is 0. Key blocks outside the window are skipped.
     softcap: > 0 soft-caps the scores (Gemma 2): softcap · tanh(scale·q·k / softcap).
+    learnable_sink: (nheads,) fp32/bf16/fp16, one logit per query head (gpt-oss's
+        attention sinks, in the units of the scaled scores): a softmax column
+        with no value, so out = Σ_j exp(s_j − lse)·v_j with lse = log(Σ_j
+        exp(s_j) + exp(sink)); a row that sees no key gives 0 and lse = sink.
+        Differentiable (its gradient has the sinks' dtype).
     softmax_scale: defaults to 1/sqrt(headdim).
     deterministic: the backward adds dQ partials in a fixed order, so gradients
         are bitwise reproducible (a little slower).
@@ -51,18 +57,20 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_argument_types(q, k, v, softmax_scale)
     window_left, window_right = window_from_size(window_size)
     check_score_args(window_left, window_right, softcap)
+    check_sink_type(learnable_sink)
     softcap = float(softcap)
     if q.is_cuda and not torch.compiler.is_compiling():
         # Eager on the GPU: same kernels, without the custom-op dispatch cost.
         check_attention_tensors(q, k, v, softmax_scale)
+        check_sink(learnable_sink, q.shape[2], q.device)
         out, lse = ops.EagerCudaAttention.apply(q, k, v, softmax_scale, bool(causal),
                                                 bool(deterministic), window_left, window_right,
-                                                softcap)
+                                                softcap, learnable_sink)
     else:
         # The op validates the rest (once) and resolves the default scale.
         out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal),
                                          bool(deterministic), window_left, window_right,
-                                         softcap)
+                                         softcap, learnable_sink)
     return (out, lse) if return_lse else out
 
 
@@ -73,6 +81,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            seqused_k: torch.Tensor | None = None,
                            softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           learnable_sink: torch.Tensor | None = None,
                            deterministic: bool = False, return_lse: bool = False):
     """flash_attn_func over a packed batch of sequences of different lengths
     (FlashAttention's varlen layout and names).
@@ -83,7 +92,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q[b] to cu_seqlens_q[b+1] of q, its keys those of k. Each
     sequence attends on its own; causal masks and windows are aligned to its
     own lengths (bottom-right), a sequence with no keys gives output 0 and
-    LSE -inf. seqused_q / seqused_k: int32 (batch,), how many rows of each
+    LSE -inf (with learnable sinks, the sink). seqused_q / seqused_k: int32 (batch,), how many rows of each
     segment take part (the rest are left out; their outputs are undefined
     and their gradients 0).
     max_seqlen_q / max_seqlen_k: the longest sequences, at least every
@@ -98,6 +107,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_score_args(window_left, window_right, softcap)
     varlen.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0,
                                max_seqlen_k or 0, seqused_q, seqused_k, softmax_scale)
+    check_sink(learnable_sink, q.shape[1], q.device)
     if max_seqlen_q is None or max_seqlen_k is None:
         longest_q, longest_k = varlen.check_seqlen_values(
             cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q, seqused_k)
@@ -107,5 +117,5 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                             int(max_seqlen_q), int(max_seqlen_k), seqused_q,
                                             seqused_k, softmax_scale, bool(causal),
                                             bool(deterministic), window_left, window_right,
-                                            float(softcap))
+                                            float(softcap), learnable_sink)
     return (out, lse) if return_lse else out

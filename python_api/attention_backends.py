@@ -48,7 +48,7 @@ def _sdpa(q, k, v, causal, softmax_scale, backend_name):
     return out.transpose(1, 2)
 
 
-def _fa4(q, k, v, causal, softmax_scale, window_size, softcap):
+def _fa4(q, k, v, causal, softmax_scale, window_size, softcap, learnable_sink):
     try:
         from flash_attn.cute import flash_attn_func as fa4_func
     except Exception as exc:  # ImportError, or a DSL/runtime mismatch at import
@@ -61,23 +61,27 @@ def _fa4(q, k, v, causal, softmax_scale, window_size, softcap):
         extra["window_size"] = tuple(None if w < 0 else w for w in window_size)
     if softcap:
         extra["softcap"] = softcap
+    if learnable_sink is not None:
+        extra["learnable_sink"] = learnable_sink
     out = fa4_func(q, k, v, softmax_scale=softmax_scale, causal=causal, **extra)
     return out[0] if isinstance(out, tuple) else out
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
               backend: str = "cute", window_size: tuple = (-1, -1),
-              softcap: float = 0.0) -> torch.Tensor:
+              softcap: float = 0.0, learnable_sink: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale)·v with the chosen implementation; (b, s, h, d) out.
-    window_size and softcap as flash_attn_func's (SDPA has neither)."""
+    window_size, softcap and learnable_sink as flash_attn_func's (SDPA has none)."""
     if backend == "cute":
         from . import flash_attn_func
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                               window_size=window_size, softcap=softcap)
+                               window_size=window_size, softcap=softcap,
+                               learnable_sink=learnable_sink)
     if backend == "fa4":
-        return _fa4(q, k, v, causal, softmax_scale, tuple(window_size), softcap)
-    if backend in SDPA_BACKENDS and (tuple(window_size) != (-1, -1) or softcap):
-        raise BackendUnavailable("SDPA has no sliding window or softcap (a dense mask "
+        return _fa4(q, k, v, causal, softmax_scale, tuple(window_size), softcap, learnable_sink)
+    if backend in SDPA_BACKENDS and (tuple(window_size) != (-1, -1) or softcap
+                                     or learnable_sink is not None):
+        raise BackendUnavailable("SDPA has no sliding window, softcap or sinks (a dense mask "
                                  "would be another problem)")
     if backend in SDPA_BACKENDS:
         return _sdpa(q, k, v, causal, softmax_scale, SDPA_BACKENDS[backend])

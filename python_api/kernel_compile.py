@@ -85,6 +85,12 @@ def _seqlen_tensors() -> list:
     return [_fake_rows(cutlass.Int32, _sym(), _sym(), _sym()) for _ in range(4)]
 
 
+def _sink_tensor():
+    """The learnable sinks, fp32 (1, 1, h), which every forward main kernel
+    and backward preprocess takes and only sink kernels read."""
+    return _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())
+
+
 def _compile(kernel, *args, dump_dir: str | None = None):
     options = "--enable-tvm-ffi" + _target_option()
     if dump_dir:
@@ -110,7 +116,7 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
     start = time.perf_counter()
     fn = _compile(kernel, q, k, v, o, lse, counters, partials, *_seqlen_tensors(),
-                  cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1),
+                  _sink_tensor(), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1),
                   *_score_args(), cutlass.Int32(0), dump_dir=dump_dir)
     return CompiledKernel(fn, time.perf_counter() - start)
 
@@ -139,8 +145,9 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     start = time.perf_counter()
     fns = (
         _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse, config.tile_m,
-                                    features.varlen), q, do, lse, dlse, lse2, dsum, dq_accum,
-                 semaphore, seqlen_tensors[0], seqlen_tensors[2], cutlass.Int32(0),
+                                    features.varlen, features.sink), q, do, lse, dlse, lse2,
+                 dsum, dq_accum, semaphore, seqlen_tensors[0], seqlen_tensors[2],
+                 _sink_tensor(), _fake_rows(f32, _sym(), _sym(), _sym()), cutlass.Int32(0),
                  cutlass.Int32(1),
                  dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
         _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, *seqlen_tensors,

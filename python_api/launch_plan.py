@@ -32,8 +32,8 @@ from . import user_cache
 from .kernels import tail_plan
 from .kernels.config import WARPGROUP_THREADS, BwdConfig, FwdConfig
 
-LAYOUT_VERSION = 4
-MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 20, 24, 4, 4
+LAYOUT_VERSION = 5
+MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 24, 24, 4, 4
 LOG2_E = 1.4426950408889634
 
 
@@ -142,12 +142,12 @@ def library() -> ctypes.CDLL:
     lib.cute_fa_plan_fwd.restype = ctypes.c_int
     lib.cute_fa_plan_fwd.argtypes = [ctypes.POINTER(FwdVariant), ctypes.POINTER(Shape),
                                      ctypes.POINTER(Window), ctypes.POINTER(Varlen),
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.POINTER(_Plan)]
+                                     ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
     lib.cute_fa_plan_bwd.restype = ctypes.c_int
     lib.cute_fa_plan_bwd.argtypes = [ctypes.POINTER(BwdVariant), ctypes.POINTER(Shape),
                                      ctypes.POINTER(Window), ctypes.POINTER(Varlen),
-                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
+                                     ctypes.c_int32, ctypes.c_int64, ctypes.POINTER(_Plan)]
     lib.cute_fa_tail_parts.restype = ctypes.c_int64
     lib.cute_fa_tail_parts.argtypes = [ctypes.c_int64] * 4
     version = ctypes.c_int64()
@@ -238,18 +238,20 @@ def _varlen_arg(varlen: tuple | None):
 @functools.lru_cache(maxsize=1024)  # the Python op path asks it on every call
 def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
              tail: tail_plan.TailPlan | None = None, window: tuple = (-1, -1),
-             varlen: tuple | None = None) -> Plan:
+             varlen: tuple | None = None, sink: bool = False) -> Plan:
     """The forward's plan for `shape` (shape_of, or for a packed batch
     varlen_shape); `tail` forces the split of the last round
     (profiling.sweep's A/B), else the planner's cost model; `window` (left,
     right; -1 unbounded) is a local kernel's; `varlen` (total_q, total_k,
-    seqused_q given, seqused_k given) a packed batch's."""
+    seqused_q given, seqused_k given) a packed batch's; `sink`: the call
+    hands learnable sinks (an input after the others)."""
     plan = _Plan()
     forced_full, forced_parts = (tail.full_tiles, tail.parts) if tail is not None else (0, 0)
     status = library().cute_fa_plan_fwd(ctypes.byref(fwd_variant(config, shape[6])),
                                         ctypes.byref(Shape(*shape)),
                                         ctypes.byref(Window(*window)), _varlen_arg(varlen),
-                                        num_sms, forced_full, forced_parts, ctypes.byref(plan))
+                                        int(sink), num_sms, forced_full, forced_parts,
+                                        ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no forward launch plan for shape {shape} on {num_sms} SMs with "
                          f"tail {tail} and config {config}")
@@ -258,13 +260,14 @@ def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
 
 @functools.lru_cache(maxsize=1024)
 def plan_bwd(config: BwdConfig, shape: tuple, num_sms: int,
-             window: tuple = (-1, -1), varlen: tuple | None = None) -> Plan:
-    """The backward's plan for `shape`, `window` and `varlen` as plan_fwd's."""
+             window: tuple = (-1, -1), varlen: tuple | None = None, sink: bool = False) -> Plan:
+    """The backward's plan for `shape`, `window`, `varlen` and `sink` as
+    plan_fwd's; with a sink its fourth output holds d(sink)'s partials."""
     plan = _Plan()
     status = library().cute_fa_plan_bwd(ctypes.byref(bwd_variant(config)),
                                         ctypes.byref(Shape(*shape)),
                                         ctypes.byref(Window(*window)), _varlen_arg(varlen),
-                                        num_sms, ctypes.byref(plan))
+                                        int(sink), num_sms, ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no backward launch plan for shape {shape} on {num_sms} SMs "
                          f"with config {config}")

@@ -3,7 +3,7 @@
 Range names are `cute_fa.<op>` followed by the problem in brackets, e.g.
     cute_fa.fwd[b=2,sq=4096,sk=4096,hq=16,hkv=16,d=128,causal=1,bf16]
 (with `dv=` after `d=` where v's head dim differs from q's, and `window=l:r`,
-`softcap=c` before the dtype where the call has them); a packed batch's, e.g.
+`softcap=c`, `sink` before the dtype where the call has them); a packed batch's, e.g.
     cute_fa.varlen_fwd[b=12,total_q=16384,total_k=16384,max_sq=8000,max_sk=8000,...]
 Select every forward kernel with
     ncu --nvtx --nvtx-include "regex:cute_fa\\.fwd.*/" python ...
@@ -48,6 +48,8 @@ def _score_mods(scores) -> str:
         mods += f"window={scores.window[0]}:{scores.window[1]},"
     if scores is not None and scores.features.softcap:
         mods += f"softcap={scores.softcap:g},"
+    if scores is not None and scores.features.sink:
+        mods += "sink,"
     return mods
 
 

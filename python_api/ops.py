@@ -2,9 +2,9 @@
 implementations.
 
 `cute_fa::fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False,
- window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)`
-(softmax_scale None means 1/sqrt(headdim); a sliding window and a soft cap as
-scores.py says; inputs are validated here, once.)
+ window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)`
+(softmax_scale None means 1/sqrt(headdim); a sliding window, a soft cap and
+learnable sinks as scores.py says; inputs are validated here, once.)
 - CUDA (sm_90): the CuTe DSL kernel (cute_kernels/fwd_sm90.py), launched by
   its launch plan (csrc/launch_plan.h) from C++ (csrc/cute_fa_native.cpp,
   native.py) where that builds, else from forward_cuda below;
@@ -13,9 +13,11 @@ scores.py says; inputs are validated here, once.)
 Every real call runs inside an NVTX range named after the problem (nvtx.py).
 
 `cute_fa::bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
- deterministic=False, window_left=-1, window_right=-1, softcap=0.0)
- -> (grad_q, grad_k, grad_v)`, the autograd formula of `fwd`,
-which saves only q, k, v, out and lse. `deterministic` (a forward argument, so
+ deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+ learnable_sink=None) -> (grad_q, grad_k, grad_v, grad_sink)`, the autograd
+formula of `fwd`, which saves only q, k, v, out, lse (and the sinks);
+grad_sink is the sinks' gradient in their dtype, or an empty fp32 tensor
+for a call without sinks. `deterministic` (a forward argument, so
 that autograd can hand it on) makes the gradients bitwise reproducible.
 - CUDA (sm_90): preprocess, the DSL backward kernel and the dQ postprocess
   (cute_kernels/bwd_sm90.py, bwd_pre_post.py), launched as the forward's;
@@ -31,7 +33,7 @@ from .kernels import tail_plan
 from .kernels.config import BwdConfig, FwdConfig, kernel_head_dim
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, resolve_scale
-from .scores import check_score_args, resolve
+from .scores import check_score_args, check_sink, resolve
 from .validate import check_attention_inputs, check_backward_head_dims, check_backward_inputs
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
@@ -55,12 +57,14 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
 def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                  causal: bool, config: FwdConfig | None = None,
                  tail: tail_plan.TailPlan | None = None, window_left: int = -1,
-                 window_right: int = -1, softcap: float = 0.0):
+                 window_right: int = -1, softcap: float = 0.0,
+                 learnable_sink: torch.Tensor | None = None):
     """Run the DSL forward kernel by its launch plan (launch_plan.py);
     `config` overrides the per-problem default (this is how profiling.sweep
     A/Bs kernel variants), `tail` the split of the last round that a
     split_tail config would choose."""
-    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
+                     sink=learnable_sink is not None)
     name = nvtx_ranges.range_name("fwd", q, v, causal, scores)  # the caller's head dim
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
@@ -72,8 +76,10 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if tail is not None:
         _check_forced_tail(config, q, tail)
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
-                                tail, scores.window)
+                                tail, scores.window, sink=learnable_sink is not None)
     inputs = [tma_ready(q), tma_ready(k), tma_ready(v)]
+    if learnable_sink is not None:
+        inputs.append(sink_input(learnable_sink))
     nvtx_ranges.push(name)
     try:
         out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale,
@@ -83,6 +89,17 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if kernel_dim_v != head_dim_v:
         out = out[..., :head_dim_v].contiguous()
     return out, lse
+
+
+def sink_input(learnable_sink: torch.Tensor) -> torch.Tensor:
+    """The sinks as the kernels read them: fp32 (1, 1, nheads)."""
+    return learnable_sink.to(torch.float32).contiguous().view(1, 1, -1)
+
+
+def sink_grad(partials: torch.Tensor, learnable_sink: torch.Tensor) -> torch.Tensor:
+    """d(sink) from the preprocess's per-warp partials (sequences, nheads, n):
+    summed in a fixed order, in the sinks' dtype."""
+    return partials.sum(dim=(0, 2)).to(learnable_sink.dtype)
 
 
 def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -109,14 +126,18 @@ def _check_forced_tail(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailP
 def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
                   grad_lse: torch.Tensor | None = None, deterministic: bool = False,
-                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0, *,
+                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                  learnable_sink: torch.Tensor | None = None, *,
                   config: BwdConfig | None = None):
     """Run preprocess, the DSL backward kernel, the dQ postprocess (and the
     group sum of split_gqa) by their launch plan, with the arguments of
     cute_fa::bwd; `config` overrides the per-problem default
-    (profiling.sweep), deterministic included."""
+    (profiling.sweep), deterministic included. Returns (dq, dk, dv), with
+    learnable sinks (dq, dk, dv, dsink)."""
     check_backward_head_dims(q, v)
-    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    sink = learnable_sink is not None
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
+                     sink=sink)
     name = nvtx_ranges.range_name("bwd", q, v, causal, scores)  # the caller's head dim
     head_dims = (q.shape[3], k.shape[3], v.shape[3])
     kernel_dim = kernel_head_dim(q.shape[3])  # v's pads to it too (check_backward_head_dims)
@@ -125,20 +146,24 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     kernels, config, device_index = bwd_kernels_for(q, k, scores.causal, deterministic,
                                                     grad_lse is not None, config, scores.features)
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
-                                scores.window)
+                                scores.window, sink=sink)
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
     inputs = [tma_ready(grad_out), tma_ready(q), tma_ready(k), tma_ready(v),
               tma_ready(out), lse, grad_lse]
+    if sink:
+        inputs.append(sink_input(learnable_sink))
     nvtx_ranges.push(name)
     try:
         grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,
                                     scores.softcap)
     finally:
         nvtx_ranges.pop()
+    if sink:
+        grads = grads[:3] + (sink_grad(grads[3], learnable_sink),)
     if head_dims != (kernel_dim,) * 3:
         grads = tuple(g[..., :d].contiguous() if d != kernel_dim else g
-                      for g, d in zip(grads, head_dims))
+                      for g, d in zip(grads, head_dims)) + grads[3:]
     return grads
 
 
@@ -149,69 +174,95 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 # sets the pace of a compiled training step without CUDA graphs
 # (docs/findings.md, "Host path"), and the compiled graph calls both ops once per layer.
 _lib = torch.library.Library("cute_fa", "DEF")
-SCORE_ARGS = "int window_left=-1, int window_right=-1, float softcap=0.0"
+SCORE_ARGS = ("int window_left=-1, int window_right=-1, float softcap=0.0, "
+              "Tensor? learnable_sink=None")
 _lib.define("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
             f"bool deterministic=False, {SCORE_ARGS}) -> (Tensor, Tensor)")
 _lib.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "float softmax_scale, bool causal, Tensor? grad_lse=None, "
-            f"bool deterministic=False, {SCORE_ARGS}) -> (Tensor, Tensor, Tensor)")
+            f"bool deterministic=False, {SCORE_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def no_sink_grad(q: torch.Tensor) -> torch.Tensor:
+    """The fourth output of a backward op called without sinks."""
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+def _check_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, learnable_sink):
+    check_attention_inputs(q, k, v, softmax_scale)
+    check_score_args(window_left, window_right, softcap)
+    check_sink(learnable_sink, q.shape[2], q.device)
 
 
 def _fwd_cpu(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
-             window_right=-1, softcap=0.0):
-    check_attention_inputs(q, k, v, softmax_scale)
-    check_score_args(window_left, window_right, softcap)
-    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+             window_right=-1, softcap=0.0, learnable_sink=None):
+    _check_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, learnable_sink)
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
+                     sink=learnable_sink is not None)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal, scores)):
         out, lse = attention_reference(q, k, v, resolve_scale(q, softmax_scale), causal,
-                                       window=(window_left, window_right), softcap=softcap)
+                                       window=(window_left, window_right), softcap=softcap,
+                                       sink=learnable_sink)
     return out.contiguous(), lse.contiguous()
 
 
 def _fwd_cuda(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
-              window_right=-1, softcap=0.0):
-    check_attention_inputs(q, k, v, softmax_scale)
-    check_score_args(window_left, window_right, softcap)
+              window_right=-1, softcap=0.0, learnable_sink=None):
+    _check_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, learnable_sink)
     return forward_cuda(q, k, v, resolve_scale(q, softmax_scale), causal,
-                        window_left=window_left, window_right=window_right, softcap=softcap)
+                        window_left=window_left, window_right=window_right, softcap=softcap,
+                        learnable_sink=learnable_sink)
 
 
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
-              window_right=-1, softcap=0.0):
+              window_right=-1, softcap=0.0, learnable_sink=None):
     # Validating here makes a bad call fail while torch.compile traces, not at run time.
-    check_attention_inputs(q, k, v, softmax_scale)
-    check_score_args(window_left, window_right, softcap)
+    _check_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, learnable_sink)
     batch, seqlen_q, heads, _ = q.shape
     out = torch.empty((batch, seqlen_q, heads, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse
 
 
-def _bwd_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
-             deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
+def _check_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse, window_left, window_right,
+               softcap, learnable_sink):
     check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
     check_score_args(window_left, window_right, softcap)
-    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1])
+    check_sink(learnable_sink, q.shape[2], q.device)
+
+
+def _bwd_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
+             deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+             learnable_sink=None):
+    _check_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse, window_left, window_right,
+               softcap, learnable_sink)
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
+                     sink=learnable_sink is not None)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("bwd", q, v, causal, scores)):
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
                                              causal, grad_lse, window=(window_left, window_right),
-                                             softcap=softcap)
-    return tuple(g.contiguous() for g in grads)
+                                             softcap=softcap, sink=learnable_sink)
+    grads = tuple(g.contiguous() for g in grads)
+    return grads if learnable_sink is not None else grads + (no_sink_grad(q),)
 
 
 def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
-              deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
-    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
-    check_score_args(window_left, window_right, softcap)
-    return backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse,
-                         deterministic, window_left, window_right, softcap)
+              deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+              learnable_sink=None):
+    _check_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse, window_left, window_right,
+               softcap, learnable_sink)
+    grads = backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse,
+                          deterministic, window_left, window_right, softcap, learnable_sink)
+    return grads if learnable_sink is not None else grads + (no_sink_grad(q),)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
-              deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
-    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
-    check_score_args(window_left, window_right, softcap)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+              deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+              learnable_sink=None):
+    _check_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse, window_left, window_right,
+               softcap, learnable_sink)
+    sink_grad = no_sink_grad(q) if learnable_sink is None else torch.empty_like(learnable_sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sink_grad
 
 
 # On a CUDA machine the C++ host side of the CUDA kernels (native.py) serves
@@ -228,30 +279,41 @@ for _name, _cpu, _cuda, _fake in (("fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
     if _native is None:
         _lib.impl(_name, _cuda, "CUDA")
     torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
-# The eager path's kernels, with the arguments of cute_fa::fwd / cute_fa::bwd.
+# The eager path's kernels, with the arguments and outputs of cute_fa::fwd / cute_fa::bwd.
+def _backward_outputs(*args):
+    grads = backward_cuda(*args)
+    return grads if len(grads) == 4 else grads + (no_sink_grad(args[1]),)
+
+
 _eager_fwd = _native.fwd if _native is not None else (
-    lambda q, k, v, scale, causal, deterministic, window_left, window_right, softcap:
-    forward_cuda(q, k, v, scale, causal, window_left=window_left, window_right=window_right,
-                 softcap=softcap))
-_eager_bwd = _native.bwd if _native is not None else backward_cuda
+    lambda q, k, v, scale, causal, deterministic, window_left, window_right, softcap,
+    learnable_sink: forward_cuda(q, k, v, scale, causal, window_left=window_left,
+                                 window_right=window_right, softcap=softcap,
+                                 learnable_sink=learnable_sink))
+_eager_bwd = _native.bwd if _native is not None else _backward_outputs
 
 
 def _save_for_backward(ctx, q, k, v, out, lse, softmax_scale: float, causal: bool,
                        deterministic: bool, score_args: tuple) -> None:
-    """score_args: (window_left, window_right, softcap) as the forward took them."""
-    ctx.save_for_backward(q, k, v, out, lse)
+    """score_args: (window_left, window_right, softcap, learnable_sink) as the
+    forward took them."""
+    *scalars, learnable_sink = score_args
+    ctx.save_for_backward(q, k, v, out, lse, learnable_sink)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.score_args = score_args
+    ctx.score_args = tuple(scalars)
 
 
 def _saved_grads(ctx, grad_out, grad_lse, backward):
-    """(dq, dk, dv) from what _save_for_backward kept; `backward` takes the
-    arguments of cute_fa::bwd (the op itself, or backward_cuda)."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """(dq, dk, dv, dsink or None) from what _save_for_backward kept;
+    `backward` takes the arguments of cute_fa::bwd (the op itself, or its
+    CUDA kernel)."""
+    q, k, v, out, lse, learnable_sink = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    return backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                    grad_lse, ctx.deterministic, *ctx.score_args)
+    dq, dk, dv, dsink = backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale,
+                                 ctx.causal, grad_lse, ctx.deterministic, *ctx.score_args,
+                                 learnable_sink)
+    return dq, dk, dv, dsink if learnable_sink is not None else None
 
 
 # cute_fa::fwd's Autograd kernel, registered directly rather than through
@@ -279,8 +341,9 @@ def _fwd_below_autograd(keyset, *args):
 
 
 class _FwdAutograd(torch.autograd.Function):
-    """The autograd formula of cute_fa::fwd: saves q, k, v, out and the LSE;
-    the backward is cute_fa::bwd (so torch.compile traces it as that op)."""
+    """The autograd formula of cute_fa::fwd: saves q, k, v, out, the LSE (and
+    the sinks); the backward is cute_fa::bwd (so torch.compile traces it as
+    that op)."""
 
     @staticmethod
     def forward(ctx, keyset, q, k, v, softmax_scale, causal, deterministic, *score_args):
@@ -295,15 +358,20 @@ class _FwdAutograd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        grads = _saved_grads(ctx, grad_out, grad_lse, torch.ops.cute_fa.bwd)
-        return None, *grads, None, None, None, None, None, None
+        dq, dk, dv, dsink = _saved_grads(ctx, grad_out, grad_lse, torch.ops.cute_fa.bwd)
+        return None, dq, dk, dv, None, None, None, None, None, None, dsink
+
+
+def _requires_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _fwd_autograd(keyset, q, k, v, softmax_scale=None, causal=False, deterministic=False,
-                  window_left=-1, window_right=-1, softcap=0.0):
+                  window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
     # The dispatcher leaves out trailing arguments that equal their defaults.
-    args = (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    args = (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap,
+            learnable_sink)
+    if _requires_grad(q, k, v, learnable_sink):
         return _FwdAutograd.apply(keyset, *args)
     return _fwd_below_autograd(keyset, *args)
 
@@ -321,9 +389,9 @@ class EagerCudaAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window_left=-1,
-                window_right=-1, softcap=0.0):
+                window_right=-1, softcap=0.0, learnable_sink=None):
         scale = resolve_scale(q, softmax_scale)
-        score_args = (window_left, window_right, softcap)
+        score_args = (window_left, window_right, softcap, learnable_sink)
         out, lse = _eager_fwd(q, k, v, scale, causal, deterministic, *score_args)
         _save_for_backward(ctx, q, k, v, out, lse, scale, causal, deterministic, score_args)
         ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None
@@ -331,5 +399,5 @@ class EagerCudaAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return *_saved_grads(ctx, grad_out, grad_lse, _eager_bwd), None, None, None, None, \
-            None, None
+        dq, dk, dv, dsink = _saved_grads(ctx, grad_out, grad_lse, _eager_bwd)
+        return dq, dk, dv, None, None, None, None, None, None, dsink

@@ -9,6 +9,9 @@ Conventions, shared with the kernels:
   (causal sets right = 0);
 - softcap > 0: each score s·scale becomes softcap · tanh(s·scale / softcap);
 - a query row that sees no key gives O = 0 and LSE = -inf;
+- learnable sinks (nheads,): one more column per row of logit sink[h] (the
+  units of the scaled scores) and no value: LSE = log(Σ exp(s) + exp(sink)),
+  O = Σ exp(s − LSE)·v; a row with no visible key then has LSE = sink;
 - LSE is the natural-log log-sum-exp of the scaled scores, (batch, nheads, seqlen_q), fp32;
 - a packed (varlen) batch, (total, nheads, headdim) with cu_seqlens, is each
   sequence on its own, its LSE (nheads, total_q).
@@ -76,8 +79,14 @@ def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0):
     return scores, slope
 
 
+def _with_sink(scores, sink):
+    """The scores with the sink column appended (b, h, s_q, s_k + 1)."""
+    column = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    return torch.cat([scores, column], dim=-1)
+
+
 def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch.float32,
-                        window=(-1, -1), softcap=0.0):
+                        window=(-1, -1), softcap=0.0, sink=None):
     """Returns (out in q.dtype, lse fp32). compute_dtype=None computes in the input dtype,
     which is PyTorch's own low-precision math path."""
     out_dtype = q.dtype
@@ -86,7 +95,9 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
     scale = resolve_scale(q, softmax_scale)
     k, v = _expanded_kv(q, k, v)
     scores, _ = _scores(q, k, scale, causal, window, softcap)
-    lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    normalised = scores if sink is None else _with_sink(scores, sink)
+    lse = torch.logsumexp(normalised.to(torch.promote_types(scores.dtype, torch.float32)),
+                          dim=-1)
     probs = torch.exp(scores - lse[..., None].to(scores.dtype))
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
@@ -95,7 +106,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
 
 def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, causal,
                                  grad_lse=None, compute_dtype=torch.float32, window=(-1, -1),
-                                 softcap=0.0):
+                                 softcap=0.0, sink=None):
     """Closed-form gradients (dq, dk, dv) of attention_reference, in the form the
     backward kernel computes them:
         P  = exp(scale·QKᵀ − LSE)            (0 where masked or the row sees no key)
@@ -105,7 +116,9 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
         dQ = scale·dS·K       dK = scale·dSᵀ·Q
     (with a softcap, dS also carries the cap's slope 1 − tanh²).
     GQA: dK and dV are summed over the query heads that share a K/V head.
-    grad_lse: gradient flowing into the LSE output (None = 0)."""
+    grad_lse: gradient flowing into the LSE output (None = 0).
+    With sinks, also d(sink) = −Σ_rows exp(sink − LSE)·D (in the sinks'
+    dtype), returned fourth."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     f = (lambda t: t.to(compute_dtype)) if compute_dtype is not None else (lambda t: t)
     q, k, v, out, grad_out = f(q), f(k), f(v), f(out), f(grad_out)
@@ -127,7 +140,11 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
     if group > 1:
         grad_k = grad_k.unflatten(2, (heads_kv, group)).sum(3)
         grad_v = grad_v.unflatten(2, (heads_kv, group)).sum(3)
-    return grad_q.to(dtypes[0]), grad_k.to(dtypes[1]), grad_v.to(dtypes[2])
+    grads = grad_q.to(dtypes[0]), grad_k.to(dtypes[1]), grad_v.to(dtypes[2])
+    if sink is None:
+        return grads
+    sink_probs = torch.exp(sink.to(delta.dtype)[None, :, None] - lse.to(delta.dtype))
+    return grads + (-(sink_probs * delta).sum(dim=(0, 2)).to(sink.dtype),)
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
@@ -143,7 +160,8 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None,
                                causal=False, seqused_q=None, seqused_k=None,
-                               compute_dtype=torch.float32, window=(-1, -1), softcap=0.0):
+                               compute_dtype=torch.float32, window=(-1, -1), softcap=0.0,
+                               sink=None):
     """attention_reference over a packed batch: q (total_q, nheads, d), k, v
     (total_k, nheads_kv, d); each sequence on its own (masks aligned to its
     own lengths). Returns out (total_q, nheads, dv) in q.dtype, 0 on rows
@@ -155,7 +173,7 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scal
         if rows_q.stop == rows_q.start:
             continue
         o, l = attention_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k],
-                                   softmax_scale, causal, compute_dtype, window, softcap)
+                                   softmax_scale, causal, compute_dtype, window, softcap, sink)
         out[rows_q], lse[:, rows_q] = o[0], l[0]
     return out, lse
 
@@ -163,17 +181,29 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scal
 def varlen_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               softmax_scale, causal, seqused_q=None, seqused_k=None,
                               grad_lse=None, compute_dtype=torch.float32, window=(-1, -1),
-                              softcap=0.0):
+                              softcap=0.0, sink=None):
     """attention_backward_reference over a packed batch (lse, grad_lse:
-    (nheads, total_q)); rows outside every sequence get zero gradients."""
+    (nheads, total_q)); rows outside every sequence get zero gradients.
+    With sinks, d(sink) fourth (a sequence with no keys adds its rows'
+    −exp(sink − LSE)·D = −D: the sink holds all of their weight)."""
     grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    sink_grad = None if sink is None else torch.zeros(sink.shape, dtype=torch.float64)
     for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
-        if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
+        if rows_q.stop == rows_q.start:
             continue
         seq_grad_lse = None if grad_lse is None else grad_lse[None, :, rows_q]
-        dq, dk, dv = attention_backward_reference(
+        if rows_k.stop == rows_k.start:
+            if sink is not None:  # O = 0, LSE = sink: only the LSE's gradient reaches the sink
+                dlse = 0 if seq_grad_lse is None else seq_grad_lse[0].double().sum(-1)
+                sink_grad += dlse.cpu() if torch.is_tensor(dlse) else dlse
+            continue
+        seq = attention_backward_reference(
             grad_out[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
             out[None, rows_q], lse[None, :, rows_q], softmax_scale, causal, seq_grad_lse,
-            compute_dtype, window, softcap)
-        grads[0][rows_q], grads[1][rows_k], grads[2][rows_k] = dq[0], dk[0], dv[0]
-    return tuple(grads)
+            compute_dtype, window, softcap, sink)
+        grads[0][rows_q], grads[1][rows_k], grads[2][rows_k] = seq[0][0], seq[1][0], seq[2][0]
+        if sink is not None:
+            sink_grad += seq[3].double().cpu()
+    if sink is None:
+        return tuple(grads)
+    return (*grads, sink_grad.to(device=sink.device, dtype=sink.dtype))

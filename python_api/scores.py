@@ -1,19 +1,25 @@
 """What a call does to its scores beyond q·kᵀ·scale: a causal mask, a sliding
-window, a soft cap; checked once, and resolved into the kernel variant that
-serves it.
+window, a soft cap, learnable sinks; checked once, and resolved into the
+kernel variant that serves it.
 
 Conventions (FlashAttention's): window_size = (left, right) in keys around
 each query's diagonal, bottom-right aligned like causal: query i sees key j iff
     i + s_k - s_q - left <= j <= i + s_k - s_q + right,
 -1 meaning unbounded on that side; causal=True is right = 0 (and with a
 window, the window's left side). softcap > 0 replaces each score s·scale by
-softcap · tanh(s·scale / softcap); 0 turns it off.
+softcap · tanh(s·scale / softcap); 0 turns it off. learnable_sink (nheads,)
+(gpt-oss): one more softmax column per query head, of that logit in the
+units of the scaled scores and with no value, so every row's weights sum to
+less than 1: out = Σ_j exp(s_j − lse)·v_j with lse = log(Σ_j exp(s_j) +
+exp(sink)). A row with no visible key gets out = 0 and lse = sink.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from .kernels.config import Features
 
@@ -32,6 +38,29 @@ def check_score_args(window_left, window_right, softcap) -> None:
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap: expected a finite value >= 0 (0: no cap), got {softcap}")
+
+
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_sink_type(learnable_sink) -> None:
+    """The check the torch dispatcher would otherwise answer with its own message."""
+    if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink: expected a torch.Tensor or None, got "
+                        f"{type(learnable_sink).__name__}")
+
+
+def check_sink(learnable_sink, nheads: int, device: torch.device) -> None:
+    """A clear error for learnable sinks the ops cannot take (None: none)."""
+    check_sink_type(learnable_sink)
+    if learnable_sink is None:
+        return
+    if learnable_sink.shape != (nheads,) or learnable_sink.dtype not in SINK_DTYPES \
+            or learnable_sink.device != device:
+        raise ValueError(f"learnable_sink: expected shape ({nheads},) (one per query head), "
+                         f"dtype float32, bfloat16 or float16, on {device} (that of q), got "
+                         f"shape {tuple(learnable_sink.shape)}, dtype {learnable_sink.dtype} "
+                         f"on {learnable_sink.device}")
 
 
 def window_from_size(window_size) -> tuple[int, int]:
@@ -57,8 +86,8 @@ class ScoreVariant:
 
     @property
     def plain(self) -> bool:
-        """Neither a window nor a cap (full or causal attention)."""
-        return not (self.features.local or self.features.softcap)
+        """Neither a window nor a cap nor sinks (full or causal attention)."""
+        return not (self.features.local or self.features.softcap or self.features.sink)
 
 
 PLAIN = {(causal, varlen): ScoreVariant(causal, Features(varlen=varlen), NO_WINDOW, 0.0)
@@ -66,12 +95,17 @@ PLAIN = {(causal, varlen): ScoreVariant(causal, Features(varlen=varlen), NO_WIND
 
 
 def resolve(causal: bool, window_left: int, window_right: int, softcap: float,
-            seqlen_q: int, seqlen_k: int, varlen: bool = False) -> ScoreVariant:
+            seqlen_q: int, seqlen_k: int, varlen: bool = False,
+            sink: bool = False) -> ScoreVariant:
     """The variant that serves a call: a side of the window that reaches every
     key is unbounded; a window whose left side is unbounded and whose right
     side is 0 is causal; what remains of a window is a local kernel (causal
     folded into its right side). A packed batch (varlen) passes its longest
-    sequences as seqlen_q and seqlen_k."""
+    sequences as seqlen_q and seqlen_k; `sink`: the call has learnable sinks."""
+    if sink:
+        variant = resolve(causal, window_left, window_right, softcap, seqlen_q, seqlen_k,
+                          varlen)
+        return replace(variant, features=replace(variant.features, sink=True))
     if window_left == -1 and window_right == -1 and not softcap:
         return PLAIN[bool(causal), bool(varlen)]
     right = 0 if causal else window_right

@@ -28,7 +28,7 @@ from . import launch_plan, ops
 from . import nvtx as nvtx_ranges
 from .kernels.config import kernel_head_dim
 from .reference import resolve_scale, varlen_attention_reference, varlen_backward_reference
-from .scores import check_score_args, resolve
+from .scores import check_score_args, check_sink, resolve
 from .validate import check_backward_head_dims, check_cuda_device
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
@@ -133,10 +133,17 @@ def _seqlen_inputs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> list:
                                        cu_seqlens_k if seqused_k is None else seqused_k)]
 
 
+def _keyless_lse(q, learnable_sink) -> torch.Tensor:
+    """The LSE of rows that see no key: -inf, or with sinks the sink."""
+    if learnable_sink is None:
+        return torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    return learnable_sink.float()[:, None].expand(q.shape[1], q.shape[0]).contiguous()
+
+
 def varlen_forward_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                         max_seqlen_k: int, seqused_q, seqused_k, softmax_scale: float,
                         causal: bool, window_left: int = -1, window_right: int = -1,
-                        softcap: float = 0.0, config=None):
+                        softcap: float = 0.0, learnable_sink=None, config=None):
     """The forward kernel over a packed batch, by its launch plan; `config`
     overrides the default (profiling)."""
     check_cuda_device(q.device)
@@ -145,11 +152,11 @@ def varlen_forward_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         return (q.new_empty((total_q, heads, head_dim_v)),
                 torch.full((heads, total_q), float("-inf"), device=q.device))
-    if k.shape[0] == 0 or max_seqlen_k == 0:  # no keys: no score, output 0, LSE -inf
-        return (q.new_zeros((total_q, heads, head_dim_v)),
-                torch.full((heads, total_q), float("-inf"), device=q.device))
+    if k.shape[0] == 0 or max_seqlen_k == 0:  # no keys: output 0, LSE -inf (or the sink)
+        return q.new_zeros((total_q, heads, head_dim_v)), _keyless_lse(q, learnable_sink)
+    sink = learnable_sink is not None
     scores = resolve(causal, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k,
-                     varlen=True)
+                     varlen=True, sink=sink)
     name = nvtx_ranges.varlen_range_name("varlen_fwd", q, v, batch, max_seqlen_q, max_seqlen_k,
                                          causal, scores)
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
@@ -161,8 +168,10 @@ def varlen_forward_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
     plan = launch_plan.plan_fwd(
         config, launch_plan.varlen_shape(q, k, v, batch, max_seqlen_q, max_seqlen_k),
         num_sms(device_index), None, scores.window,
-        (total_q, k.shape[0], seqused_q is not None, seqused_k is not None))
+        (total_q, k.shape[0], seqused_q is not None, seqused_k is not None), sink)
     inputs += _seqlen_inputs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if sink:
+        inputs.append(ops.sink_input(learnable_sink))
     with nvtx_ranges.op_range(name):
         out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale, scores.softcap)
     out, lse = out[0], lse[0]
@@ -175,16 +184,28 @@ def varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
                          max_seqlen_q: int, max_seqlen_k: int, seqused_q, seqused_k,
                          softmax_scale: float, causal: bool, grad_lse=None,
                          deterministic: bool = False, window_left: int = -1,
-                         window_right: int = -1, softcap: float = 0.0, config=None):
-    """The backward kernels over a packed batch (cute_fa::varlen_bwd's arguments)."""
+                         window_right: int = -1, softcap: float = 0.0, learnable_sink=None,
+                         config=None):
+    """The backward kernels over a packed batch (cute_fa::varlen_bwd's
+    arguments); (dq, dk, dv), with sinks (dq, dk, dv, dsink)."""
     check_cuda_device(q.device)
     check_backward_head_dims(q[None], v[None])
     batch = cu_seqlens_q.numel() - 1
+    sink = learnable_sink is not None
     if (q.shape[0] == 0 or k.shape[0] == 0 or batch == 0 or max_seqlen_q == 0
             or max_seqlen_k == 0):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if not sink:
+            return grads
+        no_rows = q.shape[0] == 0 or batch == 0 or max_seqlen_q == 0
+        if no_rows or grad_lse is None:
+            return (*grads, torch.zeros_like(learnable_sink))
+        # no keys: each row's weight is all the sink's and D = −dLSE, so
+        # d(sink) sums dLSE over the sequences' rows
+        dsink = _rows_in_sequences(grad_lse, cu_seqlens_q, seqused_q).sum(-1)
+        return (*grads, dsink.to(learnable_sink.dtype))
     scores = resolve(causal, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k,
-                     varlen=True)
+                     varlen=True, sink=sink)
     name = nvtx_ranges.varlen_range_name("varlen_bwd", q, v, batch, max_seqlen_q, max_seqlen_k,
                                          causal, scores)
     head_dims = (q.shape[2], k.shape[2], v.shape[2])
@@ -197,16 +218,19 @@ def varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     plan = launch_plan.plan_bwd(
         config, launch_plan.varlen_shape(q, k, v, batch, max_seqlen_q, max_seqlen_k),
         num_sms(device_index), scores.window,
-        (q.shape[0], k.shape[0], seqused_q is not None, seqused_k is not None))
+        (q.shape[0], k.shape[0], seqused_q is not None, seqused_k is not None), sink)
     lse = lse.contiguous()[None]
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()[None]
     inputs = packed + [lse, grad_lse] + _seqlen_inputs(cu_seqlens_q, cu_seqlens_k, seqused_q,
                                                        seqused_k)
+    if sink:
+        inputs.append(ops.sink_input(learnable_sink))
     with nvtx_ranges.op_range(name):
         grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,
                                     scores.softcap)
+    dsink = (ops.sink_grad(grads[3], learnable_sink),) if sink else ()
     return tuple(g[0][..., :d].contiguous() if d != kernel_dim else g[0]
-                 for g, d in zip(grads, head_dims))
+                 for g, d in zip(grads, head_dims)) + dsink
 
 
 _lib = ops._lib
@@ -219,19 +243,20 @@ _lib.define("varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor ou
             "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
             "Tensor? seqused_q, Tensor? seqused_k, float softmax_scale, bool causal, "
             f"Tensor? grad_lse=None, bool deterministic=False, {ops.SCORE_ARGS}) "
-            "-> (Tensor, Tensor, Tensor)")
+            "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _check_fwd(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, window_left,
-               window_right, softcap):
+               window_right, softcap, learnable_sink):
     check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale)
     check_score_args(window_left, window_right, softcap)
+    check_sink(learnable_sink, q.shape[1], q.device)
 
 
 def _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k, scale,
-               grad_lse, window_left, window_right, softcap):
+               grad_lse, window_left, window_right, softcap, learnable_sink):
     _check_fwd(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, window_left,
-               window_right, softcap)
+               window_right, softcap, learnable_sink)
     out_shape = q.shape[:2] + v.shape[2:]
     for name, t in (("grad_out", grad_out), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != out_shape or t.dtype != q.dtype \
@@ -247,6 +272,16 @@ def _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, us
                              f"torch.float32 on {q.device}, got {_describe(t)}")
 
 
+def _rows_in_sequences(per_row: torch.Tensor, cu_seqlens_q, seqused_q) -> torch.Tensor:
+    """(nheads, total_q) values with the rows outside every sequence zeroed."""
+    rows = torch.arange(per_row.shape[1], device=per_row.device)
+    starts, ends = cu_seqlens_q[:-1].long(), cu_seqlens_q[1:].long()
+    if seqused_q is not None:
+        ends = starts + seqused_q.long()
+    inside = ((rows[:, None] >= starts) & (rows[:, None] < ends)).any(-1)
+    return per_row.float() * inside
+
+
 def _describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
@@ -254,61 +289,75 @@ def _describe(t) -> str:
 
 
 def _fwd_cpu(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softmax_scale=None,
-             causal=False, deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
+             causal=False, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+             learnable_sink=None):
     _check_fwd(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, window_left,
-               window_right, softcap)
+               window_right, softcap, learnable_sink)
     check_seqlen_values(cu_q, cu_k, q.shape[0], k.shape[0], used_q, used_k)
-    scores = resolve(causal, window_left, window_right, softcap, max_q, max_k, varlen=True)
+    scores = resolve(causal, window_left, window_right, softcap, max_q, max_k, varlen=True,
+                     sink=learnable_sink is not None)
     with nvtx_ranges.op_range(nvtx_ranges.varlen_range_name(
             "varlen_fwd", q, v, cu_q.numel() - 1, max_q, max_k, causal, scores)):
-        return varlen_attention_reference(q, k, v, cu_q, cu_k, resolve_scale(q, softmax_scale), causal,
-                                          used_q, used_k, window=(window_left, window_right),
-                                          softcap=softcap)
+        return varlen_attention_reference(q, k, v, cu_q, cu_k, resolve_scale(q, softmax_scale),
+                                          causal, used_q, used_k,
+                                          window=(window_left, window_right), softcap=softcap,
+                                          sink=learnable_sink)
 
 
 def _fwd_cuda(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softmax_scale=None,
-              causal=False, deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
+              causal=False, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+              learnable_sink=None):
     _check_fwd(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, window_left,
-               window_right, softcap)
+               window_right, softcap, learnable_sink)
     return varlen_forward_cuda(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k,
-                               resolve_scale(q, softmax_scale), causal, window_left, window_right,
-                               softcap)
+                               resolve_scale(q, softmax_scale), causal, window_left,
+                               window_right, softcap, learnable_sink)
 
 
 def _fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softmax_scale=None,
-              causal=False, deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
+              causal=False, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+              learnable_sink=None):
     _check_fwd(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, window_left,
-               window_right, softcap)
+               window_right, softcap, learnable_sink)
     return (q.new_empty(q.shape[:2] + v.shape[2:]),
             torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device))
 
 
+def _with_sink_grad(grads, q, learnable_sink) -> tuple:
+    return grads if learnable_sink is not None else (*grads, ops.no_sink_grad(q))
+
+
 def _bwd_cpu(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
              softmax_scale, causal, grad_lse=None, deterministic=False, window_left=-1,
-             window_right=-1, softcap=0.0):
+             window_right=-1, softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
-               softmax_scale, grad_lse, window_left, window_right, softcap)
-    return varlen_backward_reference(grad_out, q, k, v, out, lse, cu_q, cu_k, softmax_scale,
-                                     causal, used_q, used_k, grad_lse,
-                                     window=(window_left, window_right), softcap=softcap)
+               softmax_scale, grad_lse, window_left, window_right, softcap, learnable_sink)
+    grads = varlen_backward_reference(grad_out, q, k, v, out, lse, cu_q, cu_k, softmax_scale,
+                                      causal, used_q, used_k, grad_lse,
+                                      window=(window_left, window_right), softcap=softcap,
+                                      sink=learnable_sink)
+    return _with_sink_grad(grads, q, learnable_sink)
 
 
 def _bwd_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
               softmax_scale, causal, grad_lse=None, deterministic=False, window_left=-1,
-              window_right=-1, softcap=0.0):
+              window_right=-1, softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
-               softmax_scale, grad_lse, window_left, window_right, softcap)
-    return varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q,
-                                used_k, softmax_scale, causal, grad_lse, deterministic,
-                                window_left, window_right, softcap)
+               softmax_scale, grad_lse, window_left, window_right, softcap, learnable_sink)
+    grads = varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q,
+                                 used_k, softmax_scale, causal, grad_lse, deterministic,
+                                 window_left, window_right, softcap, learnable_sink)
+    return _with_sink_grad(grads, q, learnable_sink)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
               softmax_scale, causal, grad_lse=None, deterministic=False, window_left=-1,
-              window_right=-1, softcap=0.0):
+              window_right=-1, softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
-               softmax_scale, grad_lse, window_left, window_right, softcap)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+               softmax_scale, grad_lse, window_left, window_right, softcap, learnable_sink)
+    sink_grad = (ops.no_sink_grad(q) if learnable_sink is None
+                 else torch.empty_like(learnable_sink))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sink_grad
 
 
 for _name, _cpu, _cuda, _fake in (("varlen_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
@@ -320,25 +369,28 @@ for _name, _cpu, _cuda, _fake in (("varlen_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake)
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, causal, deterministic,
-     *score_args) = inputs
+     *score_args, learnable_sink) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, learnable_sink)
     ctx.max_seqlens = (max_q, max_k)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = resolve_scale(q, softmax_scale), causal, \
         deterministic
     ctx.score_args = score_args
+    ctx.num_inputs = len(inputs)
     ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, learnable_sink = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grads = torch.ops.cute_fa.varlen_bwd(grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k,
-                                         *ctx.max_seqlens, used_q, used_k, ctx.softmax_scale,
-                                         ctx.causal, grad_lse, ctx.deterministic,
-                                         *ctx.score_args)
-    return (*grads, *[None] * 12)
+    dq, dk, dv, dsink = torch.ops.cute_fa.varlen_bwd(
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, used_q, used_k,
+        ctx.softmax_scale, ctx.causal, grad_lse, ctx.deterministic, *ctx.score_args,
+        learnable_sink)
+    # the inputs between v and the sinks take no gradient
+    return (dq, dk, dv, *[None] * (ctx.num_inputs - 4),
+            dsink if learnable_sink is not None else None)
 
 
 torch.library.register_autograd("cute_fa::varlen_fwd", _backward, setup_context=_setup_context,

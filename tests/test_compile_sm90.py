@@ -360,3 +360,30 @@ def test_backward_varlen(tmp_path, head_dim, causal, deterministic):
     info = dumped_kernel_info(str(tmp_path / "main"))
     assert info.sass["hgmma"] > 0 and not info.wgmma_serialized
     _assert_no_spills(info)
+
+
+@pytest.mark.parametrize("head_dim,causal,features", [
+    (128, False, Features(sink=True)), (64, False, Features(sink=True)),
+    (128, False, Features(sink=True, local=True)), (64, True, Features(sink=True, varlen=True))])
+def test_forward_sink(tmp_path, head_dim, causal, features):
+    """A learnable sink keeps the forward warp-specialised and spill-free (it
+    is folded into the normaliser once per tile, and into a split tile's
+    merge: non-causal configs split their tail)."""
+    config = default_fwd_config(head_dim, causal, features=features)
+    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
+                features=features)
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+
+
+def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
+    """The sink's gradient is a per-warp partial of the preprocess (a
+    shuffle sum, no atomics: deterministic); the main kernel is unchanged."""
+    features = Features(sink=True)
+    config = default_bwd_config(128, True)
+    compile_bwd(torch.bfloat16, 128, True, config, dump_dir=str(tmp_path), features=features)
+    pre = _ptx(tmp_path / "preprocess")
+    assert "shfl.sync.bfly" in pre and "atom." not in pre and "red." not in pre
+    assert dumped_kernel_info(str(tmp_path / "preprocess")).counts["local_memory"] == 0
+    _assert_no_spills(dumped_kernel_info(str(tmp_path / "main")))

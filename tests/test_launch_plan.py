@@ -65,12 +65,13 @@ def test_forward_plan():
     kernel, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
     # q, k, v, out, lse, counters, partials, the four sequence-length tensors
-    # (a dense batch: one stand-in), then scale·log2(e), SMs, the tail, the
-    # window (unbounded: every key on the left, every query on the right),
-    # scale / softcap and the seqused bits
-    assert buffers == list(range(7)) + [7] * 4 and plan.outputs == (3, 4)
-    assert _workspace(plan, 7).init == launch_plan.UNUSED
-    assert [(kind, value) for kind, _, value in args[11:]] == [
+    # (a dense batch: one stand-in), the sinks (none: a stand-in), then
+    # scale·log2(e), SMs, the tail, the window (unbounded: every key on the
+    # left, every query on the right), scale / softcap and the seqused bits
+    assert buffers == list(range(7)) + [7] * 4 + [8] and plan.outputs == (3, 4)
+    assert _workspace(plan, 7).init == _workspace(plan, 8).init == launch_plan.UNUSED
+    assert _workspace(plan, 8).dtype == launch_plan.F32
+    assert [(kind, value) for kind, _, value in args[12:]] == [
         (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
         (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3), (launch_plan.ARG_INT, 8192),
         (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0), (launch_plan.ARG_INT, 0)]
@@ -141,6 +142,28 @@ def test_backward_plan(deterministic, split_gqa):
         assert (dk_main, dv_main) == (grad_k, grad_v)
 
 
+def test_sink_plans():
+    """Learnable sinks: an fp32 (1, 1, h) input of the forward and of the
+    backward's preprocess, which also writes d(sink)'s partials (one per
+    warp of its 16-row CTAs: 4 per 16 padded rows), the fourth output."""
+    shape = (2, 1000, 1000, 8, 2, 128, 128)
+    fwd = launch_plan.plan_fwd(default_fwd_config(128, False), shape, 132, sink=True)
+    assert fwd.num_inputs == 4
+    fwd_tensors = [i for kind, i, _ in fwd.launches[0][1] if kind == launch_plan.ARG_BUFFER]
+    assert fwd_tensors[11] == 3
+    config = default_bwd_config(128, True)
+    bwd = launch_plan.plan_bwd(config, shape, 132, sink=True)
+    assert bwd.num_inputs == 8 and len(bwd.outputs) == 4
+    pre = [i for kind, i, _ in bwd.launches[0][1] if kind == launch_plan.ARG_BUFFER]
+    assert pre[10:] == [7, bwd.outputs[3]]
+    padded = -(-1000 // config.tile_m) * config.tile_m
+    partials = _workspace(bwd, bwd.outputs[3])
+    assert partials.shape == (2, 8, padded // 16 * 4) and partials.dtype == launch_plan.F32
+    packed = launch_plan.plan_bwd(config.replace(dynamic_tiles=True), shape, 132,
+                                  varlen=(5000, 5000, False, False), sink=True)
+    assert packed.num_inputs == 12 and _workspace(packed, packed.outputs[3]).shape[0] == 2
+
+
 def test_value_head_dim_plans():
     # v and the output carry v's head dim, the split tail's partials too;
     # the backward kernels take one head dim
@@ -202,7 +225,7 @@ def test_window_arguments_are_clamped_to_the_shape(window, expected):
     """A side wider than any row reaches is the unbounded one, in int32 range."""
     shape = (1, 100, 300, 4, 4, 64, 64)
     for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
-                                              window=window), 0, 15),
+                                              window=window), 0, 16),
                         (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
                                               window=window), 1, 17)):
         args = dict(enumerate(plan.launches[launch][1]))
@@ -233,7 +256,7 @@ def test_packed_forward_plan():
     assert plan.num_inputs == 7 and plan.tail == tail_plan.NO_SPLIT
     _, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    assert buffers[7:] == [3, 4, 5, 6]
+    assert buffers[7:] == [3, 4, 5, 6, 11]  # then the sinks (none: a stand-in)
     assert [value for _, _, value in args[-4:-1]] == [900, 1000, 0]  # window, pre-tanh
     assert args[-1] == (launch_plan.ARG_INT, 0, 1)  # seqused_q read, seqused_k not
     assert _workspace(plan, plan.outputs[0]).shape == (1, 3000, 8, 128)
