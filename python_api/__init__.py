@@ -11,6 +11,8 @@ The work is done by `torch.ops.cute_fa.fwd` and `torch.ops.cute_fa.bwd`
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
@@ -119,3 +121,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                             bool(deterministic), window_left, window_right,
                                             float(softcap), learnable_sink)
     return (out, lse) if return_lse else out
+
+
+# transformers models reach the kernels as attn_implementation="cute_fa"
+# (transformers_attention.py): registered here when transformers is already
+# imported, else by importing cute_fa.transformers_attention.
+if "transformers" in sys.modules:
+    from . import transformers_attention  # noqa: E402,F401
