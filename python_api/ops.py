@@ -63,6 +63,8 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     `config` overrides the per-problem default (this is how profiling.sweep
     A/Bs kernel variants), `tail` the split of the last round that a
     split_tail config would choose."""
+    if q.numel() == 0 or k.shape[1] == 0:
+        return empty_forward(q, v, learnable_sink)
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
                      sink=learnable_sink is not None)
     name = nvtx_ranges.range_name("fwd", q, v, causal, scores)  # the caller's head dim
@@ -89,6 +91,30 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if kernel_dim_v != head_dim_v:
         out = out[..., :head_dim_v].contiguous()
     return out, lse
+
+
+def empty_forward(q, v, learnable_sink=None) -> tuple:
+    """No query or no key: out 0 (batch, seqlen_q, heads, dv) and an LSE of
+    -inf (with sinks, the sink: the only column a row sees), no kernel."""
+    batch, seqlen_q, heads, _ = q.shape
+    out = q.new_zeros((batch, seqlen_q, heads, v.shape[3]))
+    if learnable_sink is None:
+        lse = torch.full((batch, heads, seqlen_q), float("-inf"), device=q.device)
+    else:
+        lse = learnable_sink.float()[None, :, None].expand(batch, heads, seqlen_q).contiguous()
+    return out, lse
+
+
+def empty_backward(q, k, v, grad_lse=None, learnable_sink=None) -> tuple:
+    """Gradients where there is no query or no key: zero for q, k, v; a row
+    with no key has all its weight on the sink and D = −dLSE, so d(sink)
+    sums dLSE."""
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if learnable_sink is None:
+        return grads
+    if grad_lse is None or k.shape[1] != 0:
+        return (*grads, torch.zeros_like(learnable_sink))
+    return (*grads, grad_lse.float().sum(dim=(0, 2)).to(learnable_sink.dtype))
 
 
 def sink_input(learnable_sink: torch.Tensor) -> torch.Tensor:
@@ -135,6 +161,8 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     (profiling.sweep), deterministic included. Returns (dq, dk, dv), with
     learnable sinks (dq, dk, dv, dsink)."""
     check_backward_head_dims(q, v)
+    if q.numel() == 0 or k.shape[1] == 0:
+        return empty_backward(q, k, v, grad_lse, learnable_sink)
     sink = learnable_sink is not None
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
                      sink=sink)

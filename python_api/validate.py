@@ -54,14 +54,20 @@ def _attention_tensors_ok(q, k, v, softmax_scale) -> bool:
     qs, ks, vs = q.shape, k.shape, v.shape
     dtype = q.dtype
     return (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and ks[:3] == vs[:3]
-            and 0 not in qs and 0 not in ks and 0 not in vs
+            and qs[2] > 0 and ks[2] > 0  # batch and lengths may be 0, heads not
             and dtype in SUPPORTED_DTYPES and k.dtype == dtype and v.dtype == dtype
             and qs[3] in SUPPORTED_HEAD_DIMS and ks[3] == qs[3] and ks[0] == qs[0]
             and vs[3] in SUPPORTED_HEAD_DIMS and vs[3] <= qs[3]
             and qs[2] % ks[2] == 0
-            and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+            and _rows_contiguous(q) and _rows_contiguous(k) and _rows_contiguous(v)
             and q.device == k.device == v.device
             and (softmax_scale is None or 0.0 < softmax_scale < math.inf))
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """The last dimension (headdim) has stride 1 (an empty tensor's strides
+    are whatever made it: nothing is read)."""
+    return t.stride(-1) == 1 or t.numel() == 0
 
 
 def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
@@ -73,9 +79,9 @@ def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, "
                             f"got {t.dtype}")
-        if t.numel() == 0:
-            raise ValueError(f"{name}: expected a non-empty tensor, got {_describe(t)}")
-        if t.stride(-1) != 1:
+        if t.shape[2] == 0:
+            raise ValueError(f"{name}: expected at least one head, got {_describe(t)}")
+        if not _rows_contiguous(t):
             raise ValueError(f"{name}: expected the last dimension (headdim) to be contiguous "
                              f"(stride 1), got strides {tuple(t.stride())}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -143,7 +149,7 @@ def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) ->
     return (v.shape[3] == qs[3] and grad_out.shape == qs and out.shape == qs
             and grad_out.dtype == dtype and out.dtype == dtype
             and grad_out.device == device and out.device == device
-            and grad_out.stride(3) == 1 and out.stride(3) == 1
+            and _rows_contiguous(grad_out) and _rows_contiguous(out)
             and lse.shape == stats_shape and lse.dtype == torch.float32 and lse.device == device
             and (grad_lse is None or (grad_lse.shape == stats_shape
                                       and grad_lse.dtype == torch.float32
@@ -160,7 +166,7 @@ def _explain_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_ls
         if t.shape != out_shape or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: expected shape {out_shape}, dtype {q.dtype}, "
                              f"device {q.device} (q's, with v's headdim), got {_describe(t)}")
-        if t.stride(-1) != 1:
+        if not _rows_contiguous(t):
             raise ValueError(f"{name}: expected the last dimension to be contiguous, "
                              f"got strides {tuple(t.stride())}")
     batch, seqlen_q, heads, _ = q.shape

@@ -170,3 +170,39 @@ def test_bad_sinks_are_clear_errors(sink, message):
     cu = torch.tensor([0, 37], dtype=torch.int32)
     with pytest.raises((TypeError, ValueError), match=message):
         flash_attn_varlen_func(q[0], k[0, :37], v[0, :37], cu, cu, learnable_sink=sink)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 7), (2, 0, 7), (2, 5, 0)])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_empty_dense_problems(shape, with_sink):
+    """No batch, no queries or no keys: no error, no NaN; rows with no key
+    give 0 and LSE -inf (or the sink), and every gradient is defined."""
+    batch, seqlen_q, seqlen_k = shape
+    q = torch.randn(batch, seqlen_q, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, seqlen_k, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, seqlen_k, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    sink = torch.randn(4, requires_grad=True) if with_sink else None
+    out, lse = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+    assert out.shape == (batch, seqlen_q, 4, 16) and lse.shape == (batch, 4, seqlen_q)
+    assert torch.equal(out, torch.zeros_like(out))
+    expected = sink.detach()[None, :, None] if with_sink else torch.tensor(float("-inf"))
+    assert torch.equal(lse, expected.expand_as(lse))
+    (out.float().sum() + lse.sum()).backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and not t.grad.abs().sum()
+    if with_sink:  # the rows' weight is all the sink's: d(sink) sums dLSE
+        assert torch.equal(sink.grad, torch.full((4,), float(batch * seqlen_q)))
+    args = (q.detach(), k.detach(), v.detach(), None, True, False, -1, -1, 0.0, sink)
+    torch.library.opcheck(torch.ops.cute_fa.fwd.default, args)
+    # the CUDA kernels' host code answers these without a kernel (or a GPU)
+    from cute_fa import ops
+    sink_in = None if sink is None else sink.detach()
+    cuda_out, cuda_lse = ops.forward_cuda(q.detach(), k.detach(), v.detach(), 0.25, True,
+                                          learnable_sink=sink_in)
+    assert torch.equal(cuda_out, out) and torch.equal(cuda_lse, lse)
+    grads = ops.backward_cuda(torch.ones_like(out), q.detach(), k.detach(), v.detach(), out,
+                              lse, 0.25, True, torch.ones_like(lse), learnable_sink=sink_in)
+    for got, t in zip(grads, (q, k, v)):
+        assert torch.equal(got, t.grad)
+    if with_sink:
+        assert torch.equal(grads[3], sink.grad)

@@ -32,7 +32,7 @@ def _qkv(shape_q=(2, 16, 4, 64), shape_k=(2, 16, 2, 64), dtype=torch.bfloat16):
      ValueError, r"k: expected nheads_kv to divide nheads_q = 4 \(GQA/MQA\), got nheads_kv = 3"),
     (lambda q, k, v: (q[0], k, v), ValueError,
      r"q: expected a 4-D tensor \(batch, seqlen, nheads, headdim\), got 3-D"),
-    (lambda q, k, v: (q[:, :0], k, v), ValueError, r"q: expected a non-empty tensor"),
+    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, r"q: expected at least one head"),
     (lambda q, k, v: (q, k, v[:, :8]), ValueError,
      r"k, v: expected equal \(batch, seqlen, nheads\)"),
     (lambda q, k, v: (q, k[..., :32].contiguous(), v[..., :32].contiguous()), ValueError,
