@@ -289,8 +289,8 @@ def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
               learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse, window_left, window_right,
                softcap, learnable_sink)
-    sink_grad = no_sink_grad(q) if learnable_sink is None else torch.empty_like(learnable_sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sink_grad
+    dsink = no_sink_grad(q) if learnable_sink is None else torch.empty_like(learnable_sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 # On a CUDA machine the C++ host side of the CUDA kernels (native.py) serves

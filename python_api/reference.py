@@ -193,9 +193,9 @@ def varlen_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
             continue
         seq_grad_lse = None if grad_lse is None else grad_lse[None, :, rows_q]
         if rows_k.stop == rows_k.start:
-            if sink is not None:  # O = 0, LSE = sink: only the LSE's gradient reaches the sink
-                dlse = 0 if seq_grad_lse is None else seq_grad_lse[0].double().sum(-1)
-                sink_grad += dlse.cpu() if torch.is_tensor(dlse) else dlse
+            if sink is not None and seq_grad_lse is not None:
+                # O = 0, LSE = sink: only the LSE's gradient reaches the sink
+                sink_grad += seq_grad_lse[0].double().sum(-1).cpu()
             continue
         seq = attention_backward_reference(
             grad_out[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],

@@ -355,9 +355,8 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, use
               window_right=-1, softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
                softmax_scale, grad_lse, window_left, window_right, softcap, learnable_sink)
-    sink_grad = (ops.no_sink_grad(q) if learnable_sink is None
-                 else torch.empty_like(learnable_sink))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sink_grad
+    dsink = ops.no_sink_grad(q) if learnable_sink is None else torch.empty_like(learnable_sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 for _name, _cpu, _cuda, _fake in (("varlen_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),

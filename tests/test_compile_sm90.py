@@ -335,18 +335,23 @@ def test_backward_score_mods(tmp_path, head_dim, features):
     assert ("tanh.approx.f32" in _ptx(tmp_path / "main")) == features.softcap
 
 
-@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False), (256, True)])
-def test_forward_varlen(tmp_path, head_dim, causal):
-    """A packed batch keeps the forward warp-specialised, spill-free, on HGMMA
-    with TMA loads; its partial last slabs leave through 16-byte stores."""
-    features = Features(varlen=True)
+def _compile_default_forward(tmp_path, head_dim, causal, features) -> str:
+    """The op's forward for `features`, checked warp-specialised and
+    spill-free; its PTX."""
     config = default_fwd_config(head_dim, causal, features=features)
     compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
                 features=features)
     info = dumped_kernel_info(str(tmp_path))
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)
-    ptx = _ptx(tmp_path)
+    return _ptx(tmp_path)
+
+
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False), (256, True)])
+def test_forward_varlen(tmp_path, head_dim, causal):
+    """A packed batch keeps the forward warp-specialised, spill-free, on HGMMA
+    with TMA loads; its partial last slabs leave through 16-byte stores."""
+    ptx = _compile_default_forward(tmp_path, head_dim, causal, Features(varlen=True))
     assert "cp.async.bulk.tensor" in ptx and "st.global.v4" in ptx
 
 
@@ -369,12 +374,7 @@ def test_forward_sink(tmp_path, head_dim, causal, features):
     """A learnable sink keeps the forward warp-specialised and spill-free (it
     is folded into the normaliser once per tile, and into a split tile's
     merge: non-causal configs split their tail)."""
-    config = default_fwd_config(head_dim, causal, features=features)
-    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
-                features=features)
-    info = dumped_kernel_info(str(tmp_path))
-    _assert_warp_specialised(info, config)
-    _assert_no_spills(info)
+    _compile_default_forward(tmp_path, head_dim, causal, features)
 
 
 def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
