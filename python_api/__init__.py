@@ -17,11 +17,13 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
 from . import varlen  # noqa: F401  (registers torch.ops.cute_fa.varlen_*)
+from .kvcache import flash_attn_with_kvcache  # (registers torch.ops.cute_fa.fwd_kvcache)
 from .reference import attention_reference
 from .scores import check_score_args, check_sink, check_sink_type, window_from_size
 from .validate import check_argument_types, check_attention_tensors
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "attention_reference"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "attention_reference"]
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,0 +1,235 @@
+"""Attention against a KV cache (inference): `flash_attn_with_kvcache` and the
+op `torch.ops.cute_fa.fwd_kvcache`, FlashAttention-3's names and semantics.
+
+q (batch, seqlen_q, nheads, d) attends to each sequence's cache: a
+contiguous cache (batch_cache, seqlen_cache, nheads_kv, d), row
+cache_batch_idx[b] (default b) for sequence b, or a paged one (num_pages,
+page_size, nheads_kv, d) whose pages page_table[b, :] (int32, (batch,
+max_pages)) hold sequence b in order. cache_seqlens (int32 (batch,), or one
+int) says how many tokens each cache holds; new k, v (batch, seqlen_new,
+nheads_kv, d) are written into the cache at those positions, in place,
+before attending, and sequence b then sees cache_seqlens[b] + seqlen_new
+keys. causal aligns the queries to the end of each sequence's keys.
+
+The attention runs on the packed-batch kernels (varlen.py): each sequence's
+keys are one packed sequence with its length in seqused_k, so nothing is
+read on the host and a decode step can be captured in a CUDA graph (the
+longest sequences come from the shapes). A paged cache and cache_batch_idx
+are gathered into contiguous sequences first (a copy of each sequence's
+pages); a split-KV decode kernel that reads pages in place is the next step
+(issue 28's kernels), this is the interface and its reference.
+
+What is checked: shapes, dtypes, devices, head counts, contiguous pages.
+The values of cache_seqlens, page_table and cache_batch_idx are checked on
+the CPU; on the GPU reading them would stall every decode step, so they are
+not: a length beyond the cache is cut at the cache's end, and new tokens
+that would land past it are not written (page and row indices must be in
+range, as in FlashAttention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import nvtx as nvtx_ranges
+from . import ops
+from .validate import SUPPORTED_DTYPES
+
+_lib = ops._lib
+_lib.define("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
+            "Tensor? v=None, Tensor? cache_seqlens=None, Tensor? page_table=None, "
+            "Tensor? cache_batch_idx=None, float? softmax_scale=None, bool causal=False, "
+            "int num_splits=0) -> (Tensor, Tensor)")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
+                         cache_batch_idx, num_splits) -> None:
+    """Shapes, dtypes and devices (no values: see the module's docstring)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D torch.Tensor, got {_describe(t)}")
+        if t.dtype not in SUPPORTED_DTYPES or t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name}: expected dtype bfloat16 or float16, that of q, on "
+                            f"{q.device}, got {_describe(t)}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected the last dimension to be contiguous, got "
+                             f"strides {tuple(t.stride())}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if k_cache.shape[2:] != v_cache.shape[2:3] + (head_dim,) or k_cache.shape[:2] != \
+            v_cache.shape[:2] or v_cache.shape[3] > head_dim:
+        raise ValueError(f"k_cache, v_cache: expected (*, *, nheads_kv, {head_dim}) and the "
+                         f"same with v's head dim, got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    heads_kv = k_cache.shape[2]
+    if heads_kv == 0 or heads % heads_kv:
+        raise ValueError(f"k_cache: expected nheads_kv to divide nheads = {heads}, got "
+                         f"{heads_kv}")
+    if seqlen_q == 0 or heads == 0:
+        raise ValueError(f"q: expected seqlen_q and nheads >= 1, got {tuple(q.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError("k, v: expected both or neither")
+    if k is not None:
+        for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != batch \
+                    or t.shape[2:] != cache.shape[2:] or t.dtype != q.dtype \
+                    or t.device != q.device:
+                raise ValueError(f"{name}: expected (batch={batch}, seqlen_new, "
+                                 f"{cache.shape[2]}, {cache.shape[3]}) {q.dtype} on "
+                                 f"{q.device}, got {_describe(t)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k, v: expected one seqlen_new, got {k.shape[1]} and "
+                             f"{v.shape[1]}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens: expected the cache lengths where new k, v are "
+                             "written, got None")
+    _check_index("cache_seqlens", cache_seqlens, (batch,), q.device)
+    _check_index("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+    if page_table is None and cache_batch_idx is None and k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache: expected batch_cache = {batch} (that of q) without "
+                         f"cache_batch_idx or page_table, got {k_cache.shape[0]}")
+    if page_table is not None:
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
+            raise ValueError(f"page_table: expected an int32 tensor (batch, max_pages), got "
+                             f"{_describe(page_table)}")
+        _check_index("page_table", page_table, (batch, page_table.shape[-1]), q.device)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: expected None with a page_table (the table "
+                             "names each sequence's pages)")
+        if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+            raise ValueError("k_cache, v_cache: expected contiguous pages (num_pages, "
+                             "page_size, nheads_kv, d) with a page_table")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0: chosen from the shapes), got "
+                         f"{num_splits!r}")
+
+
+def _check_index(name, t, shape, device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != shape \
+            or t.device != device:
+        raise ValueError(f"{name}: expected an int32 tensor of shape {shape} on {device}, got "
+                         f"{_describe(t)}")
+
+
+def _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged) -> None:
+    """The index values, where reading them costs nothing (CPU tensors)."""
+    capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
+    new = 0 if k is None else k.shape[1]
+    if cache_seqlens is not None and ((cache_seqlens < 0) | (cache_seqlens + new > capacity)
+                                      ).any():
+        raise ValueError(f"cache_seqlens: expected each in [0, {capacity - new}] (the cache "
+                         f"holds {capacity} tokens, {new} new), got {cache_seqlens.tolist()}")
+    limit, name, table = ((k_cache.shape[0], "page_table", page_table) if paged
+                          else (k_cache.shape[0], "cache_batch_idx", cache_batch_idx))
+    if table is not None and ((table < 0) | (table >= limit)).any():
+        raise ValueError(f"{name}: expected entries in [0, {limit}), got "
+                         f"{table.flatten()[:16].tolist()}")
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}"
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) -> None:
+    """k, v written into the caches at cache_seqlens, in place, with no host
+    sync (a CUDA graph captures it): fixed-shape index writes, no masks.
+    A position past a cache's end is not written: it is sent to the
+    sequence's first slot with that slot's own value (no new token lands
+    there in such a call, since the new ones start past the end)."""
+    batch, new = k.shape[:2]
+    positions = cache_seqlens[:, None].long() + torch.arange(new, device=k.device)
+    if page_table is not None:
+        page_size = k_cache.shape[1]
+        inside = positions < page_table.shape[1] * page_size
+        target = torch.where(inside, positions, 0)
+        rows = page_table.long().gather(1, target // page_size)
+        slots = target % page_size
+    else:
+        inside = positions < k_cache.shape[1]
+        slots = torch.where(inside, positions, 0)
+        owners = (torch.arange(batch, device=k.device) if cache_batch_idx is None
+                  else cache_batch_idx.long())
+        rows = owners[:, None].expand(batch, new)
+    keep = inside[..., None, None]
+    for cache, values in ((k_cache, k), (v_cache, v)):
+        cache[rows, slots] = torch.where(keep, values, cache[rows, slots])
+
+
+def _sequences(k_cache, v_cache, page_table, cache_batch_idx):
+    """Each sequence's cache as (batch, capacity, nheads_kv, d), a view where
+    it already is one, else a gathered copy."""
+    if page_table is not None:
+        pages = page_table.long()
+        return tuple(c[pages].flatten(1, 2) for c in (k_cache, v_cache))
+    if cache_batch_idx is not None:
+        rows = cache_batch_idx.long()
+        return k_cache[rows], v_cache[rows]
+    return k_cache, v_cache
+
+
+def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
+             cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0):
+    check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
+                         cache_batch_idx, num_splits)
+    paged = page_table is not None
+    if q.device.type == "cpu":
+        _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
+    batch, seqlen_q, heads, _ = q.shape
+    name = (f"cute_fa.fwd_kvcache[b={batch},sq={seqlen_q},cache={k_cache.shape[1]},"
+            f"pages={page_table.shape[1] if paged else 0},hq={heads},hkv={k_cache.shape[2]},"
+            f"d={q.shape[3]},causal={int(causal)}]")
+    with nvtx_ranges.op_range(name):
+        if k is not None:
+            _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
+        keys, values = _sequences(k_cache, v_cache, page_table, cache_batch_idx)
+        capacity = keys.shape[1]
+        lengths = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        if cache_seqlens is not None:
+            new = 0 if k is None else k.shape[1]
+            lengths = (cache_seqlens + new).clamp(0, capacity).int()
+        steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        out, lse = torch.ops.cute_fa.varlen_fwd(
+            q.reshape(batch * seqlen_q, heads, -1), keys.reshape(batch * capacity, *keys.shape[2:]),
+            values.reshape(batch * capacity, *values.shape[2:]), steps * seqlen_q,
+            steps * capacity, seqlen_q, capacity, None, lengths, softmax_scale, causal)
+    return (out.view(batch, seqlen_q, heads, -1),
+            lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous())
+
+
+def _fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
+          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0):
+    check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
+                         cache_batch_idx, num_splits)
+    batch, seqlen_q, heads, _ = q.shape
+    return (q.new_empty((batch, seqlen_q, heads, v_cache.shape[3])),
+            torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device))
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("fwd_kvcache", _forward, _key)
+torch.library.register_fake("cute_fa::fwd_kvcache", _fake, lib=_lib)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                            page_table=None, cache_batch_idx=None, softmax_scale=None,
+                            causal=False, num_splits=0, return_softmax_lse=False):
+    """Attention of q against a KV cache, appending k, v first (the module's
+    docstring has the layouts). Returns out (batch, seqlen_q, nheads, d_v),
+    and with return_softmax_lse the fp32 LSE (batch, nheads, seqlen_q).
+    Inference only: no gradient. num_splits: kept for FlashAttention's
+    interface (0: chosen from the shapes); the packed-batch kernel does not
+    split a sequence's keys."""
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                   device=q.device)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k, v)):
+        raise NotImplementedError("flash_attn_with_kvcache: inference only, no gradient "
+                                  "(call it under torch.no_grad())")
+    out, lse = torch.ops.cute_fa.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                             page_table, cache_batch_idx, softmax_scale,
+                                             bool(causal), num_splits)
+    return (out, lse) if return_softmax_lse else out

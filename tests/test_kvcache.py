@@ -1,0 +1,158 @@
+"""flash_attn_with_kvcache on the CPU (the reference path, through the same
+host code as the GPU's): outputs against each sequence's attention over its
+cache, the in-place append, contiguous and paged caches, cache_batch_idx,
+GQA, seqlen_q 1 and more, lengths 0 and full; opcheck (with the mutation),
+torch.compile, and the errors of bad inputs."""
+
+import pytest
+import torch
+
+from cute_fa import flash_attn_with_kvcache
+from cute_fa.kvcache import _append
+from cute_fa.reference import attention_reference
+
+HEADS, HEADS_KV, D = 8, 2, 16
+
+
+def _randn(gen, *shape):
+    return torch.randn(shape, generator=gen).bfloat16()
+
+
+def _problem(seed, batch=3, seqlen_q=1, capacity=40, new=0, page_size=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = _randn(gen, batch, seqlen_q, HEADS, D)
+    if page_size is None:
+        k_cache, v_cache = (_randn(gen, batch, capacity, HEADS_KV, D) for _ in range(2))
+        page_table = None
+    else:
+        pages = capacity // page_size
+        k_cache, v_cache = (_randn(gen, batch * pages + 3, page_size, HEADS_KV, D)
+                            for _ in range(2))
+        order = torch.randperm(batch * pages + 3, generator=gen)[:batch * pages]
+        page_table = order.view(batch, pages).int()
+    k, v = ((_randn(gen, batch, new, HEADS_KV, D) for _ in range(2)) if new else (None, None))
+    return q, k_cache, v_cache, k, v, page_table
+
+
+def _logical(cache, page_table, row):
+    """Sequence `row`'s cache in order (contiguous: the row itself)."""
+    if page_table is None:
+        return cache[row]
+    return cache[page_table[row].long()].flatten(0, 1)
+
+
+@pytest.mark.parametrize("page_size", [None, 4, 8])
+@pytest.mark.parametrize("seqlen_q,new", [(1, 0), (1, 1), (4, 4), (3, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_each_sequence_on_its_cache(page_size, seqlen_q, new, causal):
+    q, k_cache, v_cache, k, v, page_table = _problem(seqlen_q + 7 * new, seqlen_q=seqlen_q,
+                                                     new=new, page_size=page_size)
+    capacity = 40
+    cache_seqlens = torch.tensor([0, 17, capacity - new], dtype=torch.int32)
+    before_k = k_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                       page_table=page_table, causal=causal,
+                                       return_softmax_lse=True)
+    for b in range(3):
+        n = int(cache_seqlens[b]) + new
+        keys = _logical(k_cache, page_table, b)
+        if new:  # appended in place at the sequence's end
+            assert torch.equal(keys[n - new:n], k[b])
+            assert torch.equal(_logical(v_cache, page_table, b)[n - new:n], v[b])
+        ref_out, ref_lse = attention_reference(q[b:b + 1], keys[None, :n],
+                                               _logical(v_cache, page_table, b)[None, :n],
+                                               None, causal)
+        torch.testing.assert_close(out[b:b + 1], ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[b:b + 1], ref_lse, atol=1e-3, rtol=1e-3)
+    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool)
+    for b in range(3):  # nothing else of the caches changed
+        start = int(cache_seqlens[b])
+        for pos in range(start, start + new):
+            page = b if page_table is None else int(page_table[b, pos // k_cache.shape[1]])
+            untouched[page, pos % k_cache.shape[1]] = False
+    assert torch.equal(k_cache[untouched], before_k[untouched])
+
+
+def test_cache_batch_idx_and_int_lengths():
+    q, k_cache, v_cache, k, v, _ = _problem(5, batch=2, new=2)
+    k_cache = torch.cat([k_cache, k_cache.flip(0)])  # 4 rows; sequences use rows 3 and 1
+    v_cache = torch.cat([v_cache, v_cache.flip(0)])
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=10,
+                                  cache_batch_idx=idx, causal=True)
+    for b, row in enumerate((3, 1)):
+        assert torch.equal(k_cache[row, 10:12], k[b])
+        ref, _ = attention_reference(q[b:b + 1], k_cache[row:row + 1, :12],
+                                     v_cache[row:row + 1, :12], None, True)
+        torch.testing.assert_close(out[b:b + 1], ref, atol=2e-2, rtol=2e-2)
+
+
+def test_full_caches_without_lengths():
+    q, k_cache, v_cache, _, _, _ = _problem(6, seqlen_q=2)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
+    ref, _ = attention_reference(q, k_cache, v_cache, None, True)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_appends_past_the_end_are_not_written():
+    """The GPU path does not read cache_seqlens on the host: a position past
+    a cache's end is dropped, the rest of the cache unchanged."""
+    for page_size in (None, 8):
+        _, k_cache, v_cache, k, v, page_table = _problem(7, new=3, page_size=page_size)
+        before = k_cache.clone()
+        lengths = torch.tensor([39, 0, 40], dtype=torch.int32)  # 2 and 3 tokens past the end
+        _append(k_cache, v_cache, k, v, lengths, page_table, None)
+        first = _logical(k_cache, page_table, 0)
+        assert torch.equal(first[39], k[0, 0])
+        assert torch.equal(_logical(k_cache, page_table, 1)[:3], k[1])
+        for b in (0, 2):  # slot 0 kept its value
+            assert torch.equal(_logical(k_cache, page_table, b)[0],
+                               _logical(before, page_table, b)[0])
+        assert torch.equal(_logical(k_cache, page_table, 2), _logical(before, page_table, 2))
+
+
+def test_opcheck_declares_the_mutation():
+    q, k_cache, v_cache, k, v, page_table = _problem(8, seqlen_q=2, new=2, page_size=8)
+    lengths = torch.tensor([3, 0, 20], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.cute_fa.fwd_kvcache.default,
+                          (q, k_cache, v_cache, k, v, lengths, page_table, None, None, True, 0))
+
+
+def test_compiled_decode_step():
+    q, k_cache, v_cache, k, v, _ = _problem(9, new=1)
+    lengths = torch.tensor([5, 6, 7], dtype=torch.int32)
+    expected_cache = k_cache.clone()
+    expected = flash_attn_with_kvcache(q, expected_cache, v_cache.clone(), k, v,
+                                       cache_seqlens=lengths, causal=True)
+    step = torch.compile(flash_attn_with_kvcache, fullgraph=True, backend="aot_eager")
+    out = step(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+    assert torch.equal(out, expected) and torch.equal(k_cache, expected_cache)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(cache_seqlens=torch.tensor([1, 2, 3])), "cache_seqlens: expected an int32 tensor"),
+    (dict(cache_seqlens=torch.tensor([1, 2, 40], dtype=torch.int32)),
+     r"cache_seqlens: expected each in \[0, 39\]"),
+    (dict(page_table=torch.tensor([[0] * 5, [1] * 5, [99] * 5], dtype=torch.int32)),
+     r"page_table: expected entries in \[0, 18\)"),
+    (dict(k=None), "k, v: expected both or neither"),
+    (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)),
+     "cache_batch_idx: expected None with a page_table"),
+    (dict(q=torch.zeros(3, 1, 7, D, dtype=torch.bfloat16)), "nheads_kv to divide nheads = 7"),
+    (dict(q=torch.zeros(3, 1, HEADS, D)), "q: expected dtype bfloat16 or float16"),
+    (dict(num_splits=-1), "num_splits: expected an int >= 0"),
+])
+def test_bad_inputs_are_clear_errors(change, message):
+    q, k_cache, v_cache, k, v, page_table = _problem(10, new=1, page_size=8)
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32), page_table=page_table)
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=message):
+        flash_attn_with_kvcache(**args)
+
+
+def test_non_contiguous_pages_are_refused():
+    q, k_cache, v_cache, _, _, page_table = _problem(11, page_size=8)
+    strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="expected contiguous pages"):
+        flash_attn_with_kvcache(q, strided, v_cache, page_table=page_table)
