@@ -406,3 +406,22 @@ def test_unmasked_step_skips_the_masking_branch_on_a_synthetic_listing():
 """
     assert unmasked_step_count(sass, 1) == 8 - 2
     assert unmasked_step_count(sass, 2) is None
+
+
+def test_fp8_error_report(tmp_path):
+    """profiling.fp8_error writes its table: incoherent processing lowers the
+    emulated FP8 error on outlier-heavy inputs."""
+    from cute_fa.profiling import fp8_error
+
+    prefix = str(tmp_path / "fp8")
+    assert fp8_error.main(["--head-dims", "64", "--seqlen", "128", "--out", prefix]) == 0
+    rows = json.load(open(prefix + ".json"))["rows"]
+    assert len(rows) == 3 * 2 * 2
+    for causal in (False, True):
+        plain, rotated = (next(r for r in rows if r["kind"] == "outliers" and
+                               r["causal"] == causal and r["incoherent"] == flag)
+                          for flag in (False, True))
+        assert rotated["rmse"] < plain["rmse"]
+    assert "| outliers | 64 | 1 |" in open(prefix + ".md").read()
+    with pytest.raises(SystemExit):
+        fp8_error.main(["--heads", "8", "--heads-kv", "3", "--out", prefix])
