@@ -32,6 +32,9 @@ of windows that end at the same step, with its 95 % confidence interval
 --max-minutes M stops the run after about M minutes (the learning-rate
 schedule still spans --steps), evaluates every backend where it stopped and
 writes the same outputs: a run that must fit a time limit keeps its table.
+Under torchrun, --fsdp and --context-parallel train one backend on every
+rank (distributed.py: FSDP2, ring attention, distributed checkpoints that
+--resume reads); rank 0 logs and writes.
 """
 
 from __future__ import annotations
@@ -49,15 +52,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cute_fa.attention_backends import BACKEND_NAMES
-from cute_fa.model import (DEFAULT, H100_BF16_DENSE_PEAK, TINY, ModelConfig, Transformer,
-                              count_parameters, training_flops_per_token)
+from cute_fa.model import (DEFAULT, H100_BF16_DENSE_PEAK, LLAMA3_8B, ONE_B, TINY, ModelConfig,
+                           Transformer, count_parameters, training_flops_per_token)
 
+from . import distributed
 from .backends import backends_help
 from .cli import (INSTALL_BENCH, Progress, add_device_option, choice_list, command_parser,
                   int_at_least, nonnegative_int, positive_float, positive_int, require_module)
 from .data import TokenStream, add_data_option, ensure_dataset, load_split
 
-CONFIGS = {"default": DEFAULT, "tiny": TINY}
+CONFIGS = {"default": DEFAULT, "tiny": TINY, "1b": ONE_B, "llama3_8b": LLAMA3_8B}
 LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s"]
 SKIPPED = "skipped: --max-minutes ran out before its first step"
 GRAPH_WARMUP_STEPS = 3  # eager steps before capture: JIT compiles, allocator and library warm-up
@@ -109,15 +113,19 @@ class Trainer:
         self.model = Transformer(config, backend=backend).to(device)
         self.model.load_state_dict(init_state)
         n_params = count_parameters(self.model, exclude_embeddings=True)
+        run = self.dist = getattr(args, "dist", None)
+        if run is not None:
+            distributed.prepare(self.model, run, args.activation_checkpointing)
         self.flops_per_token = training_flops_per_token(config, args.seq, n_params)
         # A captured optimizer reads the learning rate from device memory, so
         # the schedule can change it between replays.
         lr = torch.tensor(args.lr, device=device) if args.cuda_graph else args.lr
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95),
-                                           weight_decay=0.1, fused=device.type == "cuda",
+                                           weight_decay=0.1,
+                                           fused=device.type == "cuda" and run is None,
                                            capturable=args.cuda_graph)
         self.stream = TokenStream(load_split(args.data, "train"), args.seq, args.batch,
-                                  seed=args.seed)
+                                  seed=args.seed + (run.data_rank if run else 0))
         forward = torch.compile(self.model, fullgraph=True) if args.compile else self.model
         optimizer, model = self.optimizer, self.model
 
@@ -138,6 +146,12 @@ class Trainer:
                             else EagerStep(train_step, optimizer))
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.log, self.step, self.busy_s = [], 0, 0.0
+        if getattr(args, "resume", None):
+            self.step = distributed.load(args.resume, self.model, self.optimizer)
+            for _ in range(self.step):  # the batches the saved run has trained on
+                self.stream.next_batch()
+        lead = run is None or run.rank == 0
+        csv_log, bar_position = csv_log and lead, bar_position if lead else None
         # Each window's row goes to <out>/<backend>.csv as it is logged, so a
         # run cut short (a time limit, a later backend's crash) keeps its logs.
         self.csv_path = (os.path.join(args.out, f"{backend}.csv") if csv_log and args.out
@@ -160,10 +174,13 @@ class Trainer:
             note = None
             set_lr(self.optimizer, lr_at(step, args.lr, args.warmup, args.steps))
             x, y = self.stream.next_batch(self.device)
+            if self.dist is not None:
+                x, y = self.dist.local_batch(x, y)
             loss, grad_norm = self.step_runner(x, y)
             window_tokens += x.numel()
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                loss_value = loss.item()  # synchronizes
+                # synchronizes
+                loss_value = self.dist.mean(loss) if self.dist else loss.item()
                 self.sync()
                 now = time.perf_counter()
                 tokens_per_s = window_tokens / (now - window_start)
@@ -173,7 +190,8 @@ class Trainer:
                 self.log.append(dict(
                     step=step + 1, loss=loss_value,
                     lr=float(self.optimizer.param_groups[0]["lr"]),
-                    grad_norm=float(grad_norm), tokens_per_s=tokens_per_s, tflops=tflops,
+                    grad_norm=distributed.full_value(grad_norm), tokens_per_s=tokens_per_s,
+                    tflops=tflops,
                     mfu=tflops * 1e12 / H100_BF16_DENSE_PEAK,
                     elapsed_s=self.busy_s + now - chunk_start))
                 if self.csv_path:
@@ -198,8 +216,11 @@ class Trainer:
             self.bar.close()
         if self.step == 0:
             return dict(backend=self.backend, status=SKIPPED)
-        val = evaluate(self.model, self.args, self.device)
-        if self.args.save_checkpoint:
+        val = evaluate(self.model, self.args, self.device, self.dist)
+        if self.args.save_checkpoint and self.dist is not None:
+            distributed.save(os.path.join(self.args.out, f"{self.backend}.dcp"), self.model,
+                             self.optimizer, self.step)
+        elif self.args.save_checkpoint:
             save_checkpoint(os.path.join(self.args.out, f"{self.backend}.pt"), self.model,
                             self.optimizer, self.step, self.backend)
         log = self.log
@@ -330,13 +351,18 @@ class GraphedStep:
 
 
 @torch.no_grad()
-def evaluate(model, args, device, batches: int = 8) -> float:
+def evaluate(model, args, device, run=None, batches: int = 8) -> float:
+    """The mean loss of `batches` validation batches (the same on every rank;
+    context parallel: each rank's part of them, averaged)."""
     stream = TokenStream(load_split(args.data, "val"), args.seq, args.batch, seed=1234)
     losses = []
     for _ in range(batches):
         x, y = stream.next_batch(device)
+        if run is not None:
+            x, y = run.local_batch(x, y)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            losses.append(model(x, y)[1].item())
+            loss = model(x, y)[1]
+        losses.append(run.mean(loss) if run is not None else loss.item())
     return sum(losses) / len(losses)
 
 
@@ -438,7 +464,10 @@ def add_model_options(p, seq: int = 4096, batch: int = 1) -> None:
     """The model and its input: --config, --seq, --batch (train, step, infer)."""
     p.add_argument("--config", choices=sorted(CONFIGS), default="default",
                    help="model size: default (24 layers, dim 1024, 8 query and 4 K/V heads of "
-                        "128) or tiny (2 layers, dim 128, for the CPU) (default: default)")
+                        "128), tiny (2 layers, dim 128, for the CPU), 1b (16 layers, dim 2048, "
+                        "16 and 8 heads of 128, FFN 8192) or llama3_8b (Llama-3-8B's shape: 32 "
+                        "layers, dim 4096, 32 and 8 heads, FFN 14336; 7.0B parameters with "
+                        "the byte vocabulary) (default: default)")
     p.add_argument("--seq", type=int_at_least(2), default=seq,
                    help=f"tokens per sequence (default: {seq})")
     p.add_argument("--batch", type=positive_int, default=batch,
@@ -495,8 +524,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: write nothing, print the table only)")
     p.add_argument("--save-checkpoint", action="store_true",
                    help="also write each backend's weights and optimizer state to "
-                        "<DIR>/<backend>.pt (needs --out)")
+                        "<DIR>/<backend>.pt (needs --out; distributed: the checkpoint folder "
+                        "<DIR>/<backend>.dcp)")
     add_device_option(p)
+    parallel = p.add_argument_group("several processes (under torchrun; distributed.py)")
+    parallel.add_argument("--fsdp", action="store_true",
+                          help="data parallel, parameters sharded by FSDP2")
+    parallel.add_argument("--context-parallel", action="store_true",
+                          help="every sequence split over the ranks, ring attention with "
+                               "the cute_fa ops (parameters sharded by FSDP2)")
+    parallel.add_argument("--activation-checkpointing", action="store_true",
+                          help="recompute each block's activations in the backward")
+    parallel.add_argument("--resume", default=None, metavar="DIR",
+                          help="continue from a distributed checkpoint folder (written by "
+                               "--save-checkpoint), at another world size or backend too")
     return p
 
 
@@ -512,6 +553,14 @@ def parse_args(argv=None):
                 f"({args.log_every}), got {args.interleave}")
     if args.save_checkpoint and not args.out:
         p.error("--save-checkpoint: needs --out DIR, the folder of <backend>.pt")
+    args.parallel = args.fsdp or args.context_parallel
+    if args.parallel and (len(args.backend_list) > 1 or args.interleave or args.cuda_graph):
+        p.error("--fsdp / --context-parallel: one --backend, without --interleave or "
+                "--cuda-graph")
+    if (args.resume or args.activation_checkpointing) and not args.parallel:
+        p.error("--resume / --activation-checkpointing: with --fsdp or --context-parallel")
+    if args.context_parallel and args.seq % 2:
+        p.error(f"--seq: expected an even length to split (2 chunks per rank), got {args.seq}")
     return args
 
 
@@ -520,6 +569,18 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.cuda_graph and device.type != "cuda":
         raise SystemExit(f"--cuda-graph: needs a CUDA device, got --device {device}")
+    args.dist = None
+    if args.parallel:
+        args.dist = distributed.start(device.type, args.context_parallel)
+        device = args.dist.device
+        try:
+            return _main(args, device)
+        finally:
+            distributed.finish()
+    return _main(args, device)
+
+
+def _main(args, device) -> list[dict]:
     args.data = ensure_dataset(args.data)
     config = model_config(args.config, args.seq)
     torch.manual_seed(args.seed)
@@ -540,9 +601,10 @@ def main(argv=None) -> list[dict]:
                 results.append(_failed(backend, exc))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if args.out:
-        write_outputs(results, args.out)
-    print(format_comparison(results, args.steps))
+    if args.dist is None or args.dist.rank == 0:
+        if args.out:
+            write_outputs(results, args.out)
+        print(format_comparison(results, args.steps))
     return results
 
 

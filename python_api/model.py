@@ -5,6 +5,12 @@ on q and k and GQA -> RMSNorm -> SwiGLU MLP), final RMSNorm, output head (tied
 or untied). The attention backend only chooses the function that computes
 softmax(q·kᵀ)·v (attention_backends.py), so the state dict is the same for
 every backend and a checkpoint moves freely between them.
+
+Context parallel (set_context_parallel): the model takes each rank's part of
+the sequence (context_parallel.shard_sequence), rotates q and k by the
+global positions of that part and computes attention ring-style with the
+cute_fa ops (context_parallel.ring_attention); the loss is the mean over the
+rank's tokens, the same count on every rank.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .attention_backends import BACKEND_NAMES, attention
+from .context_parallel import ring_attention, shard_sequence
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,11 @@ class ModelConfig:
 DEFAULT = ModelConfig()
 # CPU tests: head_dim 64 (a head dim the op supports), GQA 2:1.
 TINY = ModelConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=256, max_seq_len=64)
+# The ~1B model of the single-GPU runs and Llama-3-8B's shape (our byte-level
+# vocabulary: 7.0B parameters instead of 8.0B, all but 2M of them in the blocks).
+ONE_B = ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_hidden=8192)
+LLAMA3_8B = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                        rope_theta=500000.0)
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
@@ -81,7 +94,8 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):
 
 
 def apply_rope(x, cos, sin):
-    """x: (batch, seq, heads, head_dim); rotates consecutive pairs (x0, x1)."""
+    """x: (batch, seq, heads, head_dim); rotates consecutive pairs (x0, x1) by
+    the first seq rows of cos and sin (those of x's positions)."""
     x32 = x.float().unflatten(-1, (-1, 2))
     x0, x1 = x32[..., 0], x32[..., 1]
     cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
@@ -101,6 +115,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.context_group = None  # set_context_parallel: the ring's process group
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
@@ -108,8 +123,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(self.head_dim),
-                        backend=self.backend)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.context_group is not None:
+            out = ring_attention(q, k, v, self.context_group, causal=True, softmax_scale=scale)
+        else:
+            out = attention(q, k, v, causal=True, softmax_scale=scale, backend=self.backend)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -151,6 +169,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.context_group = None
         self.apply(self._init)
 
     @staticmethod
@@ -164,15 +183,31 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.backend = backend
 
+    def set_context_parallel(self, group) -> None:
+        """Take each rank's part of the sequence (shard_sequence over `group`)
+        from now on; None: whole sequences again. The ring runs the cute_fa
+        ops whatever the backend."""
+        self.context_group = group
+        for layer in self.layers:
+            layer.attention.context_group = group
+
     def forward(self, tokens, targets=None):
         """tokens (batch, seq) -> logits (batch, seq, vocab); with targets, also the
-        mean cross-entropy loss."""
-        if tokens.shape[1] > self.config.max_seq_len:
+        mean cross-entropy loss. Context parallel: tokens and targets are this
+        rank's part of the sequence, and so are the logits."""
+        cos, sin = self.rope_cos, self.rope_sin
+        seq = tokens.shape[1]
+        if self.context_group is not None:
+            seq *= dist.get_world_size(self.context_group)
+            positions = shard_sequence(torch.arange(seq, device=tokens.device),
+                                       self.context_group, dim=0)
+            cos, sin = cos[positions], sin[positions]
+        if seq > self.config.max_seq_len:
             raise ValueError(f"tokens: expected seq <= max_seq_len={self.config.max_seq_len}, "
-                             f"got {tokens.shape[1]}")
+                             f"got {seq}")
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin)
         logits = self.output(self.norm(x))
         if targets is None:
             return logits
