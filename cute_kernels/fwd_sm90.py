@@ -424,7 +424,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def consume(self, mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor,
                 mSink: cute.Tensor, copies: Copies,
-                seqlens: Seqlens, softmax_scale_log2: Float32, score_pre_tanh: Float32, limits: Limits,
+                seqlens: Seqlens, softmax_scale_log2: Float32, score_pre_tanh: Float32,
+                limits: Limits,
                 smem: Buffers, pipes: Pipes,
                 tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
                 o_read: cute.Pointer, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):

@@ -96,9 +96,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q[b] to cu_seqlens_q[b+1] of q, its keys those of k. Each
     sequence attends on its own; causal masks and windows are aligned to its
     own lengths (bottom-right), a sequence with no keys gives output 0 and
-    LSE -inf (with learnable sinks, the sink). seqused_q / seqused_k: int32 (batch,), how many rows of each
-    segment take part (the rest are left out; their outputs are undefined
-    and their gradients 0).
+    LSE -inf (with learnable sinks, the sink). seqused_q / seqused_k: int32
+    (batch,), how many rows of each segment take part (the rest are left
+    out; their outputs are undefined and their gradients 0).
     max_seqlen_q / max_seqlen_k: the longest sequences, at least every
     sequence's length. None reads them from cu_seqlens (and seqused) on the
     host, checking those values too: a wait for the GPU, which a caller that

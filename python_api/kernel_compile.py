@@ -116,7 +116,8 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
     start = time.perf_counter()
     fn = _compile(kernel, q, k, v, o, lse, counters, partials, *_seqlen_tensors(),
-                  _sink_tensor(), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1),
+                  _sink_tensor(), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(0),
+                  cutlass.Int32(1),
                   *_score_args(), cutlass.Int32(0), dump_dir=dump_dir)
     return CompiledKernel(fn, time.perf_counter() - start)
 

@@ -23,8 +23,8 @@ def _model(config_class, implementation, seed=0, **overrides):
     settings.update(overrides)
     config = config_class(**settings)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
-                                                          dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=implementation, dtype=torch.bfloat16)
     return model.to(DEVICE).eval()
 
 
