@@ -21,7 +21,8 @@ DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 
 def backends_help(names=BACKENDS) -> str:
     """What the backend names mean."""
-    return ("cute: ours; fa4: flash-attn-4 (the peers extra: " + INSTALL_PEERS + "); sdpa_*: "
+    return ("cute: ours; fa4: flash-attn-4 (the peers extra: " + INSTALL_PEERS + "); flex: "
+            "PyTorch's FlexAttention, torch.compile'd (masks as a BlockMask); sdpa_*: "
             "PyTorch's scaled_dot_product_attention pinned to one of its backends"
             + ("; sdpa: PyTorch's own choice" if "sdpa" in names else ""))
 

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_causal_option(p, "both", allow_both=True)
     add_size_options(p, DEFAULT_SEQLENS, multiple=True, model_dim=True)
     add_direction_option(p, ["fwd"], multiple=True)
-    add_backends_option(p, list(BACKENDS))
+    # FlexAttention compiles per problem shape: a peer to ask for (--backends ...,flex)
+    add_backends_option(p, [b for b in BACKENDS if b != "flex"])
     p.add_argument("--window", type=_window, default=(-1, -1), metavar="LEFT,RIGHT",
                    help="sliding window of every problem, flash_attn_func's window_size "
                         "(-1: unbounded side); TFLOP/s count the pairs it lets through "

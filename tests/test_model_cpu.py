@@ -217,3 +217,22 @@ def test_interleave_must_be_a_multiple_of_log_every():
         train.parse_args(["--backends", "cute,sdpa_math", "--interleave", "15",
                           "--log-every", "10"])
     assert train.parse_args(["--interleave", "20", "--log-every", "10"]).interleave == 20
+
+
+@pytest.mark.parametrize("window_size,softcap", [((-1, -1), 0.0), ((20, -1), 5.0)])
+def test_flexattention_peer_matches_the_reference(window_size, softcap):
+    """The FlexAttention backend (compiled on the CPU too): bottom-right
+    causal with a window as its BlockMask, the cap as its score_mod, GQA;
+    it has no sinks."""
+    from cute_fa.attention_backends import BackendUnavailable, attention
+    from cute_fa.reference import attention_reference
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 100, 4, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 130, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    out = attention(q, k, v, causal=True, backend="flex", window_size=window_size,
+                    softcap=softcap)
+    ref, _ = attention_reference(q, k, v, None, True, window=window_size, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(BackendUnavailable, match="no learnable sinks"):
+        attention(q, k, v, backend="flex", learnable_sink=torch.zeros(4))
