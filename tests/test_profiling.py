@@ -425,3 +425,53 @@ def test_fp8_error_report(tmp_path):
     assert "| outliers | 64 | 1 |" in open(prefix + ".md").read()
     with pytest.raises(SystemExit):
         fp8_error.main(["--heads", "8", "--heads-kv", "3", "--out", prefix])
+
+
+def test_decode_bench_grid_bytes_and_table():
+    """profiling.decode_bench without a GPU: its grid (caches past --max-gib
+    and pages that do not divide a cache left out), the bytes it counts, its
+    argument errors and its table from recorded rows."""
+    from cute_fa.profiling import decode_bench
+
+    assert decode_bench.kv_bytes(1, 8192, 8) == 2 * 8192 * 8 * 128 * 2  # 32 MiB
+    args = decode_bench.parse_args(["--shapes", "llama3_8b,mqa", "--batches", "1,256",
+                                    "--caches", "1000,131072", "--pages", "0,16",
+                                    "--seqlens-q", "1", "--max-gib", "8", "--out", "x"])
+    grid = decode_bench.problems(args)
+    assert all(p["kv_bytes"] <= 8 * 2 ** 30 for p in grid)
+    assert not any(p["cache"] == 1000 and p["page_size"] == 16 for p in grid)
+    assert {"shape": "llama3_8b", "heads": 32, "heads_kv": 8, "batch": 256, "cache": 1000,
+            "seqlen_q": 1, "page_size": 0, "kv_bytes": 256 * 1000 * 8 * 128 * 4} in grid
+    for bad in (["--shapes", "gpt5"], ["--backends", "cute,xformers"], ["--pages", "-1"]):
+        with pytest.raises(SystemExit):
+            decode_bench.parse_args([*bad, "--out", "x"])
+    problem = dict(shape="llama3_8b", heads=32, heads_kv=8, batch=1, cache=8192, seqlen_q=1,
+                   page_size=16, kv_bytes=2 ** 25)
+    rows = [dict(problem, backend="cute", status="ok", us=20.0, tbps=1.68),
+            dict(problem, backend="fa4", status="ok", us=40.0, tbps=0.84),
+            dict(problem, backend="sdpa_cudnn", status="unavailable: SDPA has no paged KV cache"),
+            dict(problem, backend="copy", status="ok", us=12.0, tbps=2.8)]
+    table = decode_bench.format_markdown(rows, {}, "python -m cute_fa.profiling.decode_bench")
+    assert "| 32/8 | 1 | 8192 | 1 | 16 | 20.0 (1.68) | 40.0 (0.84) | n/a | 2.80 | 2.00 |" in table
+
+
+def test_decode_bench_pages_hold_the_dense_tokens():
+    """The paged caches it builds hold the dense caches' tokens in their page
+    order: ours reads the same attention from both (CPU reference path);
+    peers that cannot run a problem say why."""
+    from cute_fa import flash_attn_with_kvcache
+    from cute_fa.profiling import decode_bench
+
+    problem = dict(shape="llama3_8b", heads=32, heads_kv=8, batch=2, cache=64, seqlen_q=2,
+                   page_size=16, kv_bytes=decode_bench.kv_bytes(2, 64, 8))
+    q, k_pages, v_pages, table = decode_bench._caches(problem, torch.device("cpu"))
+    _, k, v, none = decode_bench._caches(dict(problem, page_size=0), torch.device("cpu"))
+    assert none is None and table.shape == (2, 4)
+    paged = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=64, page_table=table,
+                                    causal=True)
+    dense = flash_attn_with_kvcache(q, k, v, cache_seqlens=64, causal=True)
+    assert torch.equal(paged, dense)
+    fns, missing = decode_bench.callables(problem, ["cute", "sdpa_flash", "flashinfer"],
+                                          torch.device("cpu"))
+    assert set(fns) == {"cute", "copy"}
+    assert "no paged KV cache" in missing["sdpa_flash"] and "flashinfer" in missing

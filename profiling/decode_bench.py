@@ -1,0 +1,250 @@
+"""Decode benchmark: a few query tokens per sequence against a KV cache, the
+memory-bound half of inference. Ours (flash_attn_with_kvcache) beside the
+peers and a copy of the same bytes, in one process, on the same caches.
+
+    python -m cute_fa.profiling.decode_bench --out docs/results/decode/decode
+    python -m cute_fa.profiling.decode_bench --shapes llama3_8b --batches 1,16 \\
+        --caches 8192,32768 --pages 0,16,256 --seqlens-q 1,4 --out d
+
+Throughput is the bytes of K and V a call must read (batch · cache length ·
+KV heads · head dim · 2 bytes, for K and for V) over its time, beside the
+H100 SXM's HBM3 peak (3.35 TB/s) and a device copy of a buffer of those
+bytes measured in the same run (reported as its read rate). Every cache is
+full (cache_seqlens = its length) so that every backend computes the same
+problem; causal with more than one query aligns them to the end. Peers:
+flash-attn-4 (flash_attn.cute: dense, and paged through its page_table),
+PyTorch SDPA pinned to each backend (dense caches, one query: its causal
+mask is top-left aligned), FlashInfer's batch decode where installed.
+Timing: timing.time_interleaved (round-robin, L2 flushed, median).
+Writes <out>.json and <out>.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+from . import report
+from .cli import command_parser, csv_list, nonnegative_int, positive_int, require_cuda
+
+HBM_PEAK_TBPS = 3.35  # H100 SXM5 HBM3
+# (query heads, KV heads) at head dim 128: Llama-3-8B, a 70B model's tensor-
+# parallel slice on 8 GPUs, multi-query attention
+SHAPES = {"llama3_8b": (32, 8), "70b_tp8": (8, 1), "mqa": (32, 1)}
+HEAD_DIM = 128
+PEERS = ("fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flashinfer")
+
+
+def kv_bytes(batch: int, cache: int, heads_kv: int, head_dim: int = HEAD_DIM,
+             element_bytes: int = 2) -> int:
+    """The bytes of K and V one decode call reads."""
+    return 2 * batch * cache * heads_kv * head_dim * element_bytes
+
+
+def problems(args) -> list[dict]:
+    """The grid, without problems whose caches (K and V) pass --max-gib."""
+    out = []
+    for shape, batch, cache, seqlen_q, page in itertools.product(
+            args.shapes, args.batches, args.caches, args.seqlens_q, args.pages):
+        heads, heads_kv = SHAPES[shape]
+        nbytes = kv_bytes(batch, cache, heads_kv)
+        if nbytes > args.max_gib * 2 ** 30 or (page and cache % page):
+            continue
+        out.append(dict(shape=shape, heads=heads, heads_kv=heads_kv, batch=batch, cache=cache,
+                        seqlen_q=seqlen_q, page_size=page, kv_bytes=nbytes))
+    return out
+
+
+class Unavailable(Exception):
+    """A backend that cannot run this problem; the message says why."""
+
+
+def _caches(problem, device):
+    """q, dense K/V (batch, cache, h_kv, d) and, for a paged problem, the same
+    tokens as pages (in a shuffled page order) with their page table."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, n, hkv, h = problem["batch"], problem["cache"], problem["heads_kv"], problem["heads"]
+
+    def randn(*shape):
+        return torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+
+    q = randn(b, problem["seqlen_q"], h, HEAD_DIM)
+    k, v = randn(b, n, hkv, HEAD_DIM), randn(b, n, hkv, HEAD_DIM)
+    page = problem["page_size"]
+    if not page:
+        return q, k, v, None
+    pages = n // page
+    order = torch.randperm(b * pages, device=device, generator=gen)
+    table = order.view(b, pages).int()
+    paged = [torch.empty(b * pages, page, hkv, HEAD_DIM, device=device, dtype=torch.bfloat16)
+             for _ in range(2)]
+    for cache, dense in zip(paged, (k, v)):
+        cache[order] = dense.reshape(b * pages, page, hkv, HEAD_DIM)
+    return q, paged[0], paged[1], table
+
+
+def callables(problem, backends, device) -> tuple[dict, dict]:
+    """({backend: zero-argument call}, {backend: why it cannot run})."""
+    q, k, v, table = _caches(problem, device)
+    lengths = torch.full((problem["batch"],), problem["cache"], dtype=torch.int32,
+                         device=device)
+    fns, missing = {}, {}
+    for name in backends:
+        try:
+            fns[name] = _callable(name, q, k, v, table, lengths)
+        except Unavailable as exc:
+            missing[name] = str(exc)
+    nbytes = problem["kv_bytes"]
+    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    fns["copy"] = lambda: target.copy_(source)
+    return fns, missing
+
+
+def _callable(name, q, k, v, table, lengths):
+    causal = q.shape[1] > 1
+    if name == "cute":
+        from cute_fa import flash_attn_with_kvcache
+
+        return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, page_table=table,
+                                               causal=causal)
+    if name == "fa4":
+        try:
+            from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+        except Exception as exc:
+            raise Unavailable(f"flash_attn.cute not importable: {exc}") from None
+        if table is None:
+            return lambda: flash_attn_func(q, k, v, causal=causal)
+        return lambda: flash_attn_varlen_func(q, k, v, seqused_k=lengths, page_table=table,
+                                              causal=causal)
+    if name.startswith("sdpa_"):
+        if table is not None:
+            raise Unavailable("SDPA has no paged KV cache")
+        if causal:
+            raise Unavailable("SDPA's causal mask is top-left aligned (decode needs the end)")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                   "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def run():
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
+                                                                        enable_gqa=True)
+        run()  # a backend that refuses the shape says so here
+        return run
+    if name == "flashinfer":
+        try:
+            import flashinfer  # noqa: F401
+        except Exception as exc:
+            raise Unavailable(f"flashinfer not importable here: {type(exc).__name__}: "
+                              f"{exc}") from None
+        raise Unavailable("flashinfer is importable but its decode wrapper is not wired in "
+                          "this benchmark yet")
+    raise ValueError(f"backend: expected cute or one of {PEERS}, got {name!r}")
+
+
+def build_parser():
+    p = command_parser("decode_bench", __doc__)
+    p.add_argument("--shapes", type=csv_list(str), default=list(SHAPES),
+                   help=f"head shapes, from {', '.join(SHAPES)} (default: all)")
+    p.add_argument("--batches", type=csv_list(int), default=[1, 4, 16, 64, 256])
+    p.add_argument("--caches", type=csv_list(int), default=[1024, 8192, 32768, 131072],
+                   help="cache lengths (tokens per sequence)")
+    p.add_argument("--seqlens-q", type=csv_list(int), default=[1, 4])
+    p.add_argument("--pages", type=csv_list(int), default=[0, 16, 256],
+                   help="page sizes, 0: a contiguous cache (default: 0,16,256)")
+    p.add_argument("--backends", type=csv_list(str), default=["cute", *PEERS])
+    p.add_argument("--max-gib", type=float, default=24.0,
+                   help="skip problems whose K and V pass this many GiB (default: 24)")
+    p.add_argument("--repeats", type=positive_int, default=30)
+    p.add_argument("--warmup", type=nonnegative_int, default=3)
+    p.add_argument("--out", required=True, metavar="PREFIX")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    for shape in args.shapes:
+        if shape not in SHAPES:
+            p.error(f"--shapes: expected names from {', '.join(SHAPES)}, got {shape!r}")
+    for name in args.backends:
+        if name != "cute" and name not in PEERS:
+            p.error(f"--backends: expected cute or names from {', '.join(PEERS)}, got {name!r}")
+    for option, values in (("--batches", args.batches), ("--caches", args.caches),
+                           ("--seqlens-q", args.seqlens_q)):
+        if min(values) < 1:
+            p.error(f"{option}: expected values >= 1, got {values}")
+    if min(args.pages) < 0:
+        p.error(f"--pages: expected page sizes >= 0 (0: contiguous), got {args.pages}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    require_cuda("decode_bench")
+    from .timing import time_interleaved
+
+    rows = []
+    for problem in problems(args):
+        fns, missing = callables(problem, args.backends, torch.device("cuda"))
+        times = time_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
+        for name in [*args.backends, "copy"]:
+            row = dict(problem, backend=name)
+            if name in times:
+                ms = times[name][0]
+                row.update(status="ok", us=ms * 1e3, tbps=problem["kv_bytes"] / ms / 1e9)
+            else:
+                row.update(status=f"unavailable: {missing.get(name, '?')}")
+            rows.append(row)
+        del fns
+        torch.cuda.empty_cache()
+    env = report.environment()
+    report.write_json(args.out + ".json", rows, env, vars(args))
+    command = " ".join(["python -m cute_fa.profiling.decode_bench",
+                        *(sys.argv[1:] if argv is None else argv)])
+    with open(args.out + ".md", "w") as f:
+        f.write(format_markdown(rows, env, command))
+    return 0
+
+
+def format_markdown(rows: list[dict], env: dict, command: str) -> str:
+    """One row per problem: each backend's µs and TB/s, the copy's, ours over
+    the best peer."""
+    backends = list(dict.fromkeys(r["backend"] for r in rows if r["backend"] != "copy"))
+    lines = ["# Decode: attention against a KV cache", "", *report.machine_lines(env),
+             f"- command: `{command}`",
+             f"- TB/s: bytes of K and V read per call / time; HBM3 peak {HBM_PEAK_TBPS} TB/s; "
+             "copy: a device copy of those bytes (its read rate)", "",
+             "| heads (q/kv) | batch | cache | q len | pages | "
+             + " | ".join(f"{b} µs (TB/s)" for b in backends) + " | copy TB/s | ours / best peer |",
+             "|" + "---|" * (7 + len(backends))]
+    key = lambda r: (r["shape"], r["batch"], r["cache"], r["seqlen_q"], r["page_size"])  # noqa: E731
+    for _, group in itertools.groupby(rows, key):
+        by = {r["backend"]: r for r in group}
+        first = next(iter(by.values()))
+
+        def cell(name):
+            r = by.get(name)
+            return f"{r['us']:.1f} ({r['tbps']:.2f})" if r and r["status"] == "ok" else "n/a"
+
+        peers = [r["tbps"] for name, r in by.items()
+                 if name not in ("cute", "copy") and r["status"] == "ok"]
+        ours = by.get("cute")
+        ratio = (f"{ours['tbps'] / max(peers):.2f}" if ours and ours["status"] == "ok" and peers
+                 else "n/a")
+        copy = by.get("copy")
+        copy_cell = f"{copy['tbps']:.2f}" if copy and copy["status"] == "ok" else "n/a"
+        lines.append(f"| {first['heads']}/{first['heads_kv']} | {first['batch']} | "
+                     f"{first['cache']} | {first['seqlen_q']} | {first['page_size'] or '-'} | "
+                     + " | ".join(cell(b) for b in backends) + f" | {copy_cell} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
