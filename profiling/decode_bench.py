@@ -222,9 +222,13 @@ def format_markdown(rows: list[dict], env: dict, command: str) -> str:
              f"- TB/s: bytes of K and V read per call / time; HBM3 peak {HBM_PEAK_TBPS} TB/s; "
              "copy: a device copy of those bytes (its read rate)", "",
              "| heads (q/kv) | batch | cache | q len | pages | "
-             + " | ".join(f"{b} µs (TB/s)" for b in backends) + " | copy TB/s | ours / best peer |",
+             + " | ".join(f"{b} µs (TB/s)" for b in backends)
+             + " | copy TB/s | ours / best peer |",
              "|" + "---|" * (7 + len(backends))]
-    key = lambda r: (r["shape"], r["batch"], r["cache"], r["seqlen_q"], r["page_size"])  # noqa: E731
+
+    def key(r):
+        return r["shape"], r["batch"], r["cache"], r["seqlen_q"], r["page_size"]
+
     for _, group in itertools.groupby(rows, key):
         by = {r["backend"]: r for r in group}
         first = next(iter(by.values()))

@@ -91,16 +91,23 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def prepare(model: torch.nn.Module, run: DistributedRun, activation_checkpointing: bool):
+def prepare(model: torch.nn.Module, run: DistributedRun, activation_checkpointing: bool,
+            compile_blocks: bool = False):
     """The model as the run trains it: context parallel where asked, each
-    block (with its activations recomputed where asked) and the root
-    sharded by FSDP2."""
+    block (with its activations recomputed where asked, compiled where
+    asked) and the root sharded by FSDP2. Blocks are compiled one by one
+    before sharding (FSDP2's hooks stay outside the compiled code; a whole
+    sharded model does not compile as one graph); under context parallelism
+    the ring's communication is left out of the graphs."""
     if run.context_parallel:
         model.set_context_parallel(dist.group.WORLD)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
+    for index, block in enumerate(model.layers):
         if activation_checkpointing:
             block.forward = _recomputed(block.forward)
+        if compile_blocks:
+            block = torch.compile(block, fullgraph=not run.context_parallel)
+            model.layers.register_module(str(index), block)
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model

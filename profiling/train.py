@@ -115,7 +115,7 @@ class Trainer:
         n_params = count_parameters(self.model, exclude_embeddings=True)
         run = self.dist = getattr(args, "dist", None)
         if run is not None:
-            distributed.prepare(self.model, run, args.activation_checkpointing)
+            distributed.prepare(self.model, run, args.activation_checkpointing, args.compile)
         self.flops_per_token = training_flops_per_token(config, args.seq, n_params)
         # A captured optimizer reads the learning rate from device memory, so
         # the schedule can change it between replays.
@@ -126,7 +126,9 @@ class Trainer:
                                            capturable=args.cuda_graph)
         self.stream = TokenStream(load_split(args.data, "train"), args.seq, args.batch,
                                   seed=args.seed + (run.data_rank if run else 0))
-        forward = torch.compile(self.model, fullgraph=True) if args.compile else self.model
+        # (distributed: the blocks are compiled one by one, distributed.prepare)
+        forward = (torch.compile(self.model, fullgraph=True) if args.compile and run is None
+                   else self.model)
         optimizer, model = self.optimizer, self.model
 
         def train_step(x, y):

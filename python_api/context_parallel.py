@@ -187,6 +187,7 @@ class _RingAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
 
 
+@torch.compiler.disable  # point-to-point communication: run eagerly between graphs
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                    causal: bool = False, softmax_scale: float | None = None) -> torch.Tensor:
     """Attention over a sequence sharded by shard_sequence across `group`

@@ -152,12 +152,15 @@ def test_a_checkpoint_resumes_bitwise_and_loads_at_another_world_size(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["--fsdp", "--context-parallel"])
-def test_the_torchrun_command_trains_and_logs(tmp_path, mode):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_torchrun_command_trains_and_logs(tmp_path, mode, compiled):
+    """The command of the issue, eager and with --compile (blocks compiled
+    one by one under FSDP2; the ring's communication between graphs)."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "-m", "cute_fa.profiling.train", "--config", "tiny", "--seq", "64",
                "--steps", "5", "--warmup", "1", "--log-every", "1", "--device", "cpu",
-               mode, "--out", str(out), "--save-checkpoint"]
+               mode, "--out", str(out), "--save-checkpoint", *(["--compile"] if compiled else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
