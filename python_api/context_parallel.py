@@ -96,12 +96,16 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def _visible(i: int, j: int, causal: bool):
-    """How query chunk i sees key chunk j: None (not at all), or the causal
-    flag of the block."""
-    if not causal or j < i:
-        return False
-    return True if j == i else None
+def _blocks(rank: int, world: int, source: int, causal: bool):
+    """(local query chunk a, visiting key chunk b, the block's causal flag)
+    for every pair in which the queries see some key: under a causal mask a
+    later key chunk is skipped, the same chunk is causal, earlier ones full."""
+    for a, i in enumerate(_chunk_ids(rank, world)):
+        for b, j in enumerate(_chunk_ids(source, world)):
+            if not causal or j < i:
+                yield a, b, False
+            elif j == i:
+                yield a, b, True
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -121,7 +125,6 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale):
         rank, world = _world(group)
         ring = _Ring(group)
-        mine = _chunk_ids(rank, world)
         q_chunks = q.chunk(2, dim=1)
         outs, lses = [None, None], [None, None]
         kv = [k, v]
@@ -129,14 +132,10 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % world
             pending = ring.start(kv) if step < world - 1 else None
             k_chunks, v_chunks = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
-            for a, i in enumerate(mine):
-                for b, j in enumerate(_chunk_ids(source, world)):
-                    block_causal = _visible(i, j, causal)
-                    if block_causal is None:
-                        continue
-                    o, l = torch.ops.cute_fa.fwd(q_chunks[a], k_chunks[b], v_chunks[b], scale,
-                                                 block_causal)
-                    outs[a], lses[a] = _merge(outs[a], lses[a], o, l)
+            for a, b, block_causal in _blocks(rank, world, source, causal):
+                o, l = torch.ops.cute_fa.fwd(q_chunks[a], k_chunks[b], v_chunks[b], scale,
+                                             block_causal)
+                outs[a], lses[a] = _merge(outs[a], lses[a], o, l)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
@@ -151,7 +150,6 @@ class _RingAttention(torch.autograd.Function):
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         rank, world = _world(group)
         ring = _Ring(group)
-        mine = _chunk_ids(rank, world)
         q_chunks, out_chunks = q.chunk(2, dim=1), out.chunk(2, dim=1)
         grad_chunks = grad_out.contiguous().chunk(2, dim=1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -164,17 +162,13 @@ class _RingAttention(torch.autograd.Function):
             pending_kv = ring.start(kv) if step < world - 1 else None
             k_chunks, v_chunks = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
             dk_chunks, dv_chunks = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)
-            for a, i in enumerate(mine):
-                for b, j in enumerate(_chunk_ids(source, world)):
-                    block_causal = _visible(i, j, causal)
-                    if block_causal is None:
-                        continue
-                    dq_ij, dk_ij, dv_ij, _ = torch.ops.cute_fa.bwd(
-                        grad_chunks[a].contiguous(), q_chunks[a], k_chunks[b], v_chunks[b],
-                        out_chunks[a].contiguous(), lses[a].contiguous(), scale, block_causal)
-                    dq_chunks[a].add_(dq_ij.float())
-                    dk_chunks[b].add_(dk_ij.float())
-                    dv_chunks[b].add_(dv_ij.float())
+            for a, b, block_causal in _blocks(rank, world, source, causal):
+                dq_ij, dk_ij, dv_ij, _ = torch.ops.cute_fa.bwd(
+                    grad_chunks[a].contiguous(), q_chunks[a], k_chunks[b], v_chunks[b],
+                    out_chunks[a].contiguous(), lses[a].contiguous(), scale, block_causal)
+                dq_chunks[a].add_(dq_ij.float())
+                dk_chunks[b].add_(dk_ij.float())
+                dv_chunks[b].add_(dv_ij.float())
             # the accumulators follow their K/V: one hop per step, the last
             # hop taking them home
             if world > 1:
