@@ -152,18 +152,24 @@ def build_parser():
     p = command_parser("decode_bench", __doc__)
     p.add_argument("--shapes", type=csv_list(str), default=list(SHAPES),
                    help=f"head shapes, from {', '.join(SHAPES)} (default: all)")
-    p.add_argument("--batches", type=csv_list(int), default=[1, 4, 16, 64, 256])
+    p.add_argument("--batches", type=csv_list(int), default=[1, 4, 16, 64, 256],
+                   help="sequences per call, comma-separated (default: 1,4,16,64,256)")
     p.add_argument("--caches", type=csv_list(int), default=[1024, 8192, 32768, 131072],
-                   help="cache lengths (tokens per sequence)")
-    p.add_argument("--seqlens-q", type=csv_list(int), default=[1, 4])
+                   help="cache lengths, tokens per sequence (default: 1024,8192,32768,131072)")
+    p.add_argument("--seqlens-q", type=csv_list(int), default=[1, 4],
+                   help="query tokens per sequence (default: 1,4)")
     p.add_argument("--pages", type=csv_list(int), default=[0, 16, 256],
                    help="page sizes, 0: a contiguous cache (default: 0,16,256)")
-    p.add_argument("--backends", type=csv_list(str), default=["cute", *PEERS])
+    p.add_argument("--backends", type=csv_list(str), default=["cute", *PEERS],
+                   help=f"ours (cute) and peers from {', '.join(PEERS)} (default: all)")
     p.add_argument("--max-gib", type=float, default=24.0,
                    help="skip problems whose K and V pass this many GiB (default: 24)")
-    p.add_argument("--repeats", type=positive_int, default=30)
-    p.add_argument("--warmup", type=nonnegative_int, default=3)
-    p.add_argument("--out", required=True, metavar="PREFIX")
+    p.add_argument("--repeats", type=positive_int, default=30,
+                   help="timed calls per backend and problem, the median reported (default: 30)")
+    p.add_argument("--warmup", type=nonnegative_int, default=3,
+                   help="untimed calls first (default: 3)")
+    p.add_argument("--out", required=True, metavar="PREFIX",
+                   help="write <PREFIX>.json and <PREFIX>.md")
     return p
 
 

@@ -58,18 +58,30 @@ def measure(kind, head_dim, causal, rotated, args) -> dict:
                 output_rms=exact.square().mean().sqrt().item())
 
 
-def main(argv=None) -> int:
+def build_parser():
     p = command_parser("fp8_error", __doc__)
-    p.add_argument("--head-dims", type=csv_list(int), default=[64, 128])
-    p.add_argument("--batch", type=positive_int, default=2)
-    p.add_argument("--seqlen", type=positive_int, default=1024)
-    p.add_argument("--heads", type=positive_int, default=8)
-    p.add_argument("--heads-kv", type=positive_int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, metavar="PREFIX")
+    p.add_argument("--head-dims", type=csv_list(int), default=[64, 128],
+                   help="head dims, powers of 2 (default: 64,128)")
+    p.add_argument("--batch", type=positive_int, default=2, help="batch (default: 2)")
+    p.add_argument("--seqlen", type=positive_int, default=1024,
+                   help="tokens per sequence (default: 1024)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default: 8)")
+    p.add_argument("--heads-kv", type=positive_int, default=2,
+                   help="K/V heads, a divisor of --heads (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    p.add_argument("--out", required=True, metavar="PREFIX",
+                   help="write <PREFIX>.json and <PREFIX>.md")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.heads % args.heads_kv:
         p.error(f"--heads-kv: expected a divisor of --heads {args.heads}, got {args.heads_kv}")
+    for d in args.head_dims:
+        if d <= 0 or d & (d - 1):
+            p.error(f"--head-dims: expected powers of 2 (incoherent processing), got {d}")
     rows = [measure(kind, d, causal, rotated, args) for kind, d, causal, rotated in
             itertools.product(KINDS, args.head_dims, (False, True), (False, True))]
     env = report.environment()

@@ -14,7 +14,7 @@ import pytest
 import cute_fa.profiling
 
 COMMANDS = ("bench", "breakdown", "host", "ncu", "main", "kernel_info", "sass_loop", "sweep",
-            "data", "train", "step", "infer")
+            "data", "train", "step", "infer", "decode_bench", "fp8_error")
 
 
 def _module(command):
@@ -96,6 +96,11 @@ BAD_ARGUMENTS = [
     ("infer", ["--steps", "0"], "--steps"),
     ("infer", ["--backends", "nope"], "--backends"),
     ("infer", ["--device", "nope"], "--device"),
+    ("decode_bench", ["--out", "x", "--batches", "0"], "--batches"),
+    ("decode_bench", ["--out", "x", "--shapes", "gpt5"], "--shapes"),
+    ("decode_bench", ["--out", "x", "--backends", "cute,nope"], "--backends"),
+    ("fp8_error", ["--out", "x", "--heads", "8", "--heads-kv", "3"], "--heads-kv"),
+    ("fp8_error", ["--out", "x", "--head-dims", "96"], "--head-dims"),
 ]
 
 
