@@ -15,7 +15,6 @@ Implementations run round-robin in one process on the same inputs
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -23,6 +22,7 @@ import sys
 import torch
 
 from . import report
+from .cli import choice_list, command_parser, csv_list, positive_int, require_cuda
 from .timing import time_interleaved
 
 DIRECTIONS = ("fwd", "fwd_bwd")
@@ -85,25 +85,49 @@ def _callables(lengths, heads, head_dim, causal, direction, backends):
     return fns, dense_lengths, mean_len
 
 
+BACKENDS = ("cute", "fa4", "cute_dense")
+
+
+def build_parser():
+    p = command_parser("varlen_bench", __doc__)
+    p.add_argument("--head-dims", type=csv_list(int), default=[64, 128],
+                   help="head dims, comma-separated (default: 64,128)")
+    p.add_argument("--tokens", type=csv_list(int), default=[16384, 65536],
+                   help="tokens per packed batch, comma-separated (default: 16384,65536)")
+    p.add_argument("--heads-dim-total", type=positive_int, default=2048,
+                   help="heads x head dim, the heads of each head dim (default: 2048)")
+    p.add_argument("--min-len", type=positive_int, default=64,
+                   help="shortest sequence drawn (default: 64)")
+    p.add_argument("--max-len", type=positive_int, default=8192,
+                   help="longest sequence drawn (default: 8192)")
+    p.add_argument("--causal", action="store_true", help="causal masks (default: full)")
+    p.add_argument("--directions", type=choice_list(DIRECTIONS), default=list(DIRECTIONS),
+                   help="fwd and/or fwd_bwd, comma-separated (default: both)")
+    p.add_argument("--backends", type=choice_list(BACKENDS), default=list(BACKENDS),
+                   help="cute (ours, packed), fa4 (flash-attn-4's varlen), cute_dense (ours "
+                        "on a dense batch at the mean length) (default: all)")
+    p.add_argument("--repeats", type=positive_int, default=20,
+                   help="timed calls per implementation, the median reported (default: 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the lengths (default: 0)")
+    p.add_argument("--out", required=True, metavar="PREFIX",
+                   help="write <PREFIX>.json and <PREFIX>.md")
+    return p
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--head-dims", default="64,128")
-    p.add_argument("--tokens", default="16384,65536")
-    p.add_argument("--heads-dim-total", type=int, default=2048, help="heads * head_dim")
-    p.add_argument("--min-len", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=8192)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--directions", default="fwd,fwd_bwd")
-    p.add_argument("--backends", default="cute,fa4,cute_dense")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p = build_parser()
     args = p.parse_args(argv)
-    backends = args.backends.split(",")
+    if args.min_len > args.max_len:
+        p.error(f"--max-len: expected at least --min-len {args.min_len}, got {args.max_len}")
+    for d in args.head_dims:
+        if d <= 0 or args.heads_dim_total % d:
+            p.error(f"--head-dims: expected divisors of --heads-dim-total "
+                    f"{args.heads_dim_total}, got {d}")
+    require_cuda("varlen_bench")
+    backends = args.backends
     rows = []
-    for head_dim, tokens, direction in itertools.product(
-            [int(x) for x in args.head_dims.split(",")], [int(x) for x in args.tokens.split(",")],
-            args.directions.split(",")):
+    for head_dim, tokens, direction in itertools.product(args.head_dims, args.tokens,
+                                                         args.directions):
         heads = args.heads_dim_total // head_dim
         lengths = packed_lengths(tokens, args.min_len, args.max_len, args.seed)
         fns, dense_lengths, mean_len = _callables(lengths, heads, head_dim, args.causal,

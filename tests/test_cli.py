@@ -14,7 +14,7 @@ import pytest
 import cute_fa.profiling
 
 COMMANDS = ("bench", "breakdown", "host", "ncu", "main", "kernel_info", "sass_loop", "sweep",
-            "data", "train", "step", "infer", "decode_bench", "fp8_error")
+            "data", "train", "step", "infer", "decode_bench", "fp8_error", "varlen_bench")
 
 
 def _module(command):
@@ -101,6 +101,9 @@ BAD_ARGUMENTS = [
     ("decode_bench", ["--out", "x", "--backends", "cute,nope"], "--backends"),
     ("fp8_error", ["--out", "x", "--heads", "8", "--heads-kv", "3"], "--heads-kv"),
     ("fp8_error", ["--out", "x", "--head-dims", "96"], "--head-dims"),
+    ("varlen_bench", ["--out", "x", "--directions", "bwd"], "--directions"),
+    ("varlen_bench", ["--out", "x", "--min-len", "100", "--max-len", "50"], "--max-len"),
+    ("varlen_bench", ["--out", "x", "--head-dims", "96"], "--head-dims"),
 ]
 
 
