@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shlex
 import sys
 
 import torch
@@ -36,6 +35,7 @@ from .flops import attention_flops, batch_for, tflops
 from .problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
                       add_head_dim_option, add_head_dim_v_option, add_size_options, check_gqa,
                       heads_for, make_qkv)
+from . import report
 from .report import (add_ratios, environment, format_table, head_dims_text, write_json,
                      write_markdown, write_plots)
 
@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def command_line(argv) -> str:
     """The shell command that runs bench with `argv` again."""
-    return shlex.join(["python", "-m", "cute_fa.profiling.bench", *argv])
+    return report.command_line("bench", argv)
 
 
 def problems(args) -> list[dict]:

@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from cute_fa.attention_backends import BackendUnavailable, attention
+
 from . import report
 from .cli import command_parser, csv_list, nonnegative_int, positive_int, require_cuda
 
@@ -55,10 +57,6 @@ def problems(args) -> list[dict]:
         out.append(dict(shape=shape, heads=heads, heads_kv=heads_kv, batch=batch, cache=cache,
                         seqlen_q=seqlen_q, page_size=page, kv_bytes=nbytes))
     return out
-
-
-class Unavailable(Exception):
-    """A backend that cannot run this problem; the message says why."""
 
 
 def _caches(problem, device):
@@ -94,7 +92,7 @@ def callables(problem, backends, device) -> tuple[dict, dict]:
     for name in backends:
         try:
             fns[name] = _callable(name, q, k, v, table, lengths)
-        except Unavailable as exc:
+        except BackendUnavailable as exc:
             missing[name] = str(exc)
     nbytes = problem["kv_bytes"]
     source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -114,36 +112,26 @@ def _callable(name, q, k, v, table, lengths):
         try:
             from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
         except Exception as exc:
-            raise Unavailable(f"flash_attn.cute not importable: {exc}") from None
+            raise BackendUnavailable(f"flash_attn.cute not importable: {exc}") from None
         if table is None:
             return lambda: flash_attn_func(q, k, v, causal=causal)
         return lambda: flash_attn_varlen_func(q, k, v, seqused_k=lengths, page_table=table,
                                               causal=causal)
     if name.startswith("sdpa_"):
         if table is not None:
-            raise Unavailable("SDPA has no paged KV cache")
-        if causal:
-            raise Unavailable("SDPA's causal mask is top-left aligned (decode needs the end)")
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+            raise BackendUnavailable("SDPA has no paged KV cache")
 
-        backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-                   "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-                   "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-        def run():
-            with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
-                                                                        enable_gqa=True)
+        def run():  # pinned to the backend; its causal mask (top-left) refused for q len > 1
+            return attention(q, k, v, causal, backend=name)
         run()  # a backend that refuses the shape says so here
         return run
     if name == "flashinfer":
         try:
             import flashinfer  # noqa: F401
         except Exception as exc:
-            raise Unavailable(f"flashinfer not importable here: {type(exc).__name__}: "
+            raise BackendUnavailable(f"flashinfer not importable here: {type(exc).__name__}: "
                               f"{exc}") from None
-        raise Unavailable("flashinfer is importable but its decode wrapper is not wired in "
+        raise BackendUnavailable("flashinfer is importable but its decode wrapper is not wired in "
                           "this benchmark yet")
     raise ValueError(f"backend: expected cute or one of {PEERS}, got {name!r}")
 
@@ -168,8 +156,7 @@ def build_parser():
                    help="timed calls per backend and problem, the median reported (default: 30)")
     p.add_argument("--warmup", type=nonnegative_int, default=3,
                    help="untimed calls first (default: 3)")
-    p.add_argument("--out", required=True, metavar="PREFIX",
-                   help="write <PREFIX>.json and <PREFIX>.md")
+    report.add_out_option(p)
     return p
 
 
@@ -211,11 +198,9 @@ def main(argv=None) -> int:
         del fns
         torch.cuda.empty_cache()
     env = report.environment()
-    report.write_json(args.out + ".json", rows, env, vars(args))
-    command = " ".join(["python -m cute_fa.profiling.decode_bench",
-                        *(sys.argv[1:] if argv is None else argv)])
-    with open(args.out + ".md", "w") as f:
-        f.write(format_markdown(rows, env, command))
+    command = report.command_line("decode_bench", sys.argv[1:] if argv is None else argv)
+    report.write_table_report(args.out, rows, env, vars(args),
+                              format_markdown(rows, env, command))
     return 0
 
 

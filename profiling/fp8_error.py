@@ -30,6 +30,7 @@ KINDS = ("normal", "uniform", "outliers")
 
 def inputs(kind: str, batch: int, seqlen: int, heads: int, heads_kv: int, head_dim: int,
            seed: int):
+    """q, k, v (fp32) of one input kind (KINDS), from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(batch, seqlen, heads, head_dim), (batch, seqlen, heads_kv, head_dim),
               (batch, seqlen, heads_kv, head_dim)]
@@ -69,8 +70,7 @@ def build_parser():
     p.add_argument("--heads-kv", type=positive_int, default=2,
                    help="K/V heads, a divisor of --heads (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
-    p.add_argument("--out", required=True, metavar="PREFIX",
-                   help="write <PREFIX>.json and <PREFIX>.md")
+    report.add_out_option(p)
     return p
 
 
@@ -85,11 +85,9 @@ def main(argv=None) -> int:
     rows = [measure(kind, d, causal, rotated, args) for kind, d, causal, rotated in
             itertools.product(KINDS, args.head_dims, (False, True), (False, True))]
     env = report.environment()
-    report.write_json(args.out + ".json", rows, env, vars(args))
-    with open(args.out + ".md", "w") as f:
-        f.write(format_markdown(rows, env, " ".join(["python -m cute_fa.profiling.fp8_error",
-                                                     *(sys.argv[1:] if argv is None
-                                                       else argv)]), args))
+    argv = sys.argv[1:] if argv is None else argv
+    report.write_table_report(args.out, rows, env, vars(args), format_markdown(
+        rows, env, report.command_line("fp8_error", argv), args))
     return 0
 
 

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 from collections import defaultdict
 
@@ -143,6 +144,25 @@ def environment() -> dict:
 def write_json(path: str, rows: list[dict], env: dict, args: dict) -> None:
     with open(path, "w") as f:
         json.dump({"environment": env, "arguments": args, "rows": rows}, f, indent=1)
+
+
+def command_line(command: str, argv) -> str:
+    """The shell command that runs profiling.<command> with `argv` again."""
+    return shlex.join(["python", "-m", f"cute_fa.profiling.{command}", *argv])
+
+
+def add_out_option(p) -> None:
+    """--out PREFIX of the commands that write <PREFIX>.json and <PREFIX>.md."""
+    p.add_argument("--out", required=True, metavar="PREFIX",
+                   help="write <PREFIX>.json and <PREFIX>.md")
+
+
+def write_table_report(prefix: str, rows: list[dict], env: dict, args: dict,
+                       markdown: str) -> None:
+    """<prefix>.json (the rows, machine and arguments) and <prefix>.md."""
+    write_json(prefix + ".json", rows, env, args)
+    with open(prefix + ".md", "w") as f:
+        f.write(markdown)
 
 
 def write_plots(prefix: str, rows: list[dict]) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 
 from . import report
 from .cli import choice_list, command_parser, csv_list, positive_int, require_cuda
+from .problem import add_head_dim_option
 from .timing import time_interleaved
 
 DIRECTIONS = ("fwd", "fwd_bwd")
@@ -90,8 +91,7 @@ BACKENDS = ("cute", "fa4", "cute_dense")
 
 def build_parser():
     p = command_parser("varlen_bench", __doc__)
-    p.add_argument("--head-dims", type=csv_list(int), default=[64, 128],
-                   help="head dims, comma-separated (default: 64,128)")
+    add_head_dim_option(p, [64, 128], multiple=True)
     p.add_argument("--tokens", type=csv_list(int), default=[16384, 65536],
                    help="tokens per packed batch, comma-separated (default: 16384,65536)")
     p.add_argument("--heads-dim-total", type=positive_int, default=2048,
@@ -109,8 +109,7 @@ def build_parser():
     p.add_argument("--repeats", type=positive_int, default=20,
                    help="timed calls per implementation, the median reported (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths (default: 0)")
-    p.add_argument("--out", required=True, metavar="PREFIX",
-                   help="write <PREFIX>.json and <PREFIX>.md")
+    report.add_out_option(p)
     return p
 
 
@@ -143,9 +142,9 @@ def main(argv=None) -> int:
         line = "  ".join(f"{r['backend']} {r['tflops']:.1f}" for r in rows[-len(times):])
         print(f"d={head_dim} tokens={tokens} seqs={len(lengths)} {direction}: {line} TFLOP/s")
     env = report.environment()
-    report.write_json(args.out + ".json", rows, env, vars(args))
-    with open(args.out + ".md", "w") as f:
-        f.write(format_markdown(rows, env, " ".join(sys.argv), vars(args)))
+    command = report.command_line("varlen_bench", sys.argv[1:] if argv is None else argv)
+    report.write_table_report(args.out, rows, env, vars(args),
+                              format_markdown(rows, env, command, vars(args)))
     return 0
 
 

@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from .validate import describe
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 
@@ -42,7 +44,7 @@ def quantize_fp8(x: torch.Tensor, heads_kv: int | None = None) -> tuple[torch.Te
     them, one descale per group."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.dtype.is_floating_point:
         raise ValueError(f"x: expected a float tensor (batch, seqlen, nheads, d), got "
-                         f"{_describe(x)}")
+                         f"{describe(x)}")
     batch, seqlen, heads, d = x.shape
     heads_kv = heads if heads_kv is None else heads_kv
     if isinstance(heads_kv, bool) or not isinstance(heads_kv, int) or heads_kv <= 0 \
@@ -120,7 +122,3 @@ def fp8_attention_emulation(q8, k8, v8, q_descale, k_descale, v_descale,
     return out, lse
 
 
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}"

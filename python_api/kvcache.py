@@ -33,7 +33,7 @@ import torch
 
 from . import nvtx as nvtx_ranges
 from . import ops
-from .validate import SUPPORTED_DTYPES
+from .validate import SUPPORTED_DTYPES, describe
 
 _lib = ops._lib
 _lib.define("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
@@ -47,10 +47,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
     """Shapes, dtypes and devices (no values: see the module's docstring)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D torch.Tensor, got {_describe(t)}")
+            raise ValueError(f"{name}: expected a 4-D torch.Tensor, got {describe(t)}")
         if t.dtype not in SUPPORTED_DTYPES or t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name}: expected dtype bfloat16 or float16, that of q, on "
-                            f"{q.device}, got {_describe(t)}")
+                            f"{q.device}, got {describe(t)}")
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected the last dimension to be contiguous, got "
                              f"strides {tuple(t.stride())}")
@@ -75,7 +75,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
                     or t.device != q.device:
                 raise ValueError(f"{name}: expected (batch={batch}, seqlen_new, "
                                  f"{cache.shape[2]}, {cache.shape[3]}) {q.dtype} on "
-                                 f"{q.device}, got {_describe(t)}")
+                                 f"{q.device}, got {describe(t)}")
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k, v: expected one seqlen_new, got {k.shape[1]} and "
                              f"{v.shape[1]}")
@@ -90,7 +90,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
     if page_table is not None:
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
             raise ValueError(f"page_table: expected an int32 tensor (batch, max_pages), got "
-                             f"{_describe(page_table)}")
+                             f"{describe(page_table)}")
         _check_index("page_table", page_table, (batch, page_table.shape[-1]), q.device)
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx: expected None with a page_table (the table "
@@ -109,7 +109,7 @@ def _check_index(name, t, shape, device) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != shape \
             or t.device != device:
         raise ValueError(f"{name}: expected an int32 tensor of shape {shape} on {device}, got "
-                         f"{_describe(t)}")
+                         f"{describe(t)}")
 
 
 def _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged) -> None:
@@ -120,17 +120,12 @@ def _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
                                       ).any():
         raise ValueError(f"cache_seqlens: expected each in [0, {capacity - new}] (the cache "
                          f"holds {capacity} tokens, {new} new), got {cache_seqlens.tolist()}")
-    limit, name, table = ((k_cache.shape[0], "page_table", page_table) if paged
-                          else (k_cache.shape[0], "cache_batch_idx", cache_batch_idx))
+    limit = k_cache.shape[0]  # pages, or cache rows
+    name, table = ("page_table", page_table) if paged else ("cache_batch_idx", cache_batch_idx)
     if table is not None and ((table < 0) | (table >= limit)).any():
         raise ValueError(f"{name}: expected entries in [0, {limit}), got "
                          f"{table.flatten()[:16].tolist()}")
 
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}"
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) -> None:
@@ -178,9 +173,7 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     if q.device.type == "cpu":
         _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
     batch, seqlen_q, heads, _ = q.shape
-    name = (f"cute_fa.fwd_kvcache[b={batch},sq={seqlen_q},cache={k_cache.shape[1]},"
-            f"pages={page_table.shape[1] if paged else 0},hq={heads},hkv={k_cache.shape[2]},"
-            f"d={q.shape[3]},causal={int(causal)}]")
+    name = nvtx_ranges.kvcache_range_name(q, k_cache, page_table, causal)
     with nvtx_ranges.op_range(name):
         if k is not None:
             _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)

@@ -65,6 +65,22 @@ def varlen_range_name(op: str, q, v, batch: int, max_seqlen_q: int, max_seqlen_k
             f"{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
 
 
+def kvcache_range_name(q, k_cache, page_table, causal: bool) -> str:
+    """A KV-cache call's range: q (batch, seqlen_q, heads, d), the cache's
+    length (tokens, or per page), its pages per sequence (0: contiguous).
+    Cached: a decoder asks for the same few at every step."""
+    pages = 0 if page_table is None else page_table.shape[1]
+    key = ("fwd_kvcache", q.shape, k_cache.shape, pages, causal)
+    name = _names.get(key)
+    if name is None:
+        b, sq, hq, d = q.shape
+        name = (f"cute_fa.fwd_kvcache[b={b},sq={sq},cache={k_cache.shape[1]},pages={pages},"
+                f"hq={hq},hkv={k_cache.shape[2]},d={d},causal={int(causal)}]")
+        if len(_names) < _MAX_NAMES:
+            _names[key] = name
+    return name
+
+
 @contextlib.contextmanager
 def op_range(name: str):
     """The range as a context manager, for paths whose host time does not matter."""

@@ -93,16 +93,22 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     return out, lse
 
 
+def keyless_lse(shape: tuple, heads_dim: int, learnable_sink, device) -> torch.Tensor:
+    """The LSE of rows that see no key, of `shape` with the heads at
+    `heads_dim`: -inf, or with sinks the sink (the only column they see)."""
+    if learnable_sink is None:
+        return torch.full(shape, float("-inf"), device=device)
+    view = [1] * len(shape)
+    view[heads_dim] = -1
+    return learnable_sink.float().view(view).expand(shape).contiguous()
+
+
 def empty_forward(q, v, learnable_sink=None) -> tuple:
-    """No query or no key: out 0 (batch, seqlen_q, heads, dv) and an LSE of
-    -inf (with sinks, the sink: the only column a row sees), no kernel."""
+    """No query or no key: out 0 (batch, seqlen_q, heads, dv) and the keyless
+    LSE (batch, heads, seqlen_q), no kernel."""
     batch, seqlen_q, heads, _ = q.shape
     out = q.new_zeros((batch, seqlen_q, heads, v.shape[3]))
-    if learnable_sink is None:
-        lse = torch.full((batch, heads, seqlen_q), float("-inf"), device=q.device)
-    else:
-        lse = learnable_sink.float()[None, :, None].expand(batch, heads, seqlen_q).contiguous()
-    return out, lse
+    return out, keyless_lse((batch, heads, seqlen_q), 1, learnable_sink, q.device)
 
 
 def empty_backward(q, k, v, grad_lse=None, learnable_sink=None) -> tuple:
@@ -216,6 +222,18 @@ def no_sink_grad(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
+def op_grads(grads: tuple, q: torch.Tensor) -> tuple:
+    """A backward op's four outputs from its kernel's: (dq, dk, dv) gains the
+    empty sink gradient, (dq, dk, dv, dsink) stays."""
+    return grads if len(grads) == 4 else (*grads, no_sink_grad(q))
+
+
+def fake_grads(q, k, v, learnable_sink) -> tuple:
+    """A backward op's outputs as its fake kernel gives them."""
+    dsink = no_sink_grad(q) if learnable_sink is None else torch.empty_like(learnable_sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
 def _check_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, learnable_sink):
     check_attention_inputs(q, k, v, softmax_scale)
     check_score_args(window_left, window_right, softcap)
@@ -270,8 +288,7 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale,
                                              causal, grad_lse, window=(window_left, window_right),
                                              softcap=softcap, sink=learnable_sink)
-    grads = tuple(g.contiguous() for g in grads)
-    return grads if learnable_sink is not None else grads + (no_sink_grad(q),)
+    return op_grads(tuple(g.contiguous() for g in grads), q)
 
 
 def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
@@ -279,9 +296,9 @@ def _bwd_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
               learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse, window_left, window_right,
                softcap, learnable_sink)
-    grads = backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse,
-                          deterministic, window_left, window_right, softcap, learnable_sink)
-    return grads if learnable_sink is not None else grads + (no_sink_grad(q),)
+    return op_grads(backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse,
+                                  deterministic, window_left, window_right, softcap,
+                                  learnable_sink), q)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
@@ -289,8 +306,7 @@ def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, grad_lse=None,
               learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, softmax_scale, grad_lse, window_left, window_right,
                softcap, learnable_sink)
-    dsink = no_sink_grad(q) if learnable_sink is None else torch.empty_like(learnable_sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+    return fake_grads(q, k, v, learnable_sink)
 
 
 # On a CUDA machine the C++ host side of the CUDA kernels (native.py) serves
@@ -309,8 +325,7 @@ for _name, _cpu, _cuda, _fake in (("fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
     torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
 # The eager path's kernels, with the arguments and outputs of cute_fa::fwd / cute_fa::bwd.
 def _backward_outputs(*args):
-    grads = backward_cuda(*args)
-    return grads if len(grads) == 4 else grads + (no_sink_grad(args[1]),)
+    return op_grads(backward_cuda(*args), args[1])
 
 
 _eager_fwd = _native.fwd if _native is not None else (
@@ -390,16 +405,13 @@ class _FwdAutograd(torch.autograd.Function):
         return None, dq, dk, dv, None, None, None, None, None, None, dsink
 
 
-def _requires_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _fwd_autograd(keyset, q, k, v, softmax_scale=None, causal=False, deterministic=False,
                   window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
     # The dispatcher leaves out trailing arguments that equal their defaults.
     args = (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap,
             learnable_sink)
-    if _requires_grad(q, k, v, learnable_sink):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            learnable_sink is not None and learnable_sink.requires_grad)):
         return _FwdAutograd.apply(keyset, *args)
     return _fwd_below_autograd(keyset, *args)
 

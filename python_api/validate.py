@@ -16,7 +16,11 @@ from .kernels.config import (BACKWARD_HEAD_DIMS, HEAD_DIM_MULTIPLE, SUPPORTED_HE
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _describe(t: torch.Tensor) -> str:
+def describe(t) -> str:
+    """What an argument is, for an error message: a tensor's shape, dtype and
+    device, or another object's type."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
@@ -50,7 +54,8 @@ def _attention_tensors_ok(q, k, v, softmax_scale) -> bool:
     # without a CUDA graph is paced by its host: this one expression accepts a
     # valid call in ~1 us, where the checks that name the culprit take ~6 us.
     # It must reject whatever _explain_attention_tensors rejects (the
-    # bad-input tests go through both); rejecting more only costs time.
+    # bad-input tests go through both); rejecting more only costs time (an
+    # empty tensor of any strides takes the slow path, which accepts it).
     qs, ks, vs = q.shape, k.shape, v.shape
     dtype = q.dtype
     return (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and ks[:3] == vs[:3]
@@ -59,7 +64,7 @@ def _attention_tensors_ok(q, k, v, softmax_scale) -> bool:
             and qs[3] in SUPPORTED_HEAD_DIMS and ks[3] == qs[3] and ks[0] == qs[0]
             and vs[3] in SUPPORTED_HEAD_DIMS and vs[3] <= qs[3]
             and qs[2] % ks[2] == 0
-            and _rows_contiguous(q) and _rows_contiguous(k) and _rows_contiguous(v)
+            and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
             and q.device == k.device == v.device
             and (softmax_scale is None or 0.0 < softmax_scale < math.inf))
 
@@ -75,12 +80,12 @@ def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, nheads, headdim), "
-                             f"got {t.dim()}-D with {_describe(t)}")
+                             f"got {t.dim()}-D with {describe(t)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, "
                             f"got {t.dtype}")
         if t.shape[2] == 0:
-            raise ValueError(f"{name}: expected at least one head, got {_describe(t)}")
+            raise ValueError(f"{name}: expected at least one head, got {describe(t)}")
         if not _rows_contiguous(t):
             raise ValueError(f"{name}: expected the last dimension (headdim) to be contiguous "
                              f"(stride 1), got strides {tuple(t.stride())}")
@@ -149,7 +154,7 @@ def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) ->
     return (v.shape[3] == qs[3] and grad_out.shape == qs and out.shape == qs
             and grad_out.dtype == dtype and out.dtype == dtype
             and grad_out.device == device and out.device == device
-            and _rows_contiguous(grad_out) and _rows_contiguous(out)
+            and grad_out.stride(3) == 1 and out.stride(3) == 1
             and lse.shape == stats_shape and lse.dtype == torch.float32 and lse.device == device
             and (grad_lse is None or (grad_lse.shape == stats_shape
                                       and grad_lse.dtype == torch.float32
@@ -165,7 +170,7 @@ def _explain_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_ls
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.shape != out_shape or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: expected shape {out_shape}, dtype {q.dtype}, "
-                             f"device {q.device} (q's, with v's headdim), got {_describe(t)}")
+                             f"device {q.device} (q's, with v's headdim), got {describe(t)}")
         if not _rows_contiguous(t):
             raise ValueError(f"{name}: expected the last dimension to be contiguous, "
                              f"got strides {tuple(t.stride())}")
@@ -177,7 +182,7 @@ def _explain_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_ls
         if tuple(t.shape) != (batch, heads, seqlen_q) or t.dtype != torch.float32 \
                 or t.device != q.device:
             raise ValueError(f"{name}: expected shape {(batch, heads, seqlen_q)}, dtype "
-                             f"torch.float32, device {q.device}, got {_describe(t)}")
+                             f"torch.float32, device {q.device}, got {describe(t)}")
 
 
 def check_cuda_device(device: torch.device) -> None:

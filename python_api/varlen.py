@@ -29,7 +29,7 @@ from . import nvtx as nvtx_ranges
 from .kernels.config import kernel_head_dim
 from .reference import resolve_scale, varlen_attention_reference, varlen_backward_reference
 from .scores import check_score_args, check_sink, resolve
-from .validate import check_backward_head_dims, check_cuda_device
+from .validate import check_backward_head_dims, check_cuda_device, describe
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
 _INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
@@ -133,13 +133,6 @@ def _seqlen_inputs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> list:
                                        cu_seqlens_k if seqused_k is None else seqused_k)]
 
 
-def _keyless_lse(q, learnable_sink) -> torch.Tensor:
-    """The LSE of rows that see no key: -inf, or with sinks the sink."""
-    if learnable_sink is None:
-        return torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    return learnable_sink.float()[:, None].expand(q.shape[1], q.shape[0]).contiguous()
-
-
 def varlen_forward_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                         max_seqlen_k: int, seqused_q, seqused_k, softmax_scale: float,
                         causal: bool, window_left: int = -1, window_right: int = -1,
@@ -153,7 +146,8 @@ def varlen_forward_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
         return (q.new_empty((total_q, heads, head_dim_v)),
                 torch.full((heads, total_q), float("-inf"), device=q.device))
     if k.shape[0] == 0 or max_seqlen_k == 0:  # no keys: output 0, LSE -inf (or the sink)
-        return q.new_zeros((total_q, heads, head_dim_v)), _keyless_lse(q, learnable_sink)
+        return (q.new_zeros((total_q, heads, head_dim_v)),
+                ops.keyless_lse((heads, total_q), 0, learnable_sink, q.device))
     sink = learnable_sink is not None
     scores = resolve(causal, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k,
                      varlen=True, sink=sink)
@@ -262,14 +256,14 @@ def _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, us
         if not isinstance(t, torch.Tensor) or t.shape != out_shape or t.dtype != q.dtype \
                 or t.device != q.device:
             raise ValueError(f"{name}: expected shape {tuple(out_shape)}, dtype {q.dtype} on "
-                             f"{q.device}, got {_describe(t)}")
+                             f"{q.device}, got {describe(t)}")
     for name, t in (("lse", lse), ("grad_lse", grad_lse)):
         if t is None and name == "grad_lse":
             continue
         if not isinstance(t, torch.Tensor) or t.shape != (q.shape[1], q.shape[0]) \
                 or t.dtype != torch.float32 or t.device != q.device:
             raise ValueError(f"{name}: expected shape {(q.shape[1], q.shape[0])}, dtype "
-                             f"torch.float32 on {q.device}, got {_describe(t)}")
+                             f"torch.float32 on {q.device}, got {describe(t)}")
 
 
 def _rows_in_sequences(per_row: torch.Tensor, cu_seqlens_q, seqused_q) -> torch.Tensor:
@@ -281,11 +275,6 @@ def _rows_in_sequences(per_row: torch.Tensor, cu_seqlens_q, seqused_q) -> torch.
     inside = ((rows[:, None] >= starts) & (rows[:, None] < ends)).any(-1)
     return per_row.float() * inside
 
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}"
 
 
 def _fwd_cpu(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softmax_scale=None,
@@ -323,10 +312,6 @@ def _fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softm
             torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device))
 
 
-def _with_sink_grad(grads, q, learnable_sink) -> tuple:
-    return grads if learnable_sink is not None else (*grads, ops.no_sink_grad(q))
-
-
 def _bwd_cpu(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
              softmax_scale, causal, grad_lse=None, deterministic=False, window_left=-1,
              window_right=-1, softcap=0.0, learnable_sink=None):
@@ -336,7 +321,7 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used
                                       causal, used_q, used_k, grad_lse,
                                       window=(window_left, window_right), softcap=softcap,
                                       sink=learnable_sink)
-    return _with_sink_grad(grads, q, learnable_sink)
+    return ops.op_grads(grads, q)
 
 
 def _bwd_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
@@ -347,7 +332,7 @@ def _bwd_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, use
     grads = varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q,
                                  used_k, softmax_scale, causal, grad_lse, deterministic,
                                  window_left, window_right, softcap, learnable_sink)
-    return _with_sink_grad(grads, q, learnable_sink)
+    return ops.op_grads(grads, q)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
@@ -355,8 +340,7 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, use
               window_right=-1, softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
                softmax_scale, grad_lse, window_left, window_right, softcap, learnable_sink)
-    dsink = ops.no_sink_grad(q) if learnable_sink is None else torch.empty_like(learnable_sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+    return ops.fake_grads(q, k, v, learnable_sink)
 
 
 for _name, _cpu, _cuda, _fake in (("varlen_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),

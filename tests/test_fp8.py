@@ -8,22 +8,13 @@ import torch
 
 from cute_fa.fp8 import (E4M3, E4M3_MAX, dequantize_fp8, fp8_attention_emulation, incoherent,
                          quantize_fp8, random_hadamard)
+from cute_fa.profiling import fp8_error
 from cute_fa.reference import attention_reference
 
 
 def _inputs(seed, kind="normal", batch=2, seqlen=200, heads=8, heads_kv=2, d=64):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(batch, seqlen, heads, d), (batch, seqlen, heads_kv, d),
-              (batch, seqlen, heads_kv, d)]
-    if kind == "uniform":
-        q, k, v = (torch.rand(s, generator=gen) * 2 - 1 for s in shapes)
-    else:
-        q, k, v = (torch.randn(s, generator=gen) for s in shapes)
-    if kind == "outliers":  # 0.1 % of entries x20, and one outlier feature
-        for t in (q, k):
-            t[torch.rand(t.shape, generator=gen) < 1e-3] *= 20
-            t[..., 3] *= 10
-    return q, k, v
+    """profiling.fp8_error's inputs: normal, uniform, or outlier-heavy."""
+    return fp8_error.inputs(kind, batch, seqlen, heads, heads_kv, d, seed)
 
 
 def _rmse(a, b):
