@@ -87,7 +87,11 @@ def start(device_kind: str, context_parallel: bool) -> DistributedRun:
 
 
 def finish() -> None:
+    """Leave the job: every rank reaches the barrier before any tears its
+    connections down (a rank that left early made gloo abort another's
+    exit: "terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
