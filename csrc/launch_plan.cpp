@@ -233,9 +233,11 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
 
   dense_stand_in(b, seqs);
   sinks = f32_stand_in(b, sinks);
+  // the page table of a paged KV cache (python_api/decode.py's kernels only)
+  const int no_pages = b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
   CuteFaLaunch* fwd = b.launch(0);
   b.tensors(fwd, {q, k, vv, out, lse, counters, partials, seqs.cu_q, seqs.cu_k, seqs.used_q,
-                  seqs.used_k, sinks});
+                  seqs.used_k, sinks, no_pages});
   b.arg(fwd, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);

@@ -29,6 +29,9 @@ BACKWARD_HEAD_DIMS = (64, 96, 128)
 # The ops take any multiple of this up to the largest kernel head dim: TMA
 # moves rows of 16 bytes, 8 16-bit elements (kernel_head_dim).
 HEAD_DIM_MULTIPLE = 8
+# The most key ranges a split_kv forward takes per tile: the merge
+# (split_combine.py) holds their LSEs in a warp's registers, 4 per lane.
+MAX_KV_SPLITS = 128
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,22 @@ class Features:
         logit (scaled units) and no value: it takes part in every row's
         normaliser and LSE, never in O (softmax.py); the backward's
         preprocess sums its gradient.
+    split_kv: (forward) the keys of every tile split into `parts` ranges
+        (a runtime argument) that different CTAs take, each writing its
+        rows' normalised O and LSE in fp32 to a workspace; split_combine.py
+        merges them. Flash-decoding: a few query rows per sequence against
+        a long cache fill the GPU along the keys.
+    paged_kv: (forward, packed batch) K and V are paged caches (num_pages,
+        page_size, h_kv, d) and each sequence's keys lie in the pages its
+        row of a page table names, loaded in place (paged.py).
     """
 
     local: bool = False
     softcap: bool = False
     varlen: bool = False
     sink: bool = False
+    split_kv: bool = False
+    paged_kv: bool = False
 
 
 PLAIN_FEATURES = Features()
@@ -155,6 +168,9 @@ class FwdConfig(_KernelConfig):
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
         whose K/V fit in this many MB of L2 (scheduler.py).
+    kv_load_rows: 0, or (paged_kv) the page size where it is below tile_n:
+        each K/V block then arrives as tile_n / kv_load_rows TMA loads, one
+        per page, into one stage (paged.py).
     """
 
     tile_m: int = 128
@@ -172,6 +188,7 @@ class FwdConfig(_KernelConfig):
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
+    kv_load_rows: int = 0
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -219,6 +236,10 @@ class FwdConfig(_KernelConfig):
         if self.dynamic_tiles and not self.persistent:
             raise bad("dynamic_tiles", "False unless persistent (one CTA per tile has no "
                                        "next tile to claim)")
+        if self.kv_load_rows and (self.kv_load_rows % 8 or self.tile_n % self.kv_load_rows
+                                  or self.kv_load_rows >= self.tile_n):
+            raise bad("kv_load_rows", "0, or a multiple of 8 (the swizzle's rows) that divides "
+                                      "tile_n and is below it")
         if self.split_tail and (self.dynamic_tiles or not self.persistent):
             raise bad("split_tail", "False unless persistent, and False with dynamic_tiles (a "
                                     "claimed order has no fixed last round to split)")
@@ -277,6 +298,21 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          dynamic_tiles=claimed, split_tail=not claimed, pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, split_tail=True,
                      pv_wait_after_exp2=8)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_fwd_config(head_dim: int, head_dim_v: int | None = None) -> FwdConfig:
+    """The forward config of attention against a KV cache (python_api/decode.py):
+    a few query rows per (sequence, KV head), so one 64-row consumer
+    warpgroup per tile (no ping-pong partner); tiles dealt in a fixed order
+    (the split count aims at one wave of them, and no tile counter needs
+    zeroing before each call); 128 keys a step in two stages, 64 above head
+    dim 128 (docs/findings.md, "Decode"); 40 registers for the producer,
+    whose page lookups spill at 24 (split and paged, head dim 64)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    tile_n = 128 if max(head_dim, head_dim_v) <= 128 else 64
+    return FwdConfig(tile_m=64, tile_n=tile_n, kv_stages=2, pingpong=False, persistent=True,
+                     dynamic_tiles=False, split_tail=False, producer_regs=40)
 
 
 @dataclass(frozen=True)

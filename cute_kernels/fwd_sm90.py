@@ -12,7 +12,9 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
                 (O → smem → TMA store, LSE → global). With split_tail the
                 last round's tiles come in key ranges: a warpgroup ending
                 one publishes its rows, and the last to count in merges
-                them before the epilogue (tail_split.py).
+                them before the epilogue (tail_split.py). With split_kv
+                (Features) every tile comes in key ranges, each leaving
+                fp32 O and LSE for split_combine.py.
 Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-thread
 mbarrier rings (pipeline.py); ping-pong named barriers between consumer
 warpgroups; epilogue named barriers.
@@ -47,6 +49,7 @@ from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
                           store_rows, tma_store_tile, tma_views)
 from .mask import BlockRange, Limits, ScoreMask, Window
+from .paged import KvBlocks, KvStream
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
                        producer_state, release, release_after, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
@@ -98,6 +101,7 @@ class Work:
     batch: Int32
     n_lo: Int32
     n_max: Int32
+    part: Int32
     parts: Int32
     seqlen_q: Int32
     seqlen_k: Int32
@@ -130,18 +134,26 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
                  features: Features = PLAIN_FEATURES):
         super().__init__(dtype, head_dim, causal, config, head_dim_v, features)
-        if (causal or features.local or features.varlen) and config.split_tail:
-            raise ValueError(f"FwdConfig.split_tail: expected False for a causal, local or "
-                             f"varlen kernel (its tiles differ in length or start; "
-                             f"dynamic_tiles balances them), got True (head_dim={head_dim}, "
-                             f"config={config})")
+        if (causal or features.local or features.varlen or features.split_kv) \
+                and config.split_tail:
+            raise ValueError(f"FwdConfig.split_tail: expected False for a causal, local, "
+                             f"varlen or split_kv kernel (its tiles differ in length or start, "
+                             f"or are split already; dynamic_tiles balances them), got True "
+                             f"(head_dim={head_dim}, config={config})")
+        if features.paged_kv and not features.varlen:
+            raise ValueError("features.paged_kv: expected a varlen kernel (the sequences' "
+                             "lengths come from seqused_k), got a dense one")
+        if features.split_kv and features.sink:
+            raise ValueError("features.sink: expected False for a split_kv kernel (the "
+                             "combine of the key ranges takes no sink), got True")
 
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
-                 mSeqUsedK: cute.Tensor, mSink: cute.Tensor, softmax_scale_log2: Float32,
+                 mSeqUsedK: cute.Tensor, mSink: cute.Tensor, mPageTable: cute.Tensor,
+                 softmax_scale_log2: Float32,
                  num_sms: Int32,
                  full_tiles: Int32, tail_parts: Int32, window_left: Int32,
                  window_right: Int32, score_pre_tanh: Float32, seqused: Int32,
@@ -152,17 +164,30 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         int32 and, as the seqused bits say (varlen.SEQUSED_Q, _K), the
         seqused lengths (1, 1, b) int32; other kernels never read those four.
         A sink kernel's learnable sinks, (1, 1, h) fp32 (others never read it).
+        A paged_kv kernel's K and V are the caches (num_pages, page_size,
+        h_kv, d) and mPageTable its pages per sequence, int32 (1, b,
+        max_pages); its cu_seqlens_k are 0 (others never read the table).
         Read only by some configs: the counters, int32
         (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
         0; split_tail: the split tiles' counters after it), and with
         split_tail the fp32 partials workspace and the tail plan, full_tiles
-        and tail_parts (tail_split.py). Read only by local kernels: the
+        and tail_parts (tail_split.py). A split_kv kernel's partials are its
+        fp32 O workspace, (parts · b, s_q, h, d_v) in O's order (part p of
+        dense sequence b at batch index p · b + b; packed: p), its LSE the
+        matching (parts · b, h, s_q) workspace, and tail_parts the parts per
+        tile (full_tiles 0); mO is then not written. Read only by local kernels: the
         window (mask.Window); by softcap kernels: scale / softcap, with
         softmax_scale_log2 then softcap · log2(e) (softcap.py)."""
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        if cutlass.const_expr(self.features.split_kv):
+            mPartials = permute(mPartials, [1, 3, 2, 0])
+        rows_k = mK.shape[0]
+        if cutlass.const_expr(self.features.paged_kv):  # a sequence's most keys
+            rows_k = mPageTable.shape[2] * mK.shape[0]
         seqlens = Seqlens(self.features.varlen, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                          seqused, mQ.shape[0], mK.shape[0])
+                          seqused, mQ.shape[0], rows_k)
+        kv_blocks = KvBlocks(self.features.paged_kv, mPageTable)
         mLSE = permute(mLSE, [2, 1, 0])
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
@@ -176,10 +201,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
-        tma_k, tK = cpasync.make_tiled_tma_atom(load, mK, cute.select(sK_layout, mode=[0, 1]),
-                                                (tile_n, d))
-        tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, cute.select(sV_layout, mode=[0, 1]),
-                                                (tile_n, dv))
+        tma_k, tK = cpasync.make_tiled_tma_atom(load, mK, self._kv_box(sK_layout, d), (
+            self.kv_load_rows, d))
+        tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, self._kv_box(sV_layout, dv), (
+            self.kv_load_rows, dv))
         tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                 cute.select(sO_layout, mode=[0, 1]),
                                                 (WGMMA_M, dv))
@@ -195,13 +220,28 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, tail, seqlens, tma_q, tma_k,
+        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, tail, seqlens, kv_blocks,
+                    tma_q, tma_k,
                     tma_v, tma_o,
                     softmax_scale_log2, Window(window_left, window_right), score_pre_tanh,
                     sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
+
+    @property
+    def kv_load_rows(self) -> int:
+        """Rows of one K/V TMA load: a block, or a page of it (kv_load_rows)."""
+        return self.cfg.kv_load_rows or self.tile_n
+
+    def _kv_box(self, staged_layout, cols: int):
+        """The shared-memory layout one K/V TMA load fills: a stage's first
+        kv_load_rows rows (the stage itself for whole-block loads)."""
+        stage = cute.select(staged_layout, mode=[0, 1])
+        if self.kv_load_rows == self.tile_n:
+            return stage
+        return cute.composition(stage, cute.make_layout((self.kv_load_rows, cols),
+                                                        stride=(1, self.tile_n)))
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory (FwdConfig.smem_bytes counts it): barriers,
@@ -235,7 +275,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, mCounters: cute.Tensor,
-               mSink: cute.Tensor, tail: TailSplit, seqlens: Seqlens, tma_q: cute.CopyAtom,
+               mSink: cute.Tensor, tail: TailSplit, seqlens: Seqlens, kv_blocks: KvBlocks,
+               tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale_log2: Float32, window: Window, score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -292,8 +333,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, seqlens, o_read,
-                             limits)
+                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, seqlens, kv_blocks,
+                             o_read, limits)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
@@ -310,7 +351,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
                 smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
-                seqlens: Seqlens, o_read: cute.Pointer, limits: Limits):
+                seqlens: Seqlens, kv: KvBlocks, o_read: cute.Pointer, limits: Limits):
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
@@ -326,13 +367,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             head_kv = work.head // q_per_kv
             gQ = cute.local_tile(seqlens.q_rows(mQ, work.head, work.batch),
                                  (self.tile_m, self.head_dim), (work.m_block, 0))
-            gK = cute.local_tile(seqlens.k_rows(mK, head_kv, work.batch),
-                                 (self.tile_n, self.head_dim), (None, 0))
-            gV = cute.local_tile(seqlens.k_rows(mV, head_kv, work.batch),
-                                 (self.tile_n, self.head_dim_v), (None, 0))
             tQs, tQg = tma_views(copies.q, smem.q, gQ, staged=False)
-            tKs, tKg = tma_views(copies.k, smem.k, gK, staged=True)
-            tVs, tVg = tma_views(copies.v, smem.v, gV, staged=True)
+            k_blocks = self._kv_stream(copies.k, mK, smem.k, kv, seqlens, head_kv, work.batch,
+                                       self.head_dim)
+            v_blocks = self._kv_stream(copies.v, mV, smem.v, kv, seqlens, head_kv, work.batch,
+                                       self.head_dim_v)
 
             pipes.q.producer_acquire(q_state)
             cute.copy(copies.q, tQg, tQs, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
@@ -340,7 +379,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
             n_lo, n_max = work.n_lo, work.n_max
             if n_max > n_lo:
-                kv_state = self._load_block(copies.k, tKg, tKs, pipes.k, kv_state, n_max - 1)
+                kv_state = k_blocks.load(copies.k, pipes.k, kv_state, n_max - 1, kv)
                 if cutlass.const_expr(self.cfg.o_in_v_smem):
                     # The previous round's O, staged in the V ring, has been stored.
                     cute.arch.mbarrier_wait(o_read, (round_idx + 1) % 2)
@@ -349,21 +388,16 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
                         v_state = kv_state.clone()
                         kv_state.advance()
-                        kv_state = self._load_block(copies.k, tKg, tKs, pipes.k, kv_state,
-                                                    n_max - 2 - i)
-                        v_state = self._load_block(copies.v, tVg, tVs, pipes.v, v_state,
-                                                   n_max - 1 - i)
-                    kv_state = self._load_block(copies.v, tVg, tVs, pipes.v, kv_state, n_lo)
+                        kv_state = k_blocks.load(copies.k, pipes.k, kv_state, n_max - 2 - i, kv)
+                        v_state = v_blocks.load(copies.v, pipes.v, v_state, n_max - 1 - i, kv)
+                    kv_state = v_blocks.load(copies.v, pipes.v, kv_state, n_lo, kv)
                     kv_state.advance()
                 else:
-                    kv_state = self._load_block(copies.v, tVg, tVs, pipes.v, kv_state,
-                                                n_max - 1)
+                    kv_state = v_blocks.load(copies.v, pipes.v, kv_state, n_max - 1, kv)
                     kv_state.advance()
                     for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
-                        kv_state = self._load_block(copies.k, tKg, tKs, pipes.k, kv_state,
-                                                    n_max - 2 - i)
-                        kv_state = self._load_block(copies.v, tVg, tVs, pipes.v, kv_state,
-                                                    n_max - 2 - i)
+                        kv_state = k_blocks.load(copies.k, pipes.k, kv_state, n_max - 2 - i, kv)
+                        kv_state = v_blocks.load(copies.v, pipes.v, kv_state, n_max - 2 - i, kv)
                         kv_state.advance()
             round_idx += 1
             tile = tiles.claimed(round_idx)
@@ -371,9 +405,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             tiles.queue.finish(round_idx, tile, pipes.q, q_state)
 
     def _num_units(self, num_tiles: Int32, tail: TailSplit) -> Int32:
-        """The units of work the CTAs deal: the tiles, or with split_tail the
-        whole ones and the parts of the split ones."""
-        if cutlass.const_expr(self.cfg.split_tail):
+        """The units of work the CTAs deal: the tiles, or with split_tail
+        (split_kv) the whole ones and the parts of the split ones (no whole ones)."""
+        if cutlass.const_expr(self.cfg.split_tail or self.features.split_kv):
             return tail.num_units(num_tiles)
         return num_tiles
 
@@ -384,16 +418,20 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         the first block and the parts are Python constants (the loops' bounds
         stay as they were)."""
         tile, part, parts = unit, 0, 1
-        if cutlass.const_expr(self.cfg.split_tail):
+        if cutlass.const_expr(self.cfg.split_tail or self.features.split_kv):
             tile, part, parts = tail.locate(unit)
         m_block, head, batch = scheduler.decode(tile)
         seqlen_q, seqlen_k = seqlens.len_q(batch), seqlens.len_k(batch)
         n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.features.local):
             n_lo = blocks.n_block_min(m_block, seqlen_q, seqlen_k)
-        if cutlass.const_expr(self.cfg.split_tail):
-            n_lo, n_max = TailSplit.key_range(part, parts, n_max)
-        return Work(m_block, head, batch, n_lo, n_max, parts, seqlen_q, seqlen_k)
+        if cutlass.const_expr(self.cfg.split_tail or self.features.split_kv):
+            n_lo, n_max = TailSplit.key_range(part, parts, n_lo, n_max)
+        if cutlass.const_expr(not self.features.split_kv):
+            # only split_kv's epilogue reads it: a constant keeps it out of
+            # the registers the main loop carries
+            part = 0
+        return Work(m_block, head, batch, n_lo, n_max, part, parts, seqlen_q, seqlen_k)
 
     @cute.jit
     def _sink(self, mSink: cute.Tensor, work: Work) -> Float32:
@@ -414,11 +452,15 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         return sink_log2
 
     @cute.jit
-    def _load_block(self, atom, g_view, s_view, pipe, state, n_block: Int32):
-        pipe.producer_acquire(state)
-        cute.copy(atom, g_view[None, n_block], s_view[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
-        return state
+    def _kv_stream(self, atom, m_kv: cute.Tensor, s_ring: cute.Tensor, kv: KvBlocks,
+                   seqlens: Seqlens, head_kv: Int32, batch: Int32, cols: int) -> KvStream:
+        """One tile's K or V blocks for the producer (paged.KvStream)."""
+        if cutlass.const_expr(self.kv_load_rows == self.tile_n):
+            blocks = kv.gmem_blocks(m_kv, seqlens.k_rows(m_kv, head_kv, batch), head_kv,
+                                    self.tile_n, cols)
+            s_view, g_view = tma_views(atom, s_ring, blocks, staged=True, g_tile_modes=2)
+            return KvStream(g_view, s_view, head_kv, batch, self.tile_n, self.tile_n, cols)
+        return KvStream(m_kv, s_ring, head_kv, batch, self.kv_load_rows, self.tile_n, cols)
 
     # ------------------------------------------------------------- consumers
     @cute.jit
@@ -485,7 +527,12 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 # coordinates need not stay live through it
                 out = self._locate(tiles.scheduler, tail, blocks,
                                    cute.arch.make_warp_uniform(tile), seqlens)
-            if cutlass.const_expr(self.cfg.split_tail):
+            if cutlass.const_expr(self.features.split_kv):
+                self._o_staging_free()
+                self._store_partial(acc_o, lse, tiled_mma_pv, tail.partials, mLSE, tid, out,
+                                    seqlens, mO.shape[3])
+                self._o_left(o_read, tid)
+            elif cutlass.const_expr(self.cfg.split_tail):
                 writes = cutlass.Boolean(True)
                 if work.parts > 1:
                     writes = tail.merge(acc_o, lse, tile, wg, tid,
@@ -659,6 +706,30 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         return kv_state
 
     # -------------------------------------------------------------- epilogue
+    @cute.jit
+    def _store_partial(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
+                       mO_part: cute.Tensor, mLSE_part: cute.Tensor, tid: Int32, work: Work,
+                       seqlens: Seqlens, dense_batch: Int32):
+        """A split_kv part's rows, straight from registers to the fp32
+        workspaces: O (normalised over the part's keys) and LSE, rows past
+        the sequence left out. A few rows per tile in decoding: no staging."""
+        index = work.part * dense_batch + seqlens.buffer_batch(work.batch)
+        if cutlass.const_expr(self.features.varlen):
+            index = work.part
+        start = seqlens.start_q(work.batch)
+        o_rows = cute.domain_offset((start, 0), mO_part[None, None, work.head, index])
+        coords = wgmma.acc_rows_cols(tiled_mma_pv.get_slice(tid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        o = wgmma.acc_rows_cols(acc_o)
+        first = work.m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            row = first + coords[r, 0][0]
+            if row < work.seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    o_rows[row, coords[r, c][1]] = o[r, c]
+                if coords[0, 0][1] == 0:
+                    mLSE_part[start + row, work.head, index] = lse[r]
+
     @cute.jit
     def _store_slab(self, slab: cute.Tensor, tma_o: cute.CopyAtom, out_rows: cute.Tensor,
                     row_block: Int32, rows_out: Int32, wg: Int32, is_store_warp):

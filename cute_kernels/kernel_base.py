@@ -23,10 +23,15 @@ def permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
 
 
-def tma_views(atom, s: cute.Tensor, g: cute.Tensor, staged: bool):
-    """(smem view, gmem view) of a TMA copy; staged tensors keep their last mode."""
+def tma_views(atom, s: cute.Tensor, g: cute.Tensor, staged: bool,
+              g_tile_modes: int | None = None):
+    """(smem view, gmem view) of a TMA copy; staged tensors keep their last
+    mode, or the gmem view all after its first g_tile_modes (a paged cache's
+    blocks per page and pages)."""
     s_rank = cute.rank(s) - 1 if staged else cute.rank(s)
     g_rank = cute.rank(g) - 1 if staged else cute.rank(g)
+    if g_tile_modes is not None:
+        g_rank = g_tile_modes
     return cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                  cute.group_modes(s, 0, s_rank), cute.group_modes(g, 0, g_rank))
 

@@ -68,11 +68,15 @@ class TailSplit(DslStruct):
         return uniform(tile), uniform(part), uniform(parts)
 
     @staticmethod
-    def key_range(part: Int32, parts: Int32, n_blocks: Int32):
-        """[lo, hi) of the K/V blocks of one part, warp-uniform; all of them for
-        a tile in one part."""
+    def key_range(part: Int32, parts: Int32, n_lo: Int32, n_max: Int32):
+        """[lo, hi) of the K/V blocks of one part of the tile's [n_lo, n_max),
+        warp-uniform; all of them for a tile in one part."""
         uniform = cute.arch.make_warp_uniform
-        return uniform(part * n_blocks // parts), uniform((part + 1) * n_blocks // parts)
+        if cutlass.const_expr(isinstance(n_lo, int) and n_lo == 0):  # every key block
+            return uniform(part * n_max // parts), uniform((part + 1) * n_max // parts)
+        n_blocks = cutlass.max(n_max - n_lo, 0)
+        return (uniform(n_lo + part * n_blocks // parts),
+                uniform(n_lo + (part + 1) * n_blocks // parts))
 
     @cute.jit
     def merge(self, acc_o: cute.Tensor, lse: cute.Tensor, unit: Int32, wg: Int32, tid: Int32,

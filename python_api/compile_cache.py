@@ -26,18 +26,25 @@ CPU_TARGET_ARCH = "sm_90a"
 
 @dataclass
 class CompiledKernel:
-    # the TVM-FFI callable: fn(q, k, v, out, lse, counters, partials, scale_log2, num_sms,
-    # full_tiles, tail_parts, window_left, window_right, pre_tanh)
+    # the TVM-FFI callable: fn(q, k, v, out, lse, counters, partials, cu_seqlens_q,
+    # cu_seqlens_k, seqused_q, seqused_k, sinks, page_table, scale_log2, num_sms, full_tiles,
+    # tail_parts, window_left, window_right, pre_tanh, seqused) (fwd_sm90.py's __call__)
     fn: object
     compile_seconds: float  # compiling, or loading from the kernel store
     from_disk: bool = False
+    # a split_kv forward's merge: combine(o_partials, lse_partials, out, lse)
+    # (cute_kernels/split_combine.py); None for the others
+    combine: object | None = None
 
     def launches(self) -> dict:
-        return {"fwd": self.fn}
+        launches = {"fwd": self.fn}
+        if self.combine is not None:
+            launches["combine"] = self.combine
+        return launches
 
     @classmethod
     def from_launches(cls, launches: dict, seconds: float, from_disk: bool) -> CompiledKernel:
-        return cls(launches["fwd"], seconds, from_disk)
+        return cls(launches["fwd"], seconds, from_disk, launches.get("combine"))
 
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,

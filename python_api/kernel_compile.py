@@ -41,6 +41,7 @@ from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # n
 from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
 from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features  # noqa: E402
 from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
+from .kernels.split_combine import SplitCombine  # noqa: E402
 
 TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _ALIGN_ELEMS = 8  # 16-byte TMA alignment for 16-bit elements
@@ -113,13 +114,55 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim_v)
     lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
     counters = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, n)
-    partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
+    combine = None
+    if features.split_kv:  # fp32 O and LSE per key range, in O's and LSE's order
+        parts_batch = _sym()
+        partials = _fake_f32_bshd(parts_batch, seqlen_q, heads_q, head_dim_v)
+        lse = _fake_rows(cutlass.Float32, parts_batch, heads_q, seqlen_q)
+    else:
+        partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
     start = time.perf_counter()
+    page_table = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, b, max_pages)
+    if features.paged_kv:  # the caches (num_pages, page_size, h_kv, d)
+        pages, page_size = _sym(), _sym()
+        k = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim)
+        v = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim_v)
     fn = _compile(kernel, q, k, v, o, lse, counters, partials, *_seqlen_tensors(),
-                  _sink_tensor(), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(0),
+                  _sink_tensor(), page_table, cutlass.Float32(1.0), cutlass.Int32(1),
+                  cutlass.Int32(0),
                   cutlass.Int32(1),
                   *_score_args(), cutlass.Int32(0), dump_dir=dump_dir)
-    return CompiledKernel(fn, time.perf_counter() - start)
+    if features.split_kv:
+        combine = _compile_combine(cute_dtype, head_dim_v,
+                                   dump_dir and os.path.join(dump_dir, "combine"))
+    return CompiledKernel(fn, time.perf_counter() - start, combine=combine)
+
+
+def _fake_f32_bshd(batch, seqlen, heads, head_dim):
+    """An fp32 (batch, seq, heads, head_dim) tensor, head_dim contiguous, rows
+    of whole 16-byte pieces."""
+    stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4),
+              cute.sym_int64(divisibility=4), 1)
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, seqlen, heads, head_dim),
+                                         stride=stride, assumed_align=16)
+
+
+def _compile_combine(cute_dtype, head_dim_v: int, dump_dir: str | None):
+    """split_combine.SplitCombine over symbolic shapes: partials O (parts, b,
+    s_q, h, d_v) and LSE (parts, b, h, s_q) with any strides, d_v contiguous."""
+    parts, batch, seqlen_q, heads = _sym(), _sym(), _sym(), _sym()
+    o_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (parts, batch, seqlen_q, heads, head_dim_v),
+        stride=tuple(cute.sym_int64(divisibility=4) for _ in range(4)) + (1,), assumed_align=16)
+    lse_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (parts, batch, heads, seqlen_q),
+        stride=tuple(cute.sym_int64() for _ in range(4)), assumed_align=4)
+    out = _fake_bshd(cute_dtype, batch, seqlen_q, heads, head_dim_v)
+    lse = cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q),
+                                        stride=tuple(cute.sym_int64() for _ in range(3)),
+                                        assumed_align=4)
+    return _compile(SplitCombine(cute_dtype, head_dim_v), o_part, lse_part, out, lse,
+                    dump_dir=dump_dir)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,

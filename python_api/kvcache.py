@@ -11,13 +11,17 @@ nheads_kv, d) are written into the cache at those positions, in place,
 before attending, and sequence b then sees cache_seqlens[b] + seqlen_new
 keys. causal aligns the queries to the end of each sequence's keys.
 
-The attention runs on the packed-batch kernels (varlen.py): each sequence's
-keys are one packed sequence with its length in seqused_k, so nothing is
-read on the host and a decode step can be captured in a CUDA graph (the
-longest sequences come from the shapes). A paged cache and cache_batch_idx
-are gathered into contiguous sequences first (a copy of each sequence's
-pages); a split-KV decode kernel that reads pages in place is the next step
-(issue 28's kernels), this is the interface and its reference.
+The attention runs on the forward kernel over packed sequences
+(decode.py): each sequence's keys are found by their first cache row and
+their length (seqused_k), so nothing is read on the host and a decode step
+is captured in a CUDA graph whole. The query heads that share a KV head are
+packed into the rows of one tile (GQA packing), a sequence's keys are split
+over CTAs when the batch leaves SMs idle (split-KV, num_splits), and a
+paged cache is read in place through its page table: pages of 8 to 64
+tokens one TMA load per page, larger ones (multiples of 128) one per 128
+keys, other multiples of 16 below 128 a main-loop step of one page. Other
+page sizes, and head dims the kernels pad, are copied first (a gather of
+each sequence's pages; a padded copy).
 
 What is checked: shapes, dtypes, devices, head counts, contiguous pages.
 The values of cache_seqlens, page_table and cache_batch_idx are checked on
@@ -31,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from . import decode, ops, reference
 from . import nvtx as nvtx_ranges
-from . import ops
 from .validate import SUPPORTED_DTYPES, describe
 
 _lib = ops._lib
@@ -153,16 +157,33 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) 
         cache[rows, slots] = torch.where(keep, values, cache[rows, slots])
 
 
-def _sequences(k_cache, v_cache, page_table, cache_batch_idx):
-    """Each sequence's cache as (batch, capacity, nheads_kv, d), a view where
-    it already is one, else a gathered copy."""
+def _sequences(k_cache, v_cache, page_table, in_place: bool):
+    """The caches as the kernels take them and the most keys one sequence
+    holds. A paged cache the kernel reads in place (in_place) stays as it
+    is; otherwise its pages are gathered into contiguous sequences first (a
+    copy). Contiguous sequences become one token axis (1, rows, nheads_kv,
+    d): a view (a copy only where the batch and token axes do not flatten
+    into one)."""
     if page_table is not None:
+        if in_place:
+            return k_cache, v_cache, page_table.shape[1] * k_cache.shape[1]
         pages = page_table.long()
-        return tuple(c[pages].flatten(1, 2) for c in (k_cache, v_cache))
-    if cache_batch_idx is not None:
-        rows = cache_batch_idx.long()
-        return k_cache[rows], v_cache[rows]
-    return k_cache, v_cache
+        k_cache, v_cache = (c[pages].flatten(1, 2) for c in (k_cache, v_cache))
+    keys, values = (c.flatten(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+    return keys, values, k_cache.shape[1]
+
+
+def _reference(q, keys, values, cache_rows, lengths, capacity, scale, causal):
+    """The CPU path: reference math over the same sequences the kernels see."""
+    batch, seqlen_q, heads, _ = q.shape
+    steps = torch.arange(batch + 1, dtype=torch.int32)
+    rows = steps[:batch] if cache_rows is None else cache_rows
+    starts = rows * capacity
+    out, lse = reference.varlen_attention_reference(
+        q.reshape(batch * seqlen_q, heads, -1), keys[0], values[0], steps * seqlen_q,
+        torch.cat([starts, starts[-1:]]), scale, causal, seqused_k=lengths)
+    return (out.view(batch, seqlen_q, heads, -1),
+            lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous())
 
 
 def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
@@ -172,24 +193,29 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     paged = page_table is not None
     if q.device.type == "cpu":
         _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
-    batch, seqlen_q, heads, _ = q.shape
+    batch, seqlen_q, heads, head_dim = q.shape
+    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
     name = nvtx_ranges.kvcache_range_name(q, k_cache, page_table, causal)
     with nvtx_ranges.op_range(name):
         if k is not None:
             _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
-        keys, values = _sequences(k_cache, v_cache, page_table, cache_batch_idx)
-        capacity = keys.shape[1]
-        lengths = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        in_place = paged and q.device.type == "cuda" and decode.reads_pages_in_place(
+            k_cache.shape[1], head_dim, v_cache.shape[3])
+        keys, values, capacity = _sequences(k_cache, v_cache, page_table, in_place)
+        lengths = None  # every cache full
         if cache_seqlens is not None:
-            new = 0 if k is None else k.shape[1]
-            lengths = (cache_seqlens + new).clamp(0, capacity).int()
-        steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        out, lse = torch.ops.cute_fa.varlen_fwd(
-            q.reshape(batch * seqlen_q, heads, -1), keys.reshape(batch * capacity, *keys.shape[2:]),
-            values.reshape(batch * capacity, *values.shape[2:]), steps * seqlen_q,
-            steps * capacity, seqlen_q, capacity, None, lengths, softmax_scale, causal)
-    return (out.view(batch, seqlen_q, heads, -1),
-            lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous())
+            lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]
+            lengths = lengths.clamp(0, capacity)
+        if q.device.type == "cpu":
+            if lengths is None:
+                lengths = torch.full((batch,), capacity, dtype=torch.int32)
+            return _reference(q, keys, values, cache_batch_idx, lengths, capacity, scale,
+                              causal)
+        if capacity == 0:  # no keys: output 0, LSE -inf
+            return (q.new_zeros((batch, seqlen_q, heads, v_cache.shape[3])),
+                    ops.keyless_lse((batch, heads, seqlen_q), 0, None, q.device))
+        return decode.run(q, keys, values, cache_batch_idx, page_table if in_place else None,
+                          lengths, capacity, scale, causal, num_splits)
 
 
 def _fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
@@ -212,9 +238,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     """Attention of q against a KV cache, appending k, v first (the module's
     docstring has the layouts). Returns out (batch, seqlen_q, nheads, d_v),
     and with return_softmax_lse the fp32 LSE (batch, nheads, seqlen_q).
-    Inference only: no gradient. num_splits: kept for FlashAttention's
-    interface (0: chosen from the shapes); the packed-batch kernel does not
-    split a sequence's keys."""
+    Inference only: no gradient. num_splits: key ranges per (sequence, KV
+    head) computed by different CTAs and merged exactly (flash-decoding);
+    0 chooses it from the shapes and the SM count (decode.choose_splits),
+    1 never splits; at most 128 and the cache's 128-key blocks."""
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)

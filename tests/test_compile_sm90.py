@@ -387,3 +387,38 @@ def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
     assert "shfl.sync.bfly" in pre and "atom." not in pre and "red." not in pre
     assert dumped_kernel_info(str(tmp_path / "preprocess")).counts["local_memory"] == 0
     _assert_no_spills(dumped_kernel_info(str(tmp_path / "main")))
+
+
+# ------------------------------------------------------------ KV cache (decode)
+
+@pytest.mark.parametrize("head_dim,features,load_rows", [
+    (128, Features(varlen=True, split_kv=True), 0),
+    (64, Features(varlen=True, split_kv=True, paged_kv=True), 0),
+    (128, Features(varlen=True, paged_kv=True), 16),
+    (256, Features(varlen=True, split_kv=True, paged_kv=True), 32)])
+def test_decode_kernels(tmp_path, head_dim, features, load_rows):
+    """The KV-cache forward (python_api/decode.py's config) stays
+    warp-specialised and spill-free on HGMMA and TMA; a split one leaves its
+    fp32 partial rows with 8-byte stores and its merge reads them 16 bytes
+    a load; pages smaller than a block come in one TMA load per page and
+    64-column box (loads per stage: K and V blocks of 128 keys, here)."""
+    from cute_fa.kernels.config import decode_fwd_config
+
+    config = decode_fwd_config(head_dim).replace(kv_load_rows=load_rows)
+    kernel = compile_fwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path),
+                         features=features)
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+    ptx = _ptx(tmp_path)
+    assert "cp.async.bulk.tensor" in ptx
+    assert ("st.global.v2.f32" in ptx or "st.global.v2.b32" in ptx) == features.split_kv
+    assert (kernel.combine is not None) == features.split_kv
+    if features.split_kv:
+        combine = _ptx(tmp_path / "combine")
+        assert "ld.global.v4" in combine and "shfl.sync" in combine
+        assert dumped_kernel_info(str(tmp_path / "combine")).counts["local_memory"] == 0
+    if load_rows:
+        boxes = config.tile_n // load_rows * (head_dim // 64)  # per K or V block
+        loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\d+d\.shared::\w+\.global", ptx))
+        assert loads >= 2 * boxes

@@ -1,6 +1,7 @@
 """flash_attn_with_kvcache on the H100: each sequence's output against the
 fp32 reference over its cache with the GPU tests' bound, contiguous and
-paged caches, appends, GQA; and a decode step captured in a CUDA graph and
+paged caches, appends, GQA ratios and query tokens, cache_batch_idx; split
+key ranges against one; and a decode step captured in a CUDA graph and
 replayed with new tokens and lengths."""
 
 import pytest
@@ -39,24 +40,108 @@ def _logical(cache, page_table, row):
     return cache[row] if page_table is None else cache[page_table[row].long()].flatten(0, 1)
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 256])
+def _check_against_reference(q, k_cache, v_cache, k, page_table, lengths, new, causal, out,
+                             lse, cache_batch_idx=None):
+    for b in range(q.shape[0]):
+        n = int(lengths[b]) + new
+        row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        keys, values = _logical(k_cache, page_table, row), _logical(v_cache, page_table, row)
+        if new:
+            assert torch.equal(keys[n - new:n], k[b])
+        ref, ref_lse = attention_reference(q[b:b + 1], keys[None, :n], values[None, :n], None,
+                                           causal)
+        low, _ = attention_reference(q[b:b + 1], keys[None, :n], values[None, :n], None, causal,
+                                     compute_dtype=None)
+        assert_within_low_precision([(f"out[{b}]", out[b:b + 1], ref, low)])
+        torch.testing.assert_close(lse[b:b + 1], ref_lse, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("seqlen_q,new", [(1, 1), (4, 4), (1, 0)])
 def test_kvcache_matches_the_reference(page_size, seqlen_q, new):
     capacity = 1024
     q, k_cache, v_cache, k, v, page_table = _problem(seqlen_q + new, 4, seqlen_q, capacity, new,
                                                      page_size=page_size)
     lengths = torch.tensor([0, 300, 777, capacity - new], dtype=torch.int32, device="cuda")
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
-                                  page_table=page_table, causal=True)
-    for b in range(4):
-        n = int(lengths[b]) + new
-        keys, values = _logical(k_cache, page_table, b), _logical(v_cache, page_table, b)
-        if new:
-            assert torch.equal(keys[n - new:n], k[b])
-        ref, _ = attention_reference(q[b:b + 1], keys[None, :n], values[None, :n], None, True)
-        low, _ = attention_reference(q[b:b + 1], keys[None, :n], values[None, :n], None, True,
-                                     compute_dtype=None)
-        assert_within_low_precision([(f"out[{b}]", out[b:b + 1], ref, low)])
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                       page_table=page_table, causal=True,
+                                       return_softmax_lse=True)
+    _check_against_reference(q, k_cache, v_cache, k, page_table, lengths, new, True, out, lse)
+
+
+# GQA ratios 1, 4 and 8; 1 and several query tokens (packed per KV head
+# while s_q < g, decode.py); causal and not; head dims 64 and 128.
+@pytest.mark.parametrize("heads_kv", [32, 8, 4])
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (3, True), (6, True), (5, False)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_packing_and_query_tokens(heads_kv, seqlen_q, causal, d):
+    capacity = 2048
+    q, k_cache, v_cache, _, _, _ = _problem(heads_kv + seqlen_q + d, 3, seqlen_q, capacity, 0,
+                                            heads_kv=heads_kv, d=d)
+    lengths = torch.tensor([5, capacity, 1000], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=causal,
+                                       return_softmax_lse=True)
+    _check_against_reference(q, k_cache, v_cache, None, None, lengths, 0, causal, out, lse)
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("seqlen_q,splits", [(1, 0), (1, 5), (3, 0), (3, 4)])
+def test_paged_packed_and_split(page_size, seqlen_q, splits):
+    """Pages read in place with GQA packing (g = 8, so 3 query tokens are 3
+    packed sequences sharing a page table row) and split key ranges."""
+    capacity = 4096
+    q, k_cache, v_cache, _, _, page_table = _problem(page_size + seqlen_q, 2, seqlen_q,
+                                                     capacity, 0, heads_kv=4,
+                                                     page_size=page_size)
+    lengths = torch.tensor([capacity, 1500], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                       page_table=page_table, causal=True,
+                                       num_splits=splits, return_softmax_lse=True)
+    _check_against_reference(q, k_cache, v_cache, None, page_table, lengths, 0, True, out, lse)
+
+
+@pytest.mark.parametrize("page_size", [48, 24, 8])  # a 48-key step; 24: gathered; 8: loads
+def test_pages_of_other_sizes(page_size):
+    capacity = 40 * page_size
+    q, k_cache, v_cache, k, v, page_table = _problem(page_size, 3, 1, capacity, 1,
+                                                     page_size=page_size)
+    lengths = torch.tensor([0, capacity // 2, capacity - 1], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                       page_table=page_table, causal=True,
+                                       return_softmax_lse=True)
+    _check_against_reference(q, k_cache, v_cache, k, page_table, lengths, 1, True, out, lse)
+
+
+def test_cache_batch_idx_reads_the_named_rows():
+    q, k_cache, v_cache, _, _, _ = _problem(7, 3, 1, 512, 0)
+    k_cache, v_cache = torch.cat([k_cache, k_cache.flip(0)]), torch.cat([v_cache, v_cache])
+    rows = torch.tensor([5, 0, 3], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([512, 17, 300], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                       cache_batch_idx=rows, return_softmax_lse=True)
+    _check_against_reference(q, k_cache, v_cache, None, None, lengths, 0, False, out, lse, rows)
+
+
+@pytest.mark.parametrize("batch,heads_kv,seqlen_q", [(1, 8, 1), (2, 1, 1), (1, 8, 4), (3, 32, 2)])
+def test_split_keys_agree_with_one_range(batch, heads_kv, seqlen_q):
+    """Forced split counts (and the automatic one) against num_splits=1: the
+    same result up to the fp32 merge's rounding; lengths 0, short and full."""
+    capacity = 8192
+    q, k_cache, v_cache, _, _, _ = _problem(batch + heads_kv, batch, seqlen_q, capacity, 0,
+                                            heads_kv=heads_kv)
+    lengths = torch.tensor([capacity, 0, 200][:batch], dtype=torch.int32, device="cuda")
+    whole, whole_lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                               causal=True, num_splits=1,
+                                               return_softmax_lse=True)
+    assert torch.isfinite(whole).all()
+    for splits in (0, 2, 3, 7, 16, 64, 128):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                           causal=True, num_splits=splits,
+                                           return_softmax_lse=True)
+        torch.testing.assert_close(out, whole, atol=4e-3, rtol=1.6e-2,
+                                   msg=lambda m: f"num_splits={splits}: {m}")
+        torch.testing.assert_close(lse, whole_lse, atol=1e-4, rtol=1e-5,
+                                   msg=lambda m: f"num_splits={splits}: {m}")
 
 
 def test_a_decode_step_replays_in_a_cuda_graph():

@@ -65,13 +65,15 @@ def test_forward_plan():
     kernel, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
     # q, k, v, out, lse, counters, partials, the four sequence-length tensors
-    # (a dense batch: one stand-in), the sinks (none: a stand-in), then
-    # scale·log2(e), SMs, the tail, the window (unbounded: every key on the
-    # left, every query on the right), scale / softcap and the seqused bits
-    assert buffers == list(range(7)) + [7] * 4 + [8] and plan.outputs == (3, 4)
-    assert _workspace(plan, 7).init == _workspace(plan, 8).init == launch_plan.UNUSED
+    # (a dense batch: one stand-in), the sinks (none: a stand-in), the page
+    # table (a stand-in), then scale·log2(e), SMs, the tail, the window
+    # (unbounded: every key on the left, every query on the right), scale /
+    # softcap and the seqused bits
+    assert buffers == list(range(7)) + [7] * 4 + [8, 9] and plan.outputs == (3, 4)
+    assert {_workspace(plan, i).init for i in (7, 8, 9)} == {launch_plan.UNUSED}
     assert _workspace(plan, 8).dtype == launch_plan.F32
-    assert [(kind, value) for kind, _, value in args[12:]] == [
+    assert _workspace(plan, 9).dtype == launch_plan.I32
+    assert [(kind, value) for kind, _, value in args[13:]] == [
         (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
         (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3), (launch_plan.ARG_INT, 8192),
         (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0), (launch_plan.ARG_INT, 0)]
@@ -225,7 +227,7 @@ def test_window_arguments_are_clamped_to_the_shape(window, expected):
     """A side wider than any row reaches is the unbounded one, in int32 range."""
     shape = (1, 100, 300, 4, 4, 64, 64)
     for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
-                                              window=window), 0, 16),
+                                              window=window), 0, 17),
                         (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
                                               window=window), 1, 17)):
         args = dict(enumerate(plan.launches[launch][1]))
@@ -256,7 +258,7 @@ def test_packed_forward_plan():
     assert plan.num_inputs == 7 and plan.tail == tail_plan.NO_SPLIT
     _, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    assert buffers[7:] == [3, 4, 5, 6, 11]  # then the sinks (none: a stand-in)
+    assert buffers[7:] == [3, 4, 5, 6, 11, 12]  # then the sinks and page table (stand-ins)
     assert [value for _, _, value in args[-4:-1]] == [900, 1000, 0]  # window, pre-tanh
     assert args[-1] == (launch_plan.ARG_INT, 0, 1)  # seqused_q read, seqused_k not
     assert _workspace(plan, plan.outputs[0]).shape == (1, 3000, 8, 128)
