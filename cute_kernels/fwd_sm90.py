@@ -93,8 +93,8 @@ class Copies:
 @dataclass
 class Work:
     """One unit of work: a query tile (m_block, head, batch) and the K/V
-    blocks [n_lo, n_max) it visits, a part of its tile's `parts`; the
-    lengths of its sequence."""
+    blocks [n_lo, n_max) it visits, part `part` of its tile's `parts` (a
+    constant 0 unless split_kv reads it); the lengths of its sequence."""
 
     m_block: Int32
     head: Int32
@@ -143,6 +143,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if features.paged_kv and not features.varlen:
             raise ValueError("features.paged_kv: expected a varlen kernel (the sequences' "
                              "lengths come from seqused_k), got a dense one")
+        if config.kv_load_rows and not features.paged_kv:
+            raise ValueError(f"FwdConfig.kv_load_rows: expected 0 for a kernel without "
+                             f"paged_kv (only pages come in pieces of a block), got "
+                             f"{config.kv_load_rows} (config={config})")
         if features.split_kv and features.sink:
             raise ValueError("features.sink: expected False for a split_kv kernel (the "
                              "combine of the key ranges takes no sink), got True")
@@ -175,9 +179,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         fp32 O workspace, (parts · b, s_q, h, d_v) in O's order (part p of
         dense sequence b at batch index p · b + b; packed: p), its LSE the
         matching (parts · b, h, s_q) workspace, and tail_parts the parts per
-        tile (full_tiles 0); mO is then not written. Read only by local kernels: the
-        window (mask.Window); by softcap kernels: scale / softcap, with
-        softmax_scale_log2 then softcap · log2(e) (softcap.py)."""
+        tile (full_tiles 0); mO is then not written. Read only by local
+        kernels: the window (mask.Window); by softcap kernels: scale /
+        softcap, with softmax_scale_log2 then softcap · log2(e) (softcap.py)."""
         # Kernel order: (seq, d, head, batch) with d contiguous; LSE (seq, head, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         if cutlass.const_expr(self.features.split_kv):
@@ -221,9 +225,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
         self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, tail, seqlens, kv_blocks,
-                    tma_q, tma_k,
-                    tma_v, tma_o,
-                    softmax_scale_log2, Window(window_left, window_right), score_pre_tanh,
+                    tma_q, tma_k, tma_v, tma_o, softmax_scale_log2, Window(window_left, window_right), score_pre_tanh,
                     sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,

@@ -94,3 +94,14 @@ def test_which_page_sizes_are_read_in_place(page_size, tile_n, load_rows):
     else:
         assert (config.tile_n, config.kv_load_rows) == (tile_n, load_rows)
         config.validate(128)
+
+
+def test_page_wise_loads_need_a_paged_kernel():
+    from cute_fa.kernels.config import Features
+    from cute_fa.kernels.fwd_sm90 import FlashAttentionForwardSm90
+
+    config = decode_fwd_config(128).replace(kv_load_rows=16)
+    with pytest.raises(ValueError, match="kv_load_rows"):
+        FlashAttentionForwardSm90(None, 128, False, config, features=Features(varlen=True))
+    with pytest.raises(ValueError, match="kv_load_rows"):
+        config.replace(kv_load_rows=24).validate(128)
