@@ -132,7 +132,7 @@ def _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
 
 
 
-def _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) -> None:
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) -> None:
     """k, v written into the caches at cache_seqlens, in place, with no host
     sync (a CUDA graph captures it): fixed-shape index writes, no masks.
     A position past a cache's end is not written: it is sent to the
@@ -198,7 +198,7 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     name = nvtx_ranges.kvcache_range_name(q, k_cache, page_table, causal)
     with nvtx_ranges.op_range(name):
         if k is not None:
-            _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
+            append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
         in_place = paged and q.device.type == "cuda" and decode.reads_pages_in_place(
             k_cache.shape[1], head_dim, v_cache.shape[3])
         keys, values, capacity = _sequences(k_cache, v_cache, page_table, in_place)

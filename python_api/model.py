@@ -95,10 +95,15 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):
 
 def apply_rope(x, cos, sin):
     """x: (batch, seq, heads, head_dim); rotates consecutive pairs (x0, x1) by
-    the first seq rows of cos and sin (those of x's positions)."""
+    the first seq rows of cos and sin (those of x's positions), or with
+    (batch, seq, head_dim // 2) tables by each sequence's own rows (a KV
+    cache's next positions, generation.py)."""
     x32 = x.float().unflatten(-1, (-1, 2))
     x0, x1 = x32[..., 0], x32[..., 1]
-    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -117,14 +122,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
         self.context_group = None  # set_context_parallel: the ring's process group
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
+        """cache: (generation.KVCache, this layer's index): the new tokens'
+        k, v join it and the queries attend to all it holds."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = 1.0 / math.sqrt(self.head_dim)
-        if self.context_group is not None:
+        if cache is not None:
+            out = cache[0].attend(cache[1], q, k, v, scale)
+        elif self.context_group is not None:
             out = ring_attention(q, k, v, self.context_group, causal=True, softmax_scale=scale)
         else:
             out = attention(q, k, v, causal=True, softmax_scale=scale, backend=self.backend)
@@ -150,8 +159,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 

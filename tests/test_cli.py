@@ -151,6 +151,21 @@ def test_infer_writes_nothing_without_out(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == []
 
 
+def test_infer_generates_with_a_kv_cache(capsys):
+    """--generate: a row per backend with the time to first token, per-token
+    latency and tokens/s; a backend without a KV-cache path is a failed row."""
+    from cute_fa.profiling import infer
+
+    rows = infer.main(["--config", "tiny", "--seq", "16", "--generate", "6", "--device", "cpu",
+                       "--backends", "cute,sdpa,fa4", "--page-size", "8"])
+    assert [r["status"] for r in rows][:2] == ["ok", "ok"]
+    assert rows[2]["status"].startswith("failed") and "backend" in rows[2]["status"]
+    for r in rows[:2]:
+        assert r["prefill_ms"] > 0 and r["tokens_per_s"] > 0
+        assert r["step_p99_ms"] >= r["step_median_ms"]
+    assert "first token" in capsys.readouterr().out
+
+
 def test_train_writes_nothing_without_out_but_the_data_cache(tmp_path, monkeypatch):
     pytest.importorskip("pyarrow")
     from cute_fa import user_cache

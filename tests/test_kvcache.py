@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cute_fa import flash_attn_with_kvcache
-from cute_fa.kvcache import _append
+from cute_fa.kvcache import append_to_cache
 from cute_fa.reference import attention_reference
 
 HEADS, HEADS_KV, D = 8, 2, 16
@@ -101,7 +101,7 @@ def test_appends_past_the_end_are_not_written():
         _, k_cache, v_cache, k, v, page_table = _problem(7, new=3, page_size=page_size)
         before = k_cache.clone()
         lengths = torch.tensor([39, 0, 40], dtype=torch.int32)  # 2 and 3 tokens past the end
-        _append(k_cache, v_cache, k, v, lengths, page_table, None)
+        append_to_cache(k_cache, v_cache, k, v, lengths, page_table, None)
         first = _logical(k_cache, page_table, 0)
         assert torch.equal(first[39], k[0, 0])
         assert torch.equal(_logical(k_cache, page_table, 1)[:3], k[1])
