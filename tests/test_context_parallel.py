@@ -11,6 +11,13 @@ from cute_fa import flash_attn_func
 from cute_fa.context_parallel import ring_attention, shard_sequence, unshard_sequence
 
 
+
+def _all_done():
+    """Every rank has finished before any tears its gloo connections down (a
+    rank that left early aborted another's exit, as
+    profiling.distributed.finish says)."""
+    dist.barrier()
+
 def _problem(seqlen, causal):
     gen = torch.Generator().manual_seed(seqlen + causal)
     q = torch.randn(2, seqlen, 4, 16, generator=gen).bfloat16()
@@ -32,6 +39,7 @@ def _rank_main(rank, world, init_file, seqlen, causal, results):
         full = [unshard_sequence(t) for t in (out.detach(), *(t.grad for t in leaves))]
         if rank == 0:
             torch.save(full, results)
+        _all_done()
     finally:
         dist.destroy_process_group()
 
@@ -65,5 +73,6 @@ def test_sequences_that_do_not_split_are_refused(tmp_path):
         # one rank still computes its two chunks apart and merges them in fp32
         torch.testing.assert_close(out, flash_attn_func(x, x[:, :, :1], x[:, :, :1],
                                                         causal=True), atol=2e-2, rtol=2e-2)
+        _all_done()
     finally:
         dist.destroy_process_group()

@@ -19,6 +19,13 @@ from cute_fa.model import TINY, Transformer
 SEQ, BATCH = 32, 2
 
 
+
+def _all_done():
+    """Every rank has finished before any tears its gloo connections down (a
+    rank that left early aborted another's exit, as
+    profiling.distributed.finish says)."""
+    dist.barrier()
+
 def _init(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
@@ -59,6 +66,7 @@ def _parallel_rank(rank, world, init_file, context_parallel, out):
         grads = _full_grads(model)
         if rank == 0:
             torch.save((mean_loss, grads), out)
+        _all_done()
     finally:
         dist.destroy_process_group()
 
@@ -117,6 +125,7 @@ def _checkpoint_rank(rank, world, init_file, folder, out):
         _, _, resumed = trained(3, resume=folder)
         if rank == 0:
             torch.save((straight[-1], resumed[-1], saved), out)
+        _all_done()
     finally:
         dist.destroy_process_group()
 
@@ -132,6 +141,7 @@ def _load_at_one_rank(rank, init_file, folder, out):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = distributed.load(folder, model, optimizer)
         torch.save((step, {n: p.full_tensor() for n, p in model.named_parameters()}), out)
+        _all_done()
     finally:
         dist.destroy_process_group()
 
