@@ -216,6 +216,19 @@ def paged_config(config: FwdConfig, page_size: int) -> FwdConfig | None:
     return None
 
 
+def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None) -> FwdConfig:
+    """The forward config of a KV-cache problem at these kernel head dims: a
+    contiguous cache (page_size None) or pages read in place (paged_config
+    must take the page size). With kernel_features, what the precompile
+    command builds (python -m cute_fa.precompile --directions decode)."""
+    config = decode_fwd_config(head_dim, head_dim_v)
+    return config if page_size is None else paged_config(config, page_size)
+
+
+def kernel_features(split: bool, paged: bool) -> Features:
+    return _FEATURES[split, paged]
+
+
 def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int) -> bool:
     """Whether the kernel loads a paged cache's blocks from its pages
     (paged_config takes the page size), rather than from a gathered copy."""
@@ -238,9 +251,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     q = ops.pad_head_dim(q.contiguous(), kernel_dim)
     keys, values = ops.pad_head_dim(keys, kernel_dim), ops.pad_head_dim(values, kernel_dim_v)
-    config = decode_fwd_config(kernel_dim, kernel_dim_v)
-    if paged:
-        config = paged_config(config, keys.shape[1])
+    config = kernel_config(kernel_dim, kernel_dim_v, keys.shape[1] if paged else None)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     sms = num_sms(device_index)
     p = plan(batch, seqlen_q, heads, keys.shape[2], capacity, config.tile_n, num_splits, sms)
@@ -249,7 +260,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     kernel_causal = bool(causal) and not p.gqa_packed and seqlen_q > 1
     q_rows = _rows_view(q.unsqueeze(0), p)
     kernel, _, _ = fwd_kernel_for(q_rows, values, kernel_causal, config,
-                                  _FEATURES[split, paged])
+                                  kernel_features(split, paged))
     out = q.new_empty((batch, seqlen_q, heads, kernel_dim_v))
     parts = p.num_splits
     lse_kernel, lse_bhs = _lse_buffer(parts, batch, seqlen_q, heads, p, q.device)

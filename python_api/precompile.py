@@ -3,6 +3,7 @@
     python -m cute_fa.precompile                                  # every variant the op may pick
     python -m cute_fa.precompile --head-dims 128 --dtypes bf16 --causal yes --jobs 8
     python -m cute_fa.precompile --head-dims 192 --head-dims-v 128   # q·k 192, v 128
+    python -m cute_fa.precompile --directions decode --head-dims 128 --page-sizes 0,16,256
 
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel and, where the backward kernel has the head
@@ -10,8 +11,12 @@ dims (config.BACKWARD_HEAD_DIMS, v's that of q), the backward's default
 kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
-take a gradient through the LSE output. Variants already in the store are
-loaded, not compiled. Kernels are stored per architecture: run it on the
+take a gradient through the LSE output. --directions decode (not in the
+default): the forwards of flash_attn_with_kvcache (python_api/decode.py),
+split and not, for a contiguous cache (page size 0) and each page size of
+--page-sizes, causal as asked (the kernel's causal mask serves several
+query tokens per sequence that are not packed per KV head). Variants
+already in the store are loaded, not compiled. Kernels are stored per architecture: run it on the
 machine (or the GPU type) that will use them, or with no GPU for sm_90a.
 See kernel_store.py for where they go and how to move or disable the store.
 """
@@ -42,6 +47,8 @@ class Variant:
     split_gqa: bool = False
     lse_grad: bool = False
     head_dim_v: int | None = None  # that of v and the output; None: head_dim
+    split_kv: bool = False  # decode: key ranges merged after
+    page_size: int = 0  # decode: a paged cache's page size; 0: contiguous
 
     @property
     def value_head_dim(self) -> int:
@@ -51,14 +58,18 @@ class Variant:
         dv = "" if self.value_head_dim == self.head_dim else f" dv{self.value_head_dim}"
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
-        flags = [name for name in ("deterministic", "split_gqa", "lse_grad") if getattr(self, name)]
+        flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv")
+                 if getattr(self, name)]
+        if self.page_size:
+            flags.append(f"pages{self.page_size}")
         return text + "".join(f" {f}" for f in flags)
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
-             head_dims_v=None) -> list[Variant]:
+             head_dims_v=None, page_sizes=(0,)) -> list[Variant]:
     """The variants of every combination; head_dims_v None: each head dim's
-    value head dim is its own, else every one of them no larger than it."""
+    value head dim is its own, else every one of them no larger than it;
+    page_sizes: the decode variants' (0: a contiguous cache)."""
     from .kernels.config import BACKWARD_HEAD_DIMS
 
     pairs = [(d, dv) for d in head_dims for dv in (head_dims_v or [d]) if dv <= d]
@@ -67,6 +78,15 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
         dv = None if head_dim_v == head_dim else head_dim_v
         if "fwd" in directions:
             out.append(Variant("fwd", dtype, head_dim, causal, head_dim_v=dv))
+        if "decode" in directions:
+            from .decode import reads_pages_in_place
+
+            # a page size these head dims' kernels gather first has no kernel of its own
+            pages = [p for p in page_sizes
+                     if not p or reads_pages_in_place(p, head_dim, head_dim_v)]
+            out += [Variant("decode", dtype, head_dim, causal, head_dim_v=dv, split_kv=split,
+                            page_size=page)
+                    for split, page in itertools.product((False, True), pages)]
         if "bwd" in directions and head_dim in BACKWARD_HEAD_DIMS and dv is None:
             for det, split, grad in itertools.product((False, True), (False, True),
                                                       (False, True) if lse_grad else (False,)):
@@ -78,6 +98,10 @@ def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
     from .kernels.config import default_bwd_config, default_fwd_config
 
+    if variant.direction == "decode":
+        from . import decode
+        return decode.kernel_config(variant.head_dim, variant.value_head_dim,
+                                    variant.page_size or None)
     if variant.direction == "fwd":
         return default_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
     return default_bwd_config(variant.head_dim, variant.causal, variant.deterministic,
@@ -90,6 +114,14 @@ def kernels_of(variant: Variant, cached: bool = True):
     from . import compile_cache
 
     dtype, config = DTYPES[variant.dtype], config_of(variant)
+    if variant.direction == "decode":
+        from . import decode
+        features = decode.kernel_features(variant.split_kv, variant.page_size > 0)
+        if cached:
+            return compile_cache.get_fwd(dtype, variant.head_dim, variant.causal, config,
+                                         variant.value_head_dim, features)
+        return compile_cache.compile_fwd(dtype, variant.head_dim, variant.causal, config,
+                                         head_dim_v=variant.value_head_dim, features=features)
     if variant.direction == "fwd":
         if cached:
             return compile_cache.get_fwd(dtype, variant.head_dim, variant.causal, config,
@@ -106,8 +138,9 @@ def build(variant: Variant) -> tuple[float, bool]:
     return kernel.compile_seconds, kernel.from_disk
 
 
-def add_variant_options(p: argparse.ArgumentParser) -> None:
-    """The options that choose kernel variants (also python -m cute_fa.aot's)."""
+def add_variant_options(p: argparse.ArgumentParser, directions=("fwd", "bwd")) -> None:
+    """The options that choose kernel variants (also python -m cute_fa.aot's,
+    whose directions are the ops' fwd and bwd)."""
     from .kernels.config import SUPPORTED_HEAD_DIMS
 
     add_head_dim_option(p, default=list(SUPPORTED_HEAD_DIMS), multiple=True,
@@ -119,8 +152,9 @@ def add_variant_options(p: argparse.ArgumentParser) -> None:
                         "dim's own)")
     add_dtype_option(p, default=list(DTYPES), multiple=True)
     add_causal_option(p, default="both", allow_both=True)
-    p.add_argument("--directions", type=choice_list(("fwd", "bwd")), default=["fwd", "bwd"],
-                   metavar="LIST", help="fwd, bwd or both, comma-separated (default: fwd,bwd)")
+    p.add_argument("--directions", type=choice_list(directions), default=["fwd", "bwd"],
+                   metavar="LIST", help=f"from {', '.join(directions)}, comma-separated "
+                                        f"(default: fwd,bwd)")
     p.add_argument("--lse-grad", action="store_true",
                    help="also the backward variants for a gradient through the returned LSE")
     p.add_argument("--jobs", type=positive_int, default=min(8, os.cpu_count() or 1),
@@ -129,13 +163,35 @@ def add_variant_options(p: argparse.ArgumentParser) -> None:
 
 def chosen_variants(args: argparse.Namespace) -> list[Variant]:
     return variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
-                    args.lse_grad, args.head_dims_v)
+                    args.lse_grad, args.head_dims_v, getattr(args, "page_sizes", (0,)))
+
+
+def _page_sizes(text: str) -> list[int]:
+    """--page-sizes: 0 or page sizes the decode kernels read in place."""
+    from . import decode
+
+    sizes = []
+    for item in text.split(","):
+        try:
+            size = int(item)
+        except ValueError:
+            size = -1
+        if size < 0 or (size and not decode.reads_pages_in_place(size, 128, 128)):
+            raise argparse.ArgumentTypeError(
+                f"expected 0 (a contiguous cache) or page sizes the kernels read in place "
+                f"(multiples of 128, divisors of 128 from 8, multiples of 16 below it), "
+                f"got {item!r}")
+        sizes.append(size)
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_variant_options(p)
+    add_variant_options(p, ("fwd", "bwd", "decode"))
+    p.add_argument("--page-sizes", type=_page_sizes, default=[0, 16, 256], metavar="LIST",
+                   help="with --directions decode: page sizes of the paged-cache kernels, 0 "
+                        "for a contiguous cache, comma-separated (default: 0,16,256)")
     return p
 
 

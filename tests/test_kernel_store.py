@@ -224,3 +224,32 @@ def test_precompile_command_line():
         "fwd bf16 d192 dv128 full", "fwd bf16 d192 full",
         "fwd bf16 d256 dv128 full", "fwd bf16 d256 dv192 full"])
     assert precompile.config_of(large[-1]).o_in_v_smem
+
+
+def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
+    """--directions decode: split and not, per page size (0: contiguous), the
+    (config, features) decode.py asks for at run time; the ops' AOT export
+    keeps its fwd and bwd."""
+    from cute_fa import aot, decode, precompile
+
+    args = precompile.build_parser().parse_args(
+        ["--directions", "decode", "--head-dims", "128", "--dtypes", "bf16", "--causal", "no",
+         "--page-sizes", "0,16,256"])
+    todo = precompile.chosen_variants(args)
+    assert sorted(v.label() for v in todo) == sorted(
+        f"decode bf16 d128 full{s}{p}" for s in ("", " split_kv")
+        for p in ("", " pages16", " pages256"))
+    asked = []
+    monkeypatch.setattr("cute_fa.compile_cache.get_fwd", lambda *a: asked.append(a))
+    for v in todo:
+        precompile.kernels_of(v)
+    for page in (None, 16, 256):
+        for split in (False, True):
+            key = (torch.bfloat16, 128, False, decode.kernel_config(128, 128, page), 128,
+                   decode.kernel_features(split, page is not None))
+            assert key in asked
+    assert decode.kernel_config(128, 128, 16).kv_load_rows == 16
+    with pytest.raises(SystemExit):
+        precompile.build_parser().parse_args(["--page-sizes", "24"])
+    with pytest.raises(SystemExit):
+        aot.build_parser().parse_args(["--directions", "decode", "--out", "x"])
