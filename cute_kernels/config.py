@@ -29,6 +29,10 @@ BACKWARD_HEAD_DIMS = (64, 96, 128)
 # The ops take any multiple of this up to the largest kernel head dim: TMA
 # moves rows of 16 bytes, 8 16-bit elements (kernel_head_dim).
 HEAD_DIM_MULTIPLE = 8
+# Bits of a packed batch's `seqused` argument (varlen.Seqlens): which
+# seqused tensors hold the sequences' lengths. Here, free of the DSL, for
+# the host code that passes them.
+SEQUSED_Q, SEQUSED_K = 1, 2
 # The most key ranges a split_kv forward takes per tile: the merge
 # (split_combine.py) holds their LSEs in a warp's registers, 4 per lane.
 MAX_KV_SPLITS = 128

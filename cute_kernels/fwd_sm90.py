@@ -232,6 +232,12 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             min_blocks_per_mp=1)
 
     @property
+    def splits_tiles(self) -> bool:
+        """Tiles come in key ranges: the last round's (split_tail) or all
+        (split_kv), units of work dealt through TailSplit."""
+        return self.cfg.split_tail or self.features.split_kv
+
+    @property
     def kv_load_rows(self) -> int:
         """Rows of one K/V TMA load: a block, or a page of it (kv_load_rows)."""
         return self.cfg.kv_load_rows or self.tile_n
@@ -409,7 +415,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     def _num_units(self, num_tiles: Int32, tail: TailSplit) -> Int32:
         """The units of work the CTAs deal: the tiles, or with split_tail
         (split_kv) the whole ones and the parts of the split ones (no whole ones)."""
-        if cutlass.const_expr(self.cfg.split_tail or self.features.split_kv):
+        if cutlass.const_expr(self.splits_tiles):
             return tail.num_units(num_tiles)
         return num_tiles
 
@@ -420,14 +426,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         the first block and the parts are Python constants (the loops' bounds
         stay as they were)."""
         tile, part, parts = unit, 0, 1
-        if cutlass.const_expr(self.cfg.split_tail or self.features.split_kv):
+        if cutlass.const_expr(self.splits_tiles):
             tile, part, parts = tail.locate(unit)
         m_block, head, batch = scheduler.decode(tile)
         seqlen_q, seqlen_k = seqlens.len_q(batch), seqlens.len_k(batch)
         n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.features.local):
             n_lo = blocks.n_block_min(m_block, seqlen_q, seqlen_k)
-        if cutlass.const_expr(self.cfg.split_tail or self.features.split_kv):
+        if cutlass.const_expr(self.splits_tiles):
             n_lo, n_max = TailSplit.key_range(part, parts, n_lo, n_max)
         if cutlass.const_expr(not self.features.split_kv):
             # only split_kv's epilogue reads it: a constant keeps it out of

@@ -72,9 +72,9 @@ class TailSplit(DslStruct):
         """[lo, hi) of the K/V blocks of one part of the tile's [n_lo, n_max),
         warp-uniform; all of them for a tile in one part."""
         uniform = cute.arch.make_warp_uniform
-        if cutlass.const_expr(isinstance(n_lo, int) and n_lo == 0):  # every key block
-            return uniform(part * n_max // parts), uniform((part + 1) * n_max // parts)
-        n_blocks = cutlass.max(n_max - n_lo, 0)
+        # no block (n_max <= n_lo) leaves every part empty: the division is
+        # monotone, so hi <= lo
+        n_blocks = n_max - n_lo
         return (uniform(n_lo + part * n_blocks // parts),
                 uniform(n_lo + (part + 1) * n_blocks // parts))
 

@@ -37,10 +37,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .config import SEQUSED_K, SEQUSED_Q
 from .dsl_struct import DslStruct
 from .scheduler import deal
 
-SEQUSED_Q, SEQUSED_K = 1, 2  # bits of Seqlens.seqused: which seqused tensors are read
 
 
 @dataclass

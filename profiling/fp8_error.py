@@ -23,7 +23,8 @@ from cute_fa.fp8 import fp8_attention_emulation, incoherent, quantize_fp8
 from cute_fa.reference import attention_reference
 
 from . import report
-from .cli import command_parser, csv_list, positive_int
+from .cli import command_parser, csv_list
+from .problem import add_dense_shape_options, check_heads_kv
 
 KINDS = ("normal", "uniform", "outliers")
 
@@ -63,12 +64,7 @@ def build_parser():
     p = command_parser("fp8_error", __doc__)
     p.add_argument("--head-dims", type=csv_list(int), default=[64, 128],
                    help="head dims, powers of 2 (default: 64,128)")
-    p.add_argument("--batch", type=positive_int, default=2, help="batch (default: 2)")
-    p.add_argument("--seqlen", type=positive_int, default=1024,
-                   help="tokens per sequence (default: 1024)")
-    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default: 8)")
-    p.add_argument("--heads-kv", type=positive_int, default=2,
-                   help="K/V heads, a divisor of --heads (default: 2)")
+    add_dense_shape_options(p, batch=2, seqlen=1024, heads=8, heads_kv=2)
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     report.add_out_option(p)
     return p
@@ -77,8 +73,7 @@ def build_parser():
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.heads % args.heads_kv:
-        p.error(f"--heads-kv: expected a divisor of --heads {args.heads}, got {args.heads_kv}")
+    check_heads_kv(p, args)
     for d in args.head_dims:
         if d <= 0 or d & (d - 1):
             p.error(f"--head-dims: expected powers of 2 (incoherent processing), got {d}")

@@ -32,7 +32,8 @@ import torch
 from .backends import (BACKENDS, OURS, BackendUnavailable, add_backends_option,
                        make_callable)
 from .cli import choice_list, command_parser, positive_int, require_cuda
-from .problem import DTYPES, add_causal_option, add_dtype_option, add_head_dim_option, make_qkv
+from .problem import (DTYPES, add_causal_option, add_dense_shape_options, add_dtype_option,
+                      add_head_dim_option, check_heads_kv, make_qkv)
 
 MODES = ("fwd", "fwd_bwd", "compiled_fwd_bwd")
 # ~0.5 s at H100 clocks: longer than any batch of timed calls below.
@@ -47,12 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"above) (default: all)")
     # The attention of the default model (cute_fa.model.DEFAULT): 8 query
     # heads, 4 K/V heads, head dim 128, causal.
-    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default: 1)")
-    p.add_argument("--seqlen", type=positive_int, default=4096,
-                   help="sequence length, queries = keys (default: 4096)")
-    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default: 8)")
-    p.add_argument("--heads-kv", type=positive_int, default=4,
-                   help="K/V heads, a divisor of --heads (default: 4)")
+    add_dense_shape_options(p, batch=1, seqlen=4096, heads=8, heads_kv=4)
     add_head_dim_option(p)
     add_causal_option(p, "yes")
     add_dtype_option(p)
@@ -67,8 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.heads % args.heads_kv:
-        p.error(f"--heads-kv: expected a divisor of --heads={args.heads}, got {args.heads_kv}")
+    check_heads_kv(p, args)
     return args
 
 

@@ -24,12 +24,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
 from cute_fa.attention_backends import BACKEND_NAMES
-from cute_fa.generation import CACHE_BACKENDS, KVCache, greedy_generate
+from cute_fa.generation import CACHE_BACKENDS, KVCache, greedy_generate, timed_call
 from cute_fa.model import Transformer
 
 from .backends import add_backends_option
@@ -42,20 +41,7 @@ def time_forward(model, tokens, steps: int, warmup: int) -> list[float]:
     with torch.no_grad():
         for _ in range(warmup):
             model(tokens)
-        times = []
-        for _ in range(steps):
-            if cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                model(tokens)
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end))
-            else:
-                start = time.perf_counter()
-                model(tokens)
-                times.append((time.perf_counter() - start) * 1e3)
-    return times
+        return [timed_call(cuda, lambda: model(tokens))[0] for _ in range(steps)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -132,6 +132,26 @@ def add_size_options(p, seqlen: int | list[int] = 8192, multiple: bool = False,
                    help="query heads per K/V head; must divide the query heads (default: 1)")
 
 
+def add_dense_shape_options(p, batch: int, seqlen: int, heads: int, heads_kv: int) -> None:
+    """One dense problem's shape: --batch, --seqlen (queries = keys), --heads,
+    --heads-kv (check_heads_kv checks them)."""
+    p.add_argument("--batch", type=positive_int, default=batch,
+                   help=f"batch size (default: {batch})")
+    p.add_argument("--seqlen", type=positive_int, default=seqlen,
+                   help=f"sequence length, queries = keys (default: {seqlen})")
+    p.add_argument("--heads", type=positive_int, default=heads,
+                   help=f"query heads (default: {heads})")
+    p.add_argument("--heads-kv", type=positive_int, default=heads_kv,
+                   help=f"K/V heads, a divisor of --heads (default: {heads_kv})")
+
+
+def check_heads_kv(parser, args) -> None:
+    """parser.error unless --heads-kv divides --heads."""
+    if args.heads % args.heads_kv:
+        parser.error(f"--heads-kv: expected a divisor of --heads={args.heads}, got "
+                     f"{args.heads_kv}")
+
+
 def heads_for(args, head_dim: int) -> int:
     """The query heads of add_size_options' arguments at one head dim."""
     return args.heads or default_heads(head_dim, getattr(args, "model_dim", MODEL_DIM))

@@ -47,10 +47,10 @@ import torch
 
 from . import ops
 from .kernels.config import MAX_KV_SPLITS as MAX_SPLITS
-from .kernels.config import Features, FwdConfig, decode_fwd_config, kernel_head_dim
+from .kernels.config import (SEQUSED_K, SEQUSED_Q, Features, FwdConfig, decode_fwd_config,
+                             kernel_head_dim)
 from .variants import fwd_kernel_for, num_sms
 
-SEQUSED_Q, SEQUSED_K = 1, 2  # cute_kernels/varlen.py's bits (that module imports the DSL)
 LOG2_E = math.log2(math.e)
 # Below this share of the SMs busy a split pays for its combine launch
 # (FlashAttention-3's threshold for its split heuristic).
@@ -216,10 +216,11 @@ def paged_config(config: FwdConfig, page_size: int) -> FwdConfig | None:
     return None
 
 
-def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None) -> FwdConfig:
+@functools.lru_cache(maxsize=None)  # asked on every call
+def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None) -> FwdConfig | None:
     """The forward config of a KV-cache problem at these kernel head dims: a
-    contiguous cache (page_size None) or pages read in place (paged_config
-    must take the page size). With kernel_features, what the precompile
+    contiguous cache (page_size None) or pages read in place (None where
+    paged_config does not take the page size). With kernel_features, what the precompile
     command builds (python -m cute_fa.precompile --directions decode)."""
     config = decode_fwd_config(head_dim, head_dim_v)
     return config if page_size is None else paged_config(config, page_size)
@@ -232,8 +233,8 @@ def kernel_features(split: bool, paged: bool) -> Features:
 def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int) -> bool:
     """Whether the kernel loads a paged cache's blocks from its pages
     (paged_config takes the page size), rather than from a gathered copy."""
-    config = decode_fwd_config(kernel_head_dim(head_dim), kernel_head_dim(head_dim_v))
-    return paged_config(config, page_size) is not None
+    return kernel_config(kernel_head_dim(head_dim), kernel_head_dim(head_dim_v),
+                         page_size) is not None
 
 
 def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, page_table,

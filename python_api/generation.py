@@ -43,6 +43,9 @@ class KVCache:
     page_table: torch.Tensor | None
     lengths: torch.Tensor  # (batch,) int32
     capacity: int
+    # contiguous: the keys each of this step's queries sees, (batch, 1, new,
+    # capacity), made once per step for every layer (begin_step)
+    visible: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, config, batch: int, capacity: int, backend: str, page_size: int = 256,
@@ -77,15 +80,21 @@ class KVCache:
                                            causal=True)
         keys, values = self.k[layer], self.v[layer]
         append_to_cache(keys, values, k, v, self.lengths, None, None)
-        new = q.shape[1]
-        # query i of the step sits at lengths + i and sees the keys up to it
-        key_pos = torch.arange(self.capacity, device=q.device)
-        query_pos = self.lengths[:, None].long() + torch.arange(new, device=q.device)
-        visible = key_pos[None, None, :] <= query_pos[:, :, None]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+            attn_mask=self.visible, scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
+
+    def begin_step(self, tokens: int) -> torch.Tensor:
+        """The positions (batch, tokens) of a step's new tokens: each
+        sequence's next ones. A contiguous cache also keeps the keys each
+        sees (up to its own place) for every layer's attention."""
+        device = self.lengths.device
+        positions = self.lengths[:, None].long() + torch.arange(tokens, device=device)
+        if self.page_table is None:
+            self.visible = (torch.arange(self.capacity, device=device)
+                            <= positions[:, :, None])[:, None]
+        return positions
 
     def step_done(self, tokens: int) -> None:
         self.lengths += tokens
@@ -94,8 +103,7 @@ class KVCache:
 def forward_with_cache(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """tokens (batch, s) at each sequence's next positions -> logits (batch,
     s, vocab); their keys and values join the cache."""
-    positions = cache.lengths[:, None].long() + torch.arange(tokens.shape[1],
-                                                            device=tokens.device)
+    positions = cache.begin_step(tokens.shape[1])
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     x = model.tok_embeddings(tokens)
     for index, layer in enumerate(model.layers):
@@ -118,7 +126,7 @@ def greedy_generate(model, prompt: torch.Tensor, new_tokens: int, cache: KVCache
     step is captured once and replayed, its token read from a buffer."""
     cuda = prompt.device.type == "cuda"
     with torch.no_grad():
-        prefill_ms, logits = _timed(cuda, lambda: forward_with_cache(model, prompt, cache))
+        prefill_ms, logits = timed_call(cuda, lambda: forward_with_cache(model, prompt, cache))
         token = logits[:, -1:].argmax(-1)
 
         def step():
@@ -128,7 +136,7 @@ def greedy_generate(model, prompt: torch.Tensor, new_tokens: int, cache: KVCache
             run = _captured(step, cache)
         out, step_ms = [prompt, token.clone()], []
         for _ in range(new_tokens - 1):
-            ms, following = _timed(cuda, run)
+            ms, following = timed_call(cuda, run)
             token.copy_(following)
             out.append(following.clone())
             step_ms.append(ms)
@@ -156,8 +164,8 @@ def _captured(step, cache: KVCache):
     return replay
 
 
-def _timed(cuda: bool, fn):
-    """(milliseconds, fn())."""
+def timed_call(cuda: bool, fn):
+    """(milliseconds, fn()): CUDA events around it on a GPU, wall time on the CPU."""
     if cuda:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()

@@ -51,10 +51,11 @@ def _sym():
     return cute.sym_int()
 
 
-def _fake_bshd(dtype, batch, seqlen, heads, head_dim):
-    """(batch, seq, heads, head_dim) with head_dim contiguous, strides symbolic."""
-    stride = (cute.sym_int64(divisibility=_ALIGN_ELEMS), cute.sym_int64(divisibility=_ALIGN_ELEMS),
-              cute.sym_int64(divisibility=_ALIGN_ELEMS), 1)
+def _fake_bshd(dtype, batch, seqlen, heads, head_dim, align_elems: int = _ALIGN_ELEMS):
+    """(batch, seq, heads, head_dim) with head_dim contiguous, strides symbolic
+    multiples of align_elems (16 bytes: 8 16-bit elements, 4 fp32)."""
+    stride = (cute.sym_int64(divisibility=align_elems), cute.sym_int64(divisibility=align_elems),
+              cute.sym_int64(divisibility=align_elems), 1)
     return cute.runtime.make_fake_tensor(dtype, (batch, seqlen, heads, head_dim), stride=stride,
                                          assumed_align=16)
 
@@ -117,7 +118,7 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
     combine = None
     if features.split_kv:  # fp32 O and LSE per key range, in O's and LSE's order
         parts_batch = _sym()
-        partials = _fake_f32_bshd(parts_batch, seqlen_q, heads_q, head_dim_v)
+        partials = _fake_bshd(cutlass.Float32, parts_batch, seqlen_q, heads_q, head_dim_v, 4)
         lse = _fake_rows(cutlass.Float32, parts_batch, heads_q, seqlen_q)
     else:
         partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
@@ -136,15 +137,6 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
         combine = _compile_combine(cute_dtype, head_dim_v,
                                    dump_dir and os.path.join(dump_dir, "combine"))
     return CompiledKernel(fn, time.perf_counter() - start, combine=combine)
-
-
-def _fake_f32_bshd(batch, seqlen, heads, head_dim):
-    """An fp32 (batch, seq, heads, head_dim) tensor, head_dim contiguous, rows
-    of whole 16-byte pieces."""
-    stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4),
-              cute.sym_int64(divisibility=4), 1)
-    return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, seqlen, heads, head_dim),
-                                         stride=stride, assumed_align=16)
 
 
 def _compile_combine(cute_dtype, head_dim_v: int, dump_dir: str | None):

@@ -194,7 +194,7 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     if q.device.type == "cpu":
         _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
     batch, seqlen_q, heads, head_dim = q.shape
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    scale = reference.resolve_scale(q, softmax_scale)
     name = nvtx_ranges.kvcache_range_name(q, k_cache, page_table, causal)
     with nvtx_ranges.op_range(name):
         if k is not None:

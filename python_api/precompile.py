@@ -112,22 +112,19 @@ def kernels_of(variant: Variant, cached: bool = True):
     """A variant's compiled kernels (CompiledKernel or CompiledBackward): through
     compile_cache's memory and store, or (cached=False) compiled now."""
     from . import compile_cache
+    from .kernels.config import PLAIN_FEATURES
 
     dtype, config = DTYPES[variant.dtype], config_of(variant)
-    if variant.direction == "decode":
-        from . import decode
-        features = decode.kernel_features(variant.split_kv, variant.page_size > 0)
+    if variant.direction in ("fwd", "decode"):
+        features = PLAIN_FEATURES
+        if variant.direction == "decode":
+            from . import decode
+            features = decode.kernel_features(variant.split_kv, variant.page_size > 0)
         if cached:
             return compile_cache.get_fwd(dtype, variant.head_dim, variant.causal, config,
                                          variant.value_head_dim, features)
         return compile_cache.compile_fwd(dtype, variant.head_dim, variant.causal, config,
                                          head_dim_v=variant.value_head_dim, features=features)
-    if variant.direction == "fwd":
-        if cached:
-            return compile_cache.get_fwd(dtype, variant.head_dim, variant.causal, config,
-                                         variant.value_head_dim)
-        return compile_cache.compile_fwd(dtype, variant.head_dim, variant.causal, config,
-                                         head_dim_v=variant.value_head_dim)
     get = compile_cache.get_bwd if cached else compile_cache.compile_bwd
     return get(dtype, variant.head_dim, variant.causal, config, variant.lse_grad)
 
