@@ -13,7 +13,9 @@ and each holding its part of every sequence (context_parallel.py: ring
 attention with the cute_fa ops); FSDP then averages the ranks' gradients,
 each the gradient of the mean loss over its tokens, into that of the whole
 sequence. --activation-checkpointing recomputes each block's activations
-in the backward (torch.utils.checkpoint).
+in the backward (torch.utils.checkpoint); --activation-checkpointing N
+only every N-th block's (selective: the blocks left alone keep their
+activations, trading memory for the recompute's third of a forward).
 
 NCCL on CUDA devices (cuda:LOCAL_RANK), gloo on the CPU. Losses are
 averaged over the ranks when logged; tokens/s and TFLOP/s are per GPU
@@ -95,10 +97,11 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def prepare(model: torch.nn.Module, run: DistributedRun, activation_checkpointing: bool,
+def prepare(model: torch.nn.Module, run: DistributedRun, recompute_every: int = 0,
             compile_blocks: bool = False):
     """The model as the run trains it: context parallel where asked, each
-    block (with its activations recomputed where asked, compiled where
+    block (its activations recomputed in the backward for blocks 0,
+    recompute_every, 2·recompute_every, ...; none for 0; compiled where
     asked) and the root sharded by FSDP2. Blocks are compiled one by one
     before sharding (FSDP2's hooks stay outside the compiled code; a whole
     sharded model does not compile as one graph); under context parallelism
@@ -107,7 +110,7 @@ def prepare(model: torch.nn.Module, run: DistributedRun, activation_checkpointin
         model.set_context_parallel(dist.group.WORLD)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for index, block in enumerate(model.layers):
-        if activation_checkpointing:
+        if recompute_every and index % recompute_every == 0:
             block.forward = _recomputed(block.forward)
         if compile_blocks:
             block = torch.compile(block, fullgraph=not run.context_parallel)

@@ -87,7 +87,7 @@ def generation_row(model, config, prompt, args, backend: str) -> dict:
 def main(argv=None) -> list[dict]:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = model_config(args.config, args.seq + args.generate)
+    config = model_config(args.config, args.seq + args.generate, args.layers)
     torch.manual_seed(args.seed)
     model = Transformer(config).to(device=device, dtype=torch.bfloat16).eval()
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq),

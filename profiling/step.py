@@ -25,7 +25,6 @@ profiling.data; --data reads another file).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,12 +33,11 @@ import torch
 from torch.autograd import DeviceType
 
 from cute_fa.attention_backends import BACKEND_NAMES
-from cute_fa.model import Transformer
 
 from .backends import add_backends_option
 from .cli import add_device_option, command_parser, nonnegative_int, positive_int
 from .data import add_data_option, ensure_dataset
-from .train import Trainer, add_model_options, add_step_options, model_config
+from .train import Trainer, add_model_options, add_step_options, initial_state, model_config
 from .train import parse_args as train_args
 
 # Host-side records of a kernel launch, by API (driver, runtime).
@@ -88,6 +86,7 @@ def _trainer_args(args) -> argparse.Namespace:
             "--steps", str(total), "--log-every", str(args.steps_per_round),
             "--data", args.data, "--backends", ",".join(args.backends)]
     argv += ["--compile"] * args.compile + ["--cuda-graph"] * args.cuda_graph
+    argv += [] if args.layers is None else ["--layers", str(args.layers)]
     return train_args(argv)
 
 
@@ -151,8 +150,7 @@ def measure(args) -> list[StepCost]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.data = ensure_dataset(args.data)
     targs = _trainer_args(args)
-    torch.manual_seed(0)
-    init_state = copy.deepcopy(Transformer(model_config(args.config, args.seq)).state_dict())
+    init_state = initial_state(model_config(args.config, args.seq, args.layers), 0, device)
     results = {b: StepCost(b) for b in args.backends}
     trainers = {}
     for backend in args.backends:

@@ -40,7 +40,6 @@ rank (distributed.py: FSDP2, ring attention, distributed checkpoints that
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
 import json
 import math
@@ -67,10 +66,22 @@ SKIPPED = "skipped: --max-minutes ran out before its first step"
 GRAPH_WARMUP_STEPS = 3  # eager steps before capture: JIT compiles, allocator and library warm-up
 
 
-def model_config(name: str, seq_len: int) -> ModelConfig:
-    """The named config, with room for seq_len positions."""
+def model_config(name: str, seq_len: int, layers: int | None = None) -> ModelConfig:
+    """The named config, with room for seq_len positions and, where given,
+    `layers` blocks instead of its own count."""
     config = CONFIGS[name]
-    return config.replace(max_seq_len=max(seq_len, config.max_seq_len))
+    config = config.replace(max_seq_len=max(seq_len, config.max_seq_len))
+    return config if layers is None else config.replace(n_layers=layers)
+
+
+def initial_state(config: ModelConfig, seed: int, device) -> dict:
+    """The weights every backend starts from: drawn from `seed` on `device`
+    (on a GPU the draw of Llama-3-8B's 7B weights takes a moment, on one CPU
+    thread minutes), kept on the CPU."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(config)
+    return {name: value.cpu() for name, value in model.state_dict().items()}
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
@@ -108,10 +119,10 @@ class Trainer:
         """bar_position: the row of its progress bar; None: no bar. csv_log:
         write <args.out>/<backend>.csv (where args.out is given)."""
         self.backend, self.args, self.device = backend, args, device
-        config = model_config(args.config, args.seq)
-        torch.manual_seed(args.seed)
-        self.model = Transformer(config, backend=backend).to(device)
-        self.model.load_state_dict(init_state)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        config = model_config(args.config, args.seq, args.layers)
+        self.model = Transformer.from_state(config, init_state, backend, device)
         n_params = count_parameters(self.model, exclude_embeddings=True)
         run = self.dist = getattr(args, "dist", None)
         if run is not None:
@@ -231,10 +242,15 @@ class Trainer:
         def median(key):
             return sorted(r[key] for r in steady)[len(steady) // 2]
 
+        # The most this rank's GPU held at once since this trainer was made
+        # (with --interleave the other backends' trainers are in it too).
+        peak_gib = (torch.cuda.max_memory_allocated(self.device) / 2**30
+                    if self.device.type == "cuda" else None)
         return dict(backend=self.backend, status="ok", log=log, val_loss=val,
                     final_loss=log[-1]["loss"], params=count_parameters(self.model),
                     tokens_per_s=median("tokens_per_s"), tflops=median("tflops"),
-                    mfu=median("mfu"), wall_s=self.busy_s, steps_done=self.step)
+                    mfu=median("mfu"), wall_s=self.busy_s, steps_done=self.step,
+                    peak_gib=peak_gib)
 
 
 _now = time.perf_counter  # the clock --max-minutes is read on
@@ -446,18 +462,20 @@ def format_comparison(results: list[dict], steps: int) -> str:
         ratio_title = f"{ok[0]['backend']}/this [95% CI]"
     ratio_width = 24
     lines = [f"{'backend':<15} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'final loss':>10} "
-             f"{'val loss':>9}" + (f" {ratio_title:>{ratio_width}}" if paired else "")
-             + "  status"]
+             f"{'val loss':>9} {'peak GiB':>8}"
+             + (f" {ratio_title:>{ratio_width}}" if paired else "") + "  status"]
     for r in results:
         if r["status"] == "ok":
             ratio = f" {str(paired[r['backend']]):>{ratio_width}}" if paired else ""
             status = "ok" if r["steps_done"] == steps else \
                 f"ok, stopped at step {r['steps_done']} of {steps} (--max-minutes)"
+            peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
             lines.append(f"{r['backend']:<15} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.1f} "
-                         f"{r['mfu']:>6.1%} {r['final_loss']:>10.4f} {r['val_loss']:>9.4f}"
-                         f"{ratio}  {status}")
+                         f"{r['mfu']:>6.1%} {r['final_loss']:>10.4f} {r['val_loss']:>9.4f} "
+                         f"{peak:>8}{ratio}  {status}")
         else:
-            lines.append(f"{r['backend']:<15} {'-':>10} {'-':>8} {'-':>6} {'-':>10} {'-':>9}"
+            lines.append(f"{r['backend']:<15} {'-':>10} {'-':>8} {'-':>6} {'-':>10} {'-':>9} "
+                         f"{'-':>8}"
                          + (f" {'-':>{ratio_width}}" if paired else "") + f"  {r['status']}")
     return "\n".join(lines)
 
@@ -470,6 +488,10 @@ def add_model_options(p, seq: int = 4096, batch: int = 1) -> None:
                         "16 and 8 heads of 128, FFN 8192) or llama3_8b (Llama-3-8B's shape: 32 "
                         "layers, dim 4096, 32 and 8 heads, FFN 14336; 7.0B parameters with "
                         "the byte vocabulary) (default: default)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="blocks in the model instead of the config's count (a few of "
+                        "llama3_8b's layers fit one GPU: memory and time per layer) "
+                        "(default: the config's)")
     p.add_argument("--seq", type=int_at_least(2), default=seq,
                    help=f"tokens per sequence (default: {seq})")
     p.add_argument("--batch", type=positive_int, default=batch,
@@ -535,8 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--context-parallel", action="store_true",
                           help="every sequence split over the ranks, ring attention with "
                                "the cute_fa ops (parameters sharded by FSDP2)")
-    parallel.add_argument("--activation-checkpointing", action="store_true",
-                          help="recompute each block's activations in the backward")
+    parallel.add_argument("--activation-checkpointing", type=positive_int, nargs="?", const=1,
+                          default=0, metavar="EVERY",
+                          help="recompute the blocks' activations in the backward: every "
+                               "block's, or with EVERY only every EVERY-th block's (selective: "
+                               "the others keep theirs, less recompute for more memory)")
     parallel.add_argument("--resume", default=None, metavar="DIR",
                           help="continue from a distributed checkpoint folder (written by "
                                "--save-checkpoint), at another world size or backend too")
@@ -584,9 +609,8 @@ def main(argv=None) -> list[dict]:
 
 def _main(args, device) -> list[dict]:
     args.data = ensure_dataset(args.data)
-    config = model_config(args.config, args.seq)
-    torch.manual_seed(args.seed)
-    init_state = copy.deepcopy(Transformer(config).state_dict())
+    init_state = initial_state(model_config(args.config, args.seq, args.layers), args.seed,
+                               device)
     stop_at = deadline(args)
     if args.interleave:
         results = train_interleaved(init_state, args, device, stop_at)

@@ -78,17 +78,18 @@ class _Ring:
 
     def start(self, tensors: list) -> tuple[list, list]:
         """(requests, received tensors); the received ones are valid after wait()."""
-        received = [torch.empty_like(t) for t in tensors]
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for t, r in zip(tensors, received):
-            ops.append(dist.P2POp(dist.isend, _words(t.contiguous()), self.to_next, self.group))
-            ops.append(dist.P2POp(dist.irecv, _words(r), self.from_prev, self.group))
+            ops.append(dist.P2POp(dist.isend, _bytes(t.contiguous()), self.to_next, self.group))
+            ops.append(dist.P2POp(dist.irecv, _bytes(r), self.from_prev, self.group))
         return dist.batch_isend_irecv(ops), received
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """16-bit tensors as int16 words (every backend carries them)."""
-    return t.view(torch.int16) if t.element_size() == 2 else t
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes: uint8 is carried by every backend (gloo
+    has no bfloat16, NCCL no int16)."""
+    return t.view(torch.uint8)
 
 
 def _wait(requests) -> None:

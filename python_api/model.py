@@ -181,6 +181,21 @@ class Transformer(nn.Module):
         self.context_group = None
         self.apply(self._init)
 
+    @classmethod
+    def from_state(cls, config: ModelConfig, state: dict, backend: str = "cute",
+                   device="cpu") -> "Transformer":
+        """The model holding `state`'s weights on `device`, built without the
+        random draw of the constructor (which `state` overwrites anyway: at
+        Llama-3-8B's shape it is minutes of one CPU thread per process)."""
+        with torch.device("meta"):
+            model = cls(config, backend)
+        model = model.to_empty(device=device)
+        model.load_state_dict(state)
+        # Not in the state dict: recomputed as the constructor does (on the CPU).
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model
+
     @staticmethod
     def _init(module):
         if isinstance(module, (nn.Linear, nn.Embedding)):

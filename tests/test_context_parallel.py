@@ -76,3 +76,23 @@ def test_sequences_that_do_not_split_are_refused(tmp_path):
         _all_done()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_ring_sends_bytes_every_backend_carries(monkeypatch):
+    """What the ring hands to point-to-point transfers is uint8 (NCCL has no
+    int16, gloo no bfloat16: a 16-bit view failed on NCCL), the received
+    tensors have the sender's dtype and shape."""
+    from cute_fa import context_parallel
+
+    sent = []
+    monkeypatch.setattr(context_parallel, "_world", lambda group: (0, 2))
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group: sent.append(tensor))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [])
+    tensors = [torch.randn(2, 3, 4).to(dtype) for dtype in
+               (torch.bfloat16, torch.float16, torch.float32)]
+    tensors.append(tensors[0].transpose(1, 2))  # not contiguous
+    _, received = context_parallel._Ring(group=object()).start(tensors)
+    assert [t.dtype for t in sent] == [torch.uint8] * 2 * len(tensors)
+    assert all(t.is_contiguous() for t in sent)
+    assert [(r.dtype, r.shape) for r in received] == [(t.dtype, t.shape) for t in tensors]

@@ -58,7 +58,8 @@ def _parallel_rank(rank, world, init_file, context_parallel, out):
     _init(rank, world, init_file)
     try:
         run = DistributedRun(rank, world, torch.device("cpu"), context_parallel)
-        model = prepare(_model(), run, activation_checkpointing=context_parallel)
+        # every block recomputed (context parallel) or block 0 of 2 (selective)
+        model = prepare(_model(), run, recompute_every=1 if context_parallel else 2)
         x, y = _batches(run.data_rank)
         loss = _loss(model, *run.local_batch(x, y))
         loss.backward()
@@ -97,6 +98,33 @@ def test_parallel_training_matches_one_process(tmp_path, context_parallel):
         assert err <= 0.05 * scale + 1e-6, f"{name}: {err:.3e} of {scale:.3e}"
 
 
+def _recompute_rank(rank, world, init_file, out):
+    from cute_fa.profiling.distributed import DistributedRun, prepare
+
+    _init(rank, world, init_file)
+    try:
+        run = DistributedRun(rank, world, torch.device("cpu"), False)
+        model = Transformer(TINY.replace(max_seq_len=SEQ, n_layers=4))
+        calls = [0] * len(model.layers)
+        for index, block in enumerate(model.layers):
+            block.attention.register_forward_pre_hook(
+                lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+        model = prepare(model, run, recompute_every=2)
+        _loss(model, *_batches(0)).backward()
+        torch.save(calls, out)
+        _all_done()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_selective_recompute_runs_every_nth_block_again(tmp_path):
+    """--activation-checkpointing 2: blocks 0 and 2 run their forward again in
+    the backward, blocks 1 and 3 keep their activations."""
+    out = str(tmp_path / "calls.pt")
+    mp.spawn(_recompute_rank, args=(1, str(tmp_path / "init"), out), nprocs=1, join=True)
+    assert torch.load(out) == [2, 1, 2, 1]
+
+
 def _checkpoint_rank(rank, world, init_file, folder, out):
     from cute_fa.profiling import distributed
     from cute_fa.profiling.distributed import DistributedRun, prepare
@@ -106,7 +134,7 @@ def _checkpoint_rank(rank, world, init_file, folder, out):
         run = DistributedRun(rank, world, torch.device("cpu"), False)
 
         def trained(steps, resume=None):
-            model = prepare(_model(), run, activation_checkpointing=False)
+            model = prepare(_model(), run, recompute_every=0)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             start = distributed.load(resume, model, optimizer) if resume else 0
             losses = []
@@ -137,7 +165,7 @@ def _load_at_one_rank(rank, init_file, folder, out):
     _init(rank, 1, init_file)
     try:
         run = DistributedRun(0, 1, torch.device("cpu"), False)
-        model = prepare(_model(), run, activation_checkpointing=False)
+        model = prepare(_model(), run, recompute_every=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = distributed.load(folder, model, optimizer)
         torch.save((step, {n: p.full_tensor() for n, p in model.named_parameters()}), out)
