@@ -225,7 +225,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
         self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, tail, seqlens, kv_blocks,
-                    tma_q, tma_k, tma_v, tma_o, softmax_scale_log2, Window(window_left, window_right), score_pre_tanh,
+                    tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
+                    Window(window_left, window_right), score_pre_tanh,
                     sQ_layout, sK_layout, sV_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,

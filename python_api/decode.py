@@ -49,9 +49,9 @@ from . import ops
 from .kernels.config import MAX_KV_SPLITS as MAX_SPLITS
 from .kernels.config import (SEQUSED_K, SEQUSED_Q, Features, FwdConfig, decode_fwd_config,
                              kernel_head_dim)
+from .launch_plan import LOG2_E
 from .variants import fwd_kernel_for, num_sms
 
-LOG2_E = math.log2(math.e)
 # Below this share of the SMs busy a split pays for its combine launch
 # (FlashAttention-3's threshold for its split heuristic).
 SPLIT_BELOW_SM_SHARE = 0.8
