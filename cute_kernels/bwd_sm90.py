@@ -254,6 +254,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             raise ValueError(f"BwdConfig.split_gqa: expected False for a varlen kernel (its "
                              f"per-head fp32 partials are laid out for a dense batch), got "
                              f"True (head_dim={head_dim}, config={config})")
+        if features.rows_per_query != 1:
+            raise ValueError(f"features.rows_per_query: expected 1 for the backward (only "
+                             f"the KV-cache forward packs a token's heads), got "
+                             f"{features.rows_per_query}")
 
     # ------------------------------------------------------------------ host
     @cute.jit

@@ -64,6 +64,10 @@ class Features:
     paged_kv: (forward, packed batch) K and V are paged caches (num_pages,
         page_size, h_kv, d) and each sequence's keys lie in the pages its
         row of a page table names, loaded in place (paged.py).
+    rows_per_query: (forward) consecutive query rows that share one query
+        position in the causal/local mask: a KV-cache step with several new
+        tokens packs each token's g query heads of one KV head into g rows
+        (decode.py), row r being token r // g.
     """
 
     local: bool = False
@@ -72,6 +76,7 @@ class Features:
     sink: bool = False
     split_kv: bool = False
     paged_kv: bool = False
+    rows_per_query: int = 1
 
 
 PLAIN_FEATURES = Features()

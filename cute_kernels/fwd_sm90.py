@@ -150,6 +150,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if features.split_kv and features.sink:
             raise ValueError("features.sink: expected False for a split_kv kernel (the "
                              "combine of the key ranges takes no sink), got True")
+        if features.rows_per_query < 1:
+            raise ValueError(f"features.rows_per_query: expected at least 1, got "
+                             f"{features.rows_per_query}")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -337,7 +340,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                  cute.make_layout(2))),
                              self.cfg.dynamic_tiles)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
-        limits = Limits(self.causal, self.features.local, window)
+        limits = Limits(self.causal, self.features.local, window, self.features.rows_per_query)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)

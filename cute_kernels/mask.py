@@ -5,8 +5,11 @@ Limits are bottom-right aligned (FlashAttention 2+): with shift = seqlen_k -
 seqlen_q, query row i sees key j iff
     j <= i + shift + right     causal: right = 0; local: right = window_right
     j >= i + shift - left      local only: left = window_left
-and j < seqlen_k. The window sizes are runtime values (Window), clamped on the
-host so that "unbounded" needs no special case here. Blocks that no row of
+and j < seqlen_k. With rows_per_query g > 1 (decode's GQA packing of
+several tokens: g query heads of one token in consecutive rows) i is the
+token of the row, row // g, and seqlen_q counts tokens, rows // g. The
+window sizes are runtime values (Window), clamped on the host so that
+"unbounded" needs no special case here. Blocks that no row of
 a tile sees are never loaded; the forward's main loop walks K/V blocks from
 the last one down, so the blocks that need an element mask (the ragged
 seqlen_k edge and the right limit) come first, then the unmasked ones, then,
@@ -42,10 +45,24 @@ class Limits(DslStruct):
     causal: bool
     local: bool
     window: Window
+    rows_per_query: int = 1  # consecutive rows sharing one query position
 
     @property
     def has_right(self) -> bool:
         return self.causal or self.local
+
+    def query(self, row):
+        """The query position of a row of the sequence (also: the positions
+        of seqlen_q rows)."""
+        if cutlass.const_expr(self.rows_per_query == 1):
+            return row
+        return row // self.rows_per_query
+
+    def query_end(self, end_row):
+        """One past the query position of row end_row - 1."""
+        if cutlass.const_expr(self.rows_per_query == 1):
+            return end_row
+        return (end_row + self.rows_per_query - 1) // self.rows_per_query
 
     def right(self) -> Int32:
         """Keys right of the diagonal a query still sees (0: causal)."""
@@ -64,8 +81,8 @@ class BlockRange(DslStruct):
         """One past the last K/V block any row of the tile sees (may be <= 0)."""
         n_max = cute.ceil_div(seqlen_k, self.tile_n)
         if cutlass.const_expr(self.limits.has_right):
-            last_visible_col = ((m_block + 1) * self.tile_m + seqlen_k - seqlen_q
-                                + self.limits.right())
+            last_visible_col = (self.limits.query_end((m_block + 1) * self.tile_m) + seqlen_k
+                                - self.limits.query(seqlen_q) + self.limits.right())
             n_max = cutlass.min(n_max, cute.ceil_div(cutlass.max(last_visible_col, 0),
                                                      self.tile_n))
         return n_max
@@ -74,20 +91,22 @@ class BlockRange(DslStruct):
         """The first K/V block any row of the tile sees (0 without a window)."""
         if cutlass.const_expr(not self.limits.local):
             return Int32(0)
-        first_col = m_block * self.tile_m + seqlen_k - seqlen_q - self.limits.window.left
+        first_col = (self.limits.query(m_block * self.tile_m) + seqlen_k
+                     - self.limits.query(seqlen_q) - self.limits.window.left)
         return cutlass.max(first_col, 0) // self.tile_n
 
     def n_block_min_unmasked(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
         """Blocks below this index need no element mask for the right limit."""
-        first_row_diag = m_block * self.tile_m + seqlen_k - seqlen_q + self.limits.right()
+        first_row_diag = (self.limits.query(m_block * self.tile_m) + seqlen_k
+                          - self.limits.query(seqlen_q) + self.limits.right())
         return cutlass.max(first_row_diag, 0) // self.tile_n
 
     def n_block_left_masked_end(self, m_block: Int32, seqlen_q: Int32,
                                 seqlen_k: Int32) -> Int32:
         """local: blocks below this index are cut by the left limit of some row
         (the tile's last row has the rightmost one)."""
-        last_row_left = ((m_block + 1) * self.tile_m - 1 + seqlen_k - seqlen_q
-                         - self.limits.window.left)
+        last_row_left = (self.limits.query((m_block + 1) * self.tile_m - 1) + seqlen_k
+                         - self.limits.query(seqlen_q) - self.limits.window.left)
         return cute.ceil_div(cutlass.max(last_row_left, 0), self.tile_n)
 
 
@@ -106,7 +125,8 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, m_block: Int32, n_block:
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         # columns of the block in [low, limit) are visible
         limit = cols_left
-        diag = m_block * tile_m + c[r, 0][0] + seqlen_k - seqlen_q - n_block * tile_n
+        diag = (limits.query(m_block * tile_m + c[r, 0][0]) + seqlen_k - limits.query(seqlen_q)
+                - n_block * tile_n)
         if cutlass.const_expr(limits.has_right):
             limit = cutlass.min(limit, diag + limits.right() + 1)
         if cutlass.const_expr(limits.local):

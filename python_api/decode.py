@@ -8,20 +8,20 @@ no value on the host and is captured in a CUDA graph whole.
 
 GQA packing. A decode step has 1 query token (speculative decoding: a few)
 per sequence and head, and a WGMMA tile has at least 64 rows. With the
-queries of one (sequence, token) that share a KV head packed into the rows
-of one tile, the tile's keys and values are read once per KV head, not
-once per query head. The packing is a view: q (b, s_q, h, d) is
-contiguous, and the h = h_kv · g query heads of one token lie g · d apart
-per KV head, d apart within a group; so with rows d apart and KV "heads"
-g · d apart, sequence i = (batch, token) of the kernel starts at row i · h
-and holds g rows. Its rows past g belong to other heads: loaded, masked,
-never stored (the packed epilogue stores a sequence's last rows one by
-one). O and the per-row LSE use the same views. With s_q > 1 each token is
-a sequence of its own seeing the keys up to its place (a causal mask in
-cache lengths, seqused_k), so the kernel itself is never causal there;
-the keys are read once per token instead of once per query head, which is
-the better side while s_q < g (else the plain layout runs: s_q rows per
-sequence, heads as they are, the kernel's causal mask).
+queries that share a KV head packed into the rows of one tile, the tile's
+keys and values are read once per KV head, not once per query head, and
+with several tokens once for all of them. Each batch row is one sequence
+of the kernel per KV head, with s_q · g rows: row t · g + j is query head j
+of the KV head's group at token t, and the kernel's causal mask gives g
+rows each token's place (Features.rows_per_query). With one token this is
+a view: q (b, 1, h, d) is contiguous and the g query heads of a KV head lie
+d apart, KV heads g · d apart, so with rows d apart and KV "heads" g · d
+apart sequence b starts at row b · h and holds g rows. Its rows past g
+belong to other heads: loaded, masked, never stored (the packed epilogue
+stores a sequence's last rows one by one). O and the per-row LSE use the
+same views. With several tokens the rows of one KV head are no longer one
+stride apart, so q is copied into that order (b, s_q · g, h_kv, d) and O
+and LSE back: s_q · h · d values each way against a cache's keys.
 
 A tile keeps WGMMA's 64 rows though a decode step fills g of them (4 for
 Llama-3-8B): the kernel is bound by the bytes of K and V, and the tensor
@@ -61,14 +61,15 @@ SPLIT_EFFICIENCY_SLACK = 0.85
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """How one KV-cache problem runs: its query rows as the kernel's packed
-    sequences, and the split of its keys."""
+    """How one KV-cache problem runs: each batch row a sequence of the
+    kernel per KV head, holding its s_q · g query rows, and the split of its
+    keys."""
 
-    gqa_packed: bool
-    sequences: int  # the kernel's packed sequences: b · s_q packed, else b
-    rows: int  # query rows per sequence: g packed, else s_q
-    heads: int  # the kernel's heads: h_kv packed, else h
-    group: int  # g = h / h_kv
+    viewed: bool  # s_q == 1: q's rows seen in place; else copied in packed order
+    sequences: int  # the kernel's packed sequences: b
+    rows: int  # query rows per sequence: s_q · g
+    heads: int  # the kernel's heads: h_kv
+    group: int  # g = h / h_kv, query rows per token
     total_rows: int  # the packed row axis the views span
     num_splits: int
 
@@ -96,41 +97,56 @@ def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, ti
     """The plan of a problem from its shapes (capacity: the most keys a
     sequence holds; num_splits 0: choose_splits)."""
     group = heads // heads_kv
-    packed = seqlen_q == 1 or seqlen_q < group
-    if packed:
-        sequences, rows, kernel_heads = batch * seqlen_q, group, heads_kv
-        total_rows = (sequences - 1) * heads + group
-    else:
-        sequences, rows, kernel_heads = batch, seqlen_q, heads
-        total_rows = batch * seqlen_q
+    viewed = seqlen_q == 1
+    rows = seqlen_q * group
+    total_rows = (batch - 1) * heads + group if viewed else batch * rows
     n_blocks = -(-capacity // tile_n)
     if num_splits == 0:
-        tiles = sequences * kernel_heads * -(-rows // 64)
+        tiles = batch * heads_kv * -(-rows // 64)
         num_splits = choose_splits(tiles, n_blocks, sms)
     num_splits = max(1, min(num_splits, MAX_SPLITS, max(n_blocks, 1)))
-    return DecodePlan(packed, sequences, rows, kernel_heads, group, total_rows, num_splits)
+    return DecodePlan(viewed, batch, rows, heads_kv, group, total_rows, num_splits)
+
+
+def _pack_tokens(q: torch.Tensor, p: DecodePlan) -> torch.Tensor:
+    """q (b, s_q, h, x) copied into the kernel's order (b, s_q · g, h_kv, x):
+    row t · g + j of KV head k holds query head k · g + j of token t."""
+    b, s_q, _, x = q.shape
+    return q.view(b, s_q, p.heads, p.group, x).transpose(2, 3).reshape(b, p.rows, p.heads, x)
+
+
+def _unpack_tokens(out: torch.Tensor, lse: torch.Tensor, seqlen_q: int, p: DecodePlan):
+    """O (b, s_q · g, h_kv, x) and LSE (b, h_kv, s_q · g) of the packed order
+    back as (b, s_q, h, x) and (b, h, s_q)."""
+    b, _, _, x = out.shape
+    out = out.view(b, seqlen_q, p.group, p.heads, x).transpose(2, 3)
+    lse = lse.view(b, p.heads, seqlen_q, p.group).transpose(2, 3)
+    heads = p.heads * p.group
+    return out.reshape(b, seqlen_q, heads, x), lse.reshape(b, heads, seqlen_q)
 
 
 def _rows_view(t: torch.Tensor, p: DecodePlan) -> torch.Tensor:
-    """A contiguous (parts, b, s_q, h, x) tensor as the kernel's (parts,
-    total_rows, heads, x) packed batch (the module's docstring)."""
+    """A contiguous (parts, b, s_q, h, x) tensor (one token) or (parts, b,
+    s_q · g, h_kv, x) one (packed order) as the kernel's (parts, total_rows,
+    heads, x) packed batch (the module's docstring)."""
     parts, x = t.shape[0], t.shape[-1]
-    if not p.gqa_packed:
+    if not p.viewed:
         return t.view(parts, p.total_rows, p.heads, x)
     return t.as_strided((parts, p.total_rows, p.heads, x),
                         (t.stride(0), x, p.group * x, 1))
 
 
-def _lse_buffer(parts: int, batch: int, seqlen_q: int, heads: int, p: DecodePlan, device):
+def _lse_buffer(parts: int, batch: int, p: DecodePlan, device):
     """A per-row fp32 buffer as (the kernel's (parts, heads, total_rows)
-    view, the (parts, b, h, s_q) view): packed rows are laid (b, s_q, h), so
-    a KV head's g rows are adjacent; plain ones (h, b · s_q)."""
-    if p.gqa_packed:
-        buf = torch.empty((parts, batch, seqlen_q, heads), dtype=torch.float32, device=device)
+    view, the combine's (parts, b, heads, rows) view): viewed rows are laid
+    (b, h), so a KV head's g rows are adjacent; packed ones (h_kv, b, rows)."""
+    if p.viewed:
+        buf = torch.empty((parts, batch, 1, p.heads * p.group), dtype=torch.float32,
+                          device=device)
         kernel = buf.as_strided((parts, p.heads, p.total_rows), (buf.stride(0), p.group, 1))
         return kernel, buf.permute(0, 1, 3, 2)
-    buf = torch.empty((parts, heads, batch, seqlen_q), dtype=torch.float32, device=device)
-    return buf.view(parts, heads, batch * seqlen_q), buf.permute(0, 2, 1, 3)
+    buf = torch.empty((parts, p.heads, batch, p.rows), dtype=torch.float32, device=device)
+    return buf.view(parts, p.heads, batch * p.rows), buf.permute(0, 2, 1, 3)
 
 
 @dataclass
@@ -143,7 +159,6 @@ class _Constants:
     used_q: torch.Tensor  # (1, 1, sequences) int32
     cu_k: torch.Tensor  # for caches in batch order: row b · capacity; paged: 0
     full: torch.Tensor  # every sequence's cache full: (sequences,) int32
-    offsets: torch.Tensor | None  # causal, s_q > 1, packed: s_q - 1 - token
     stand_in: torch.Tensor  # fp32 (1, 1, 1): the sinks, unsplit partials
     no_pages: torch.Tensor  # int32 (1, 1, 1): the page table of a contiguous cache, and
     # the tile counter, which the static tile order (decode_fwd_config) never reads
@@ -152,51 +167,37 @@ class _Constants:
 _constants: dict = {}
 
 
-def _make_constants(p: DecodePlan, batch: int, seqlen_q: int, capacity: int, paged: bool,
-                    device) -> _Constants:
+def _make_constants(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
     i32 = dict(dtype=torch.int32, device=device)
     steps = torch.arange(p.sequences + 1, **i32)
-    per_sequence = p.rows if not p.gqa_packed else p.group * p.heads
-    tokens = seqlen_q if p.gqa_packed else 1  # the kernel's sequences per batch row
-    cu_k = (steps // tokens * (0 if paged else capacity)).view(1, 1, -1)
-    offsets = None
-    if p.gqa_packed and seqlen_q > 1:
-        offsets = torch.arange(seqlen_q - 1, -1, -1, **i32)
+    # viewed: sequence b starts at row b · h of the strided view
+    per_sequence = p.group * p.heads if p.viewed else p.rows
+    cu_k = (steps * (0 if paged else capacity)).view(1, 1, -1)
     used_q = torch.full((1, 1, p.sequences), p.rows, **i32)
-    full = torch.full((batch,), capacity, **i32)
-    return _Constants((steps * per_sequence).view(1, 1, -1), used_q, cu_k, full, offsets,
+    full = torch.full((p.sequences,), capacity, **i32)
+    return _Constants((steps * per_sequence).view(1, 1, -1), used_q, cu_k, full,
                       torch.zeros((1, 1, 1), dtype=torch.float32, device=device),
                       torch.zeros((1, 1, 1), **i32))
 
 
-def _constants_for(p: DecodePlan, batch: int, seqlen_q: int, capacity: int, paged: bool,
-                   device) -> _Constants:
-    key = (p, batch, seqlen_q, capacity, paged, device)
+def _constants_for(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
+    key = (p, capacity, paged, device)
     found = _constants.get(key)
     if found is None:
-        found = _make_constants(p, batch, seqlen_q, capacity, paged, device)
+        found = _make_constants(p, capacity, paged, device)
         if not torch.cuda.is_current_stream_capturing():
             _constants[key] = found
     return found
 
 
-def _key_sequences(p: DecodePlan, c: _Constants, seqlen_q: int, capacity: int,
-                   cache_rows, lengths, causal: bool):
-    """cu_seqlens_k and seqused_k (int32 (1, 1, n)) of the kernel's sequences:
-    each starts at its cache row, and with s_q > 1 packed, token t of
-    sequence b sees its cache up to its own place when causal."""
+def _key_sequences(c: _Constants, capacity: int, cache_rows, lengths):
+    """cu_seqlens_k and seqused_k (int32 (1, 1, n)) of the kernel's
+    sequences: each starts at its cache row and holds its cache's keys."""
     cu_k = c.cu_k
     if cache_rows is not None:
         starts = cache_rows * capacity
-        if p.gqa_packed and seqlen_q > 1:
-            starts = starts.repeat_interleave(seqlen_q)
         cu_k = torch.cat([starts, starts[-1:]]).view(1, 1, -1)
     used_k = c.full if lengths is None else lengths
-    if p.gqa_packed and seqlen_q > 1:
-        used_k = used_k[:, None].expand(-1, seqlen_q)
-        if causal:
-            used_k = (used_k - c.offsets).clamp(min=0)
-        used_k = used_k.reshape(-1)
     return cu_k, used_k.view(1, 1, -1)
 
 
@@ -226,8 +227,11 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None) -> FwdC
     return config if page_size is None else paged_config(config, page_size)
 
 
-def kernel_features(split: bool, paged: bool) -> Features:
-    return _FEATURES[split, paged]
+def kernel_features(split: bool, paged: bool, rows_per_query: int = 1) -> Features:
+    """The forward's features for a KV-cache problem; rows_per_query: g for
+    a causal step of several tokens (each token's g rows share its mask
+    row), else 1."""
+    return Features(varlen=True, split_kv=split, paged_kv=paged, rows_per_query=rows_per_query)
 
 
 def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int) -> bool:
@@ -256,38 +260,36 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     sms = num_sms(device_index)
     p = plan(batch, seqlen_q, heads, keys.shape[2], capacity, config.tile_n, num_splits, sms)
-    c = _constants_for(p, batch, seqlen_q, capacity, paged, q.device)
+    c = _constants_for(p, capacity, paged, q.device)
     split = p.num_splits > 1
-    kernel_causal = bool(causal) and not p.gqa_packed and seqlen_q > 1
-    q_rows = _rows_view(q.unsqueeze(0), p)
-    kernel, _, _ = fwd_kernel_for(q_rows, values, kernel_causal, config,
-                                  kernel_features(split, paged))
-    out = q.new_empty((batch, seqlen_q, heads, kernel_dim_v))
+    kernel_causal = bool(causal) and seqlen_q > 1
+    q_rows = _rows_view((q if p.viewed else _pack_tokens(q, p)).unsqueeze(0), p)
+    features = kernel_features(split, paged, p.group if kernel_causal else 1)
+    kernel, _, _ = fwd_kernel_for(q_rows, values, kernel_causal, config, features)
+    # viewed: O in the caller's layout; packed: in the kernel's order, then copied
+    out_rows = seqlen_q if p.viewed else p.rows
+    out_heads = heads if p.viewed else p.heads
+    out = q.new_empty((batch, out_rows, out_heads, kernel_dim_v))
     parts = p.num_splits
-    lse_kernel, lse_bhs = _lse_buffer(parts, batch, seqlen_q, heads, p, q.device)
+    lse_kernel, lse_combine = _lse_buffer(parts, batch, p, q.device)
     partials = c.stand_in
     if split:
-        o_part = torch.empty((parts, batch, seqlen_q, heads, kernel_dim_v), dtype=torch.float32,
-                             device=q.device)
+        o_part = torch.empty((parts, batch, out_rows, out_heads, kernel_dim_v),
+                             dtype=torch.float32, device=q.device)
         partials = _rows_view(o_part, p)
-    cu_k, used_k = _key_sequences(p, c, seqlen_q, capacity, cache_rows, lengths, causal)
-    pages = c.no_pages
-    if paged:
-        if p.gqa_packed and seqlen_q > 1:  # each token a sequence of its own
-            page_table = page_table.repeat_interleave(seqlen_q, 0)
-        pages = page_table.unsqueeze(0)
+    cu_k, used_k = _key_sequences(c, capacity, cache_rows, lengths)
+    pages = c.no_pages if not paged else page_table.unsqueeze(0)
     kernel.fn(q_rows, keys, values, _rows_view(out.unsqueeze(0), p), lse_kernel, c.no_pages,
               partials, c.cu_q, cu_k, c.used_q, used_k, c.stand_in, pages,
               softmax_scale * LOG2_E, sms, 0, parts, 0, 0, 0.0, SEQUSED_Q | SEQUSED_K)
     if split:
-        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-        kernel.combine(o_part, lse_bhs, out, lse)
+        lse = torch.empty((batch, out_heads, out_rows), dtype=torch.float32, device=q.device)
+        kernel.combine(o_part, lse_combine, out, lse)
     else:
-        lse = lse_bhs[0].contiguous()
+        lse = lse_combine[0]
+    if not p.viewed:
+        out, lse = _unpack_tokens(out, lse, seqlen_q, p)
+    lse = lse.contiguous()
     if kernel_dim_v != head_dim_v:
-        out = out[..., :head_dim_v].contiguous()
-    return out, lse
-
-
-_FEATURES = {(split, paged): Features(varlen=True, split_kv=split, paged_kv=paged)
-             for split in (False, True) for paged in (False, True)}
+        out = out[..., :head_dim_v]
+    return out.contiguous(), lse

@@ -4,6 +4,7 @@
     python -m cute_fa.precompile --head-dims 128 --dtypes bf16 --causal yes --jobs 8
     python -m cute_fa.precompile --head-dims 192 --head-dims-v 128   # q·k 192, v 128
     python -m cute_fa.precompile --directions decode --head-dims 128 --page-sizes 0,16,256
+    python -m cute_fa.precompile --directions decode --causal yes --query-groups 4 --page-sizes 0
 
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel and, where the backward kernel has the head
@@ -14,8 +15,9 @@ the GPU otherwise), and with --lse-grad also the backward variants that
 take a gradient through the LSE output. --directions decode (not in the
 default): the forwards of flash_attn_with_kvcache (python_api/decode.py),
 split and not, for a contiguous cache (page size 0) and each page size of
---page-sizes, causal as asked (the kernel's causal mask serves several
-query tokens per sequence that are not packed per KV head). Variants
+--page-sizes, causal as asked (the causal kernels mask steps of several
+tokens, each token's query heads of a KV head in one group of rows: one
+kernel per group size of --query-groups). Variants
 already in the store are loaded, not compiled. Kernels are stored per architecture: run it on the
 machine (or the GPU type) that will use them, or with no GPU for sm_90a.
 See kernel_store.py for where they go and how to move or disable the store.
@@ -32,7 +34,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from .profiling.cli import choice_list, positive_int
+from .profiling.cli import choice_list, csv_list, positive_int
 from .profiling.problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
                                 add_head_dim_option)
 
@@ -49,6 +51,7 @@ class Variant:
     head_dim_v: int | None = None  # that of v and the output; None: head_dim
     split_kv: bool = False  # decode: key ranges merged after
     page_size: int = 0  # decode: a paged cache's page size; 0: contiguous
+    rows_per_query: int = 1  # decode, causal: query heads per KV head (several tokens a step)
 
     @property
     def value_head_dim(self) -> int:
@@ -62,14 +65,18 @@ class Variant:
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
+        if self.rows_per_query > 1:
+            flags.append(f"group{self.rows_per_query}")
         return text + "".join(f" {f}" for f in flags)
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
-             head_dims_v=None, page_sizes=(0,)) -> list[Variant]:
+             head_dims_v=None, page_sizes=(0,), query_groups=(1,)) -> list[Variant]:
     """The variants of every combination; head_dims_v None: each head dim's
     value head dim is its own, else every one of them no larger than it;
-    page_sizes: the decode variants' (0: a contiguous cache)."""
+    page_sizes: the decode variants' (0: a contiguous cache); query_groups:
+    the causal decode variants' query heads per KV head (a step of several
+    tokens masks g rows per token; 1 also serves one token)."""
     from .kernels.config import BACKWARD_HEAD_DIMS
 
     pairs = [(d, dv) for d in head_dims for dv in (head_dims_v or [d]) if dv <= d]
@@ -84,9 +91,10 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
             # a page size these head dims' kernels gather first has no kernel of its own
             pages = [p for p in page_sizes
                      if not p or reads_pages_in_place(p, head_dim, head_dim_v)]
+            groups = query_groups if causal else (1,)
             out += [Variant("decode", dtype, head_dim, causal, head_dim_v=dv, split_kv=split,
-                            page_size=page)
-                    for split, page in itertools.product((False, True), pages)]
+                            page_size=page, rows_per_query=group)
+                    for split, page, group in itertools.product((False, True), pages, groups)]
         if "bwd" in directions and head_dim in BACKWARD_HEAD_DIMS and dv is None:
             for det, split, grad in itertools.product((False, True), (False, True),
                                                       (False, True) if lse_grad else (False,)):
@@ -119,7 +127,8 @@ def kernels_of(variant: Variant, cached: bool = True):
         features = PLAIN_FEATURES
         if variant.direction == "decode":
             from . import decode
-            features = decode.kernel_features(variant.split_kv, variant.page_size > 0)
+            features = decode.kernel_features(variant.split_kv, variant.page_size > 0,
+                                              variant.rows_per_query)
         if cached:
             return compile_cache.get_fwd(dtype, variant.head_dim, variant.causal, config,
                                          variant.value_head_dim, features)
@@ -160,7 +169,8 @@ def add_variant_options(p: argparse.ArgumentParser, directions=("fwd", "bwd")) -
 
 def chosen_variants(args: argparse.Namespace) -> list[Variant]:
     return variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
-                    args.lse_grad, args.head_dims_v, getattr(args, "page_sizes", (0,)))
+                    args.lse_grad, args.head_dims_v, getattr(args, "page_sizes", (0,)),
+                    getattr(args, "query_groups", (1,)))
 
 
 def _page_sizes(text: str) -> list[int]:
@@ -189,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-sizes", type=_page_sizes, default=[0, 16, 256], metavar="LIST",
                    help="with --directions decode: page sizes of the paged-cache kernels, 0 "
                         "for a contiguous cache, comma-separated (default: 0,16,256)")
+    p.add_argument("--query-groups", type=csv_list(positive_int), default=[1, 4, 8],
+                   metavar="LIST",
+                   help="with --directions decode and causal: query heads per KV head of the "
+                        "models served, comma-separated; a step of several new tokens masks "
+                        "each token's group of rows (default: 1,4,8)")
     return p
 
 

@@ -395,17 +395,20 @@ def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
     (128, Features(varlen=True, split_kv=True), 0),
     (64, Features(varlen=True, split_kv=True, paged_kv=True), 0),
     (128, Features(varlen=True, paged_kv=True), 16),
-    (256, Features(varlen=True, split_kv=True, paged_kv=True), 32)])
+    (256, Features(varlen=True, split_kv=True, paged_kv=True), 32),
+    (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=4), 16)])
 def test_decode_kernels(tmp_path, head_dim, features, load_rows):
     """The KV-cache forward (python_api/decode.py's config) stays
     warp-specialised and spill-free on HGMMA and TMA; a split one leaves its
     fp32 partial rows with 8-byte stores and its merge reads them 16 bytes
     a load; pages smaller than a block come in one TMA load per page and
-    64-column box (loads per stage: K and V blocks of 128 keys, here)."""
+    64-column box (loads per stage: K and V blocks of 128 keys, here). With
+    rows_per_query (a causal step of several tokens, 4 rows each) too."""
     from cute_fa.kernels.config import decode_fwd_config
 
     config = decode_fwd_config(head_dim).replace(kv_load_rows=load_rows)
-    kernel = compile_fwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path),
+    causal = features.rows_per_query > 1
+    kernel = compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
                          features=features)
     info = dumped_kernel_info(str(tmp_path))
     _assert_warp_specialised(info, config)

@@ -1,8 +1,8 @@
 """The KV-cache forward's host side (python_api/decode.py) on the CPU: the
-split count from shapes, when query heads are packed per KV head, the
-views that pack them (each kernel row is the query it claims to be, and no
-view leaves its tensor), the per-row LSE views, the key lengths of packed
-query tokens, and which page sizes the kernel reads in place."""
+split count from shapes, the packing of query heads per KV head (each
+kernel row is the query it claims to be, no view leaves its tensor, O and
+LSE come back in the caller's order), the sequences' rows and keys, and
+which page sizes the kernel reads in place."""
 
 import pytest
 import torch
@@ -25,16 +25,15 @@ def test_splits_fill_the_sms_only_when_the_tiles_do_not():
     assert decode.choose_splits(8, 64, 132) > 1  # batch 1 of Llama-3-8B's 8 KV heads
 
 
-@pytest.mark.parametrize("seqlen_q,heads,heads_kv,packed", [
-    (1, 32, 8, True), (1, 8, 8, True), (3, 32, 4, True), (4, 32, 8, False), (5, 32, 32, False)])
-def test_query_heads_pack_while_tokens_are_fewer_than_the_group(seqlen_q, heads, heads_kv,
-                                                                 packed):
+@pytest.mark.parametrize("seqlen_q,heads,heads_kv", [
+    (1, 32, 8), (1, 8, 8), (3, 32, 4), (4, 32, 8), (5, 32, 32)])
+def test_every_kv_head_is_one_sequence_of_all_its_query_rows(seqlen_q, heads, heads_kv):
+    """Keys and values are read once per (batch row, KV head): its s_q · g
+    query rows are one sequence of the kernel, in place for one token."""
     p = decode.plan(2, seqlen_q, heads, heads_kv, 4096, 128, 0, 132)
-    assert p.gqa_packed == packed
-    if packed:
-        assert (p.sequences, p.rows, p.heads) == (2 * seqlen_q, heads // heads_kv, heads_kv)
-    else:
-        assert (p.sequences, p.rows, p.heads) == (2, seqlen_q, heads)
+    g = heads // heads_kv
+    assert (p.sequences, p.rows, p.heads, p.group) == (2, seqlen_q * g, heads_kv, g)
+    assert p.viewed == (seqlen_q == 1)
 
 
 def test_forced_splits_are_kept_within_the_blocks_and_the_merge():
@@ -44,44 +43,49 @@ def test_forced_splits_are_kept_within_the_blocks_and_the_merge():
 
 
 @pytest.mark.parametrize("batch,seqlen_q,heads,heads_kv", [(3, 1, 32, 8), (2, 3, 16, 2),
-                                                            (2, 4, 8, 8), (1, 1, 8, 1)])
+                                                            (2, 4, 8, 8), (1, 1, 8, 1),
+                                                            (2, 5, 12, 4)])
 def test_row_views_address_the_queries_they_stand_for(batch, seqlen_q, heads, heads_kv):
-    """Kernel row r of sequence i and kernel head hk is one query (b, s, h):
-    packed, i = b·s_q + s starts at row i·h and h = hk·g + r; plain, row
-    i·s_q + s with the heads as they are. A view past its tensor would
-    raise in as_strided."""
+    """Kernel row r of sequence b and kernel head k is query head h = k·g + r
+    % g of token s = r // g: one token, the view's sequence b starts at row
+    b·h; several, the packed copy's at b·s_q·g. The LSE the kernel leaves
+    per row comes back as (b, h, s_q) and O as (b, s_q, h, x). A view past
+    its tensor would raise in as_strided."""
     d = 8
     p = decode.plan(batch, seqlen_q, heads, heads_kv, 512, 128, 0, 132)
+    g = heads // heads_kv
     q = torch.arange(batch * seqlen_q * heads * d, dtype=torch.float32).view(
         batch, seqlen_q, heads, d)
-    rows = decode._rows_view(q.unsqueeze(0), p)[0]
-    lse = torch.arange(batch * heads * seqlen_q, dtype=torch.float32).view(batch, heads, seqlen_q)
-    lse_kernel, lse_bhs = decode._lse_buffer(1, batch, seqlen_q, heads, p, "cpu")
-    lse_bhs[0].copy_(lse)
-    g = heads // heads_kv
+    packed = q if p.viewed else decode._pack_tokens(q, p)
+    rows = decode._rows_view(packed.unsqueeze(0), p)[0]
+    lse_kernel, lse_combine = decode._lse_buffer(1, batch, p, "cpu")
+    sequence_start = heads if p.viewed else seqlen_q * g
+    expected_lse = torch.empty(batch, heads, seqlen_q)
     for b in range(batch):
         for s in range(seqlen_q):
             for h in range(heads):
-                if p.gqa_packed:
-                    row, head = (b * seqlen_q + s) * heads + h % g, h // g
-                else:
-                    row, head = b * seqlen_q + s, h
+                row, head = b * sequence_start + s * g + h % g, h // g
                 assert torch.equal(rows[row, head], q[b, s, h])
-                assert lse_kernel[0, head, row] == lse[b, h, s]
+                lse_kernel[0, head, row] = expected_lse[b, h, s] = float(row * 1000 + head)
+    lse = lse_combine[0]
+    if not p.viewed:
+        out, lse = decode._unpack_tokens(packed, lse, seqlen_q, p)
+        assert torch.equal(out, q)
+    assert torch.equal(lse.reshape(batch, heads, seqlen_q), expected_lse)
 
 
-def test_packed_tokens_see_the_cache_up_to_their_place():
+def test_sequences_start_at_their_rows_and_cache_rows():
     p = decode.plan(2, 3, 32, 4, 100, 128, 0, 132)
-    c = decode._make_constants(p, 2, 3, 100, False, "cpu")
+    c = decode._make_constants(p, 100, False, "cpu")
+    assert c.cu_q.flatten().tolist() == [0, 24, 48]  # s_q · g rows each
+    assert c.used_q.flatten().tolist() == [24, 24]
     lengths = torch.tensor([50, 1], dtype=torch.int32)
-    _, used = decode._key_sequences(p, c, 3, 100, None, lengths, causal=True)
-    assert used.flatten().tolist() == [48, 49, 50, 0, 0, 1]
-    _, used = decode._key_sequences(p, c, 3, 100, None, lengths, causal=False)
-    assert used.flatten().tolist() == [50, 50, 50, 1, 1, 1]
-    cu_k, _ = decode._key_sequences(p, c, 3, 100, torch.tensor([4, 0], dtype=torch.int32),
-                                    lengths, causal=True)
-    assert cu_k.flatten().tolist()[:6] == [400, 400, 400, 0, 0, 0]
-    assert c.cu_q.flatten().tolist() == [32 * i for i in range(7)]  # packed: i · h
+    cu_k, used = decode._key_sequences(c, 100, None, lengths)
+    assert (cu_k.flatten().tolist(), used.flatten().tolist()) == ([0, 100, 200], [50, 1])
+    cu_k, used = decode._key_sequences(c, 100, torch.tensor([4, 0], dtype=torch.int32), None)
+    assert (cu_k.flatten().tolist()[:2], used.flatten().tolist()) == ([400, 0], [100, 100])
+    one = decode.plan(2, 1, 32, 4, 100, 128, 0, 132)
+    assert decode._make_constants(one, 100, True, "cpu").cu_q.flatten().tolist() == [0, 32, 64]
 
 
 @pytest.mark.parametrize("page_size,tile_n,load_rows", [

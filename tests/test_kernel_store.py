@@ -249,6 +249,22 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
                    decode.kernel_features(split, page is not None))
             assert key in asked
     assert decode.kernel_config(128, 128, 16).kv_load_rows == 16
+    # causal: one kernel per group size (each token's g rows share its mask row)
+    args = precompile.build_parser().parse_args(
+        ["--directions", "decode", "--head-dims", "128", "--dtypes", "bf16", "--causal", "yes",
+         "--page-sizes", "0", "--query-groups", "1,4"])
+    todo = precompile.chosen_variants(args)
+    assert sorted(v.label() for v in todo) == sorted(
+        f"decode bf16 d128 causal{s}{g}" for s in ("", " split_kv") for g in ("", " group4"))
+    asked.clear()
+    for v in todo:
+        precompile.kernels_of(v)
+    for split in (False, True):
+        key = (torch.bfloat16, 128, True, decode.kernel_config(128, 128, None), 128,
+               decode.kernel_features(split, False, 4))
+        assert key in asked
+    with pytest.raises(SystemExit):
+        precompile.build_parser().parse_args(["--query-groups", "0"])
     with pytest.raises(SystemExit):
         precompile.build_parser().parse_args(["--page-sizes", "24"])
     with pytest.raises(SystemExit):
