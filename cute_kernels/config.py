@@ -104,11 +104,16 @@ def _check_shared_fields(config, bad) -> None:
         value = getattr(config, field)
         if value % 8 or not 24 <= value <= 256:
             raise bad(field, "a multiple of 8 in [24, 256] (setmaxnreg)")
-    total = WARPGROUP_THREADS * (config.producer_regs
-                                 + config.consumer_warpgroups * config.consumer_regs)
-    if total > REGISTERS_PER_SM:
+    # setmaxnreg moves registers within what the launch gave the CTA: each
+    # thread's share of the file, a multiple of 8 (168 at 384 threads); an
+    # increase beyond what the decrease freed waits forever
+    warpgroups = 1 + config.consumer_warpgroups
+    per_thread = min(REGISTERS_PER_SM // (WARPGROUP_THREADS * warpgroups), 255) // 8 * 8
+    total = config.producer_regs + config.consumer_warpgroups * config.consumer_regs
+    if total > warpgroups * per_thread:
         raise bad("consumer_regs", f"producer_regs + {config.consumer_warpgroups} * "
-                                   f"consumer_regs <= {REGISTERS_PER_SM // WARPGROUP_THREADS}")
+                                   f"consumer_regs <= {warpgroups * per_thread} ({per_thread} "
+                                   f"registers per thread at launch)")
 
 
 def _field_error(config, head_dim: int):

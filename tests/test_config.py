@@ -42,6 +42,9 @@ def test_backward_kernel_head_dims():
     (dict(kv_stages=0), "kv_stages"), (dict(kv_stages=1), "kv_stages"),
     (dict(consumer_regs=250), "consumer_regs"), (dict(producer_regs=16), "producer_regs"),
     (dict(tile_m=192, consumer_regs=240), "consumer_regs"), (dict(kv_stages=4), "kv_stages"),
+    # 64 + 2 x 224 = 512 fits the file (65536 / 128) but not the 3 x 168 that
+    # 384 threads get at launch: the consumers' setmaxnreg.inc would wait forever
+    (dict(producer_regs=64, consumer_regs=224), "consumer_regs"),
     (dict(pv_wait_after_exp2=33), "pv_wait_after_exp2"),  # tile_n 128: 32 columns a row
     (dict(pv_wait_after_exp2=-1), "pv_wait_after_exp2"),
     (dict(pv_wait_after_exp2=1, intra_wg_overlap=False), "pv_wait_after_exp2"),
@@ -53,6 +56,20 @@ def test_backward_kernel_head_dims():
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"FwdConfig\.{field}: expected"):
         FwdConfig().replace(**changes).validate(128)
+
+
+def test_every_default_fits_the_registers_of_its_launch():
+    """producer + consumers' setmaxnreg targets within the CTA's launch share
+    (what an increase beyond would hang on), for every config the op picks."""
+    from cute_fa.kernels.config import decode_fwd_config, default_bwd_config
+
+    for head_dim in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            default_fwd_config(head_dim, causal).validate(head_dim)
+        decode_fwd_config(head_dim).validate(head_dim)
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            default_bwd_config(head_dim, causal).validate(head_dim)
 
 
 def test_smem_accounts_for_every_buffer():
