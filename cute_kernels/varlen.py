@@ -42,7 +42,6 @@ from .dsl_struct import DslStruct
 from .scheduler import deal
 
 
-
 @dataclass
 class Seqlens(DslStruct):
     """The sequences of a batch, queries and keys. Dense: lengths from the

@@ -227,6 +227,7 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None) -> FwdC
     return config if page_size is None else paged_config(config, page_size)
 
 
+@functools.lru_cache(maxsize=None)  # asked on every call: one Features per combination
 def kernel_features(split: bool, paged: bool, rows_per_query: int = 1) -> Features:
     """The forward's features for a KV-cache problem; rows_per_query: g for
     a causal step of several tokens (each token's g rows share its mask
