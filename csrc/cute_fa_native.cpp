@@ -173,7 +173,7 @@ std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool bac
                               &entry->plan);
   } else {
     const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, nullptr, 0, num_sms, 0, 0,
+    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, nullptr, 0, 0, num_sms, 0, 0,
                               &entry->plan);
   }
   TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");

@@ -139,11 +139,14 @@ void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
-size_t element_size(int32_t dtype) { return dtype == CUTE_FA_INPUT_DTYPE ? 2 : 4; }
+// this driver runs 16-bit variants only: their output has q's dtype
+size_t element_size(int32_t dtype) {
+  return dtype == CUTE_FA_INPUT_DTYPE || dtype == CUTE_FA_OUTPUT_DTYPE ? 2 : 4;
+}
 
 void print_plan(const CuteFaKernelVariant& v, const CuteFaPlan& plan) {
   std::printf("variant: %s\n", v.name);
-  static const char* kDtypes[] = {"input", "f32", "i32"};
+  static const char* kDtypes[] = {"input", "f32", "i32", "output"};
   static const char* kInits[] = {"empty", "zero", "unused"};
   for (int32_t i = 0; i < plan.num_buffers; ++i) {
     const CuteFaBuffer& b = plan.buffers[i];
@@ -215,7 +218,7 @@ Problem prepare(const CuteFaKernelVariant* v, const CuteFaShape& shape, int64_t 
   const CuteFaWindow* full = &cute_fa::kNoWindow;
   const int status =
       v->backward ? cute_fa_plan_bwd(&v->bwd, &shape, full, nullptr, 0, num_sms, &p.plan)
-                  : cute_fa_plan_fwd(&v->fwd, &shape, full, nullptr, 0, num_sms, 0, 0, &p.plan);
+                  : cute_fa_plan_fwd(&v->fwd, &shape, full, nullptr, 0, 0, num_sms, 0, 0, &p.plan);
   if (status != 0) fail(std::string("no launch plan for this shape with ") + v->name);
   p.buffers.resize(p.plan.num_buffers);
   p.views.resize(p.plan.num_buffers);
@@ -300,7 +303,7 @@ int main(int argc, char** argv) {
     const int status =
         variant->backward
             ? cute_fa_plan_bwd(&variant->bwd, &shape, full, nullptr, 0, o.plan_sms, &plan)
-            : cute_fa_plan_fwd(&variant->fwd, &shape, full, nullptr, 0, o.plan_sms, 0, 0, &plan);
+            : cute_fa_plan_fwd(&variant->fwd, &shape, full, nullptr, 0, 0, o.plan_sms, 0, 0, &plan);
     if (status != 0) fail(std::string("no launch plan for this shape with ") + variant->name);
     std::printf("(planned for %lld SMs)\n", static_cast<long long>(o.plan_sms));
     print_plan(*variant, plan);

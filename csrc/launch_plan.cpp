@@ -183,9 +183,11 @@ extern "C" int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_
 
 extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
                                 const CuteFaWindow* window, const CuteFaVarlen* varlen,
-                                int32_t sink, int64_t num_sms, int64_t forced_full_tiles,
-                                int64_t forced_parts, CuteFaPlan* plan) {
+                                int32_t sink, int32_t fp8, int64_t num_sms,
+                                int64_t forced_full_tiles, int64_t forced_parts,
+                                CuteFaPlan* plan) {
   if (!shape_ok(s, varlen) || v->tile_m <= 0 || v->tile_n <= 0 || num_sms <= 0) return -1;
+  if (fp8 && varlen) return -1;  // the e4m3 kernels take dense batches
   // a packed batch's tiles are claimed in turn: no fixed last round to split
   if (varlen && (v->split_tail || forced_parts > 1)) return -1;
   Builder b(plan);
@@ -198,6 +200,11 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_v, true);
   SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
   int sinks = sink_input(b, s, sink);
+  int descales = -1;
+  if (fp8) {
+    const int64_t shape[3] = {3, s->batch, s->heads_kv};
+    descales = b.input(CUTE_FA_F32, 3, shape, false);
+  }
 
   const int64_t num_tiles = ceil_div(s->seqlen_q, v->tile_m) * s->heads * s->batch;
   int64_t full_tiles = 0, parts = 1;
@@ -217,7 +224,8 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   plan->full_tiles = full_tiles;
   plan->tail_parts = parts;
 
-  const int out = b.buffer4(CUTE_FA_INPUT_DTYPE, r.batch, r.q, s->heads, s->head_dim_v);
+  const int out = b.buffer4(fp8 ? CUTE_FA_OUTPUT_DTYPE : CUTE_FA_INPUT_DTYPE, r.batch, r.q,
+                            s->heads, s->head_dim_v);
   const int lse = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, r.batch, s->heads, r.q);
   // Fresh per call where read: shared ones would be raced by launches on other streams.
   const int counters =
@@ -233,11 +241,12 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
 
   dense_stand_in(b, seqs);
   sinks = f32_stand_in(b, sinks);
+  descales = f32_stand_in(b, descales);
   // the page table of a paged KV cache (python_api/decode.py's kernels only)
   const int no_pages = b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
   CuteFaLaunch* fwd = b.launch(0);
   b.tensors(fwd, {q, k, vv, out, lse, counters, partials, seqs.cu_q, seqs.cu_k, seqs.used_q,
-                  seqs.used_k, sinks, no_pages});
+                  seqs.used_k, sinks, no_pages, descales});
   b.arg(fwd, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 5
+#define CUTE_FA_PLAN_LAYOUT_VERSION 6
 #define CUTE_FA_PLAN_MAX_BUFFERS 24
 #define CUTE_FA_PLAN_MAX_ARGS 24
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
@@ -69,7 +69,14 @@ typedef struct {
   int32_t split_gqa; /* fp32 dK/dV per query head, summed per group after */
 } CuteFaBwdVariant;
 
-enum CuteFaDtype { CUTE_FA_INPUT_DTYPE = 0, CUTE_FA_F32 = 1, CUTE_FA_I32 = 2 };
+/* INPUT_DTYPE: that of q; OUTPUT_DTYPE: the output's where it differs from
+ * q's (e4m3 inputs: bf16 or fp16, the caller's choice). */
+enum CuteFaDtype {
+  CUTE_FA_INPUT_DTYPE = 0,
+  CUTE_FA_F32 = 1,
+  CUTE_FA_I32 = 2,
+  CUTE_FA_OUTPUT_DTYPE = 3
+};
 
 enum CuteFaInit {
   CUTE_FA_EMPTY = 0,   /* written before it is read */
@@ -119,15 +126,16 @@ typedef struct {
 /* Forward. Inputs: q, k, v (dense (b, s, h, d); packed (1, total, h, d),
  * then cu_seqlens_q, cu_seqlens_k (1, 1, b + 1) and seqused_q, seqused_k
  * (1, 1, b), int32, those not in use bound to any int32 tensor); sink != 0:
- * then the learnable sinks, fp32 (1, 1, h). Launches: fwd. Outputs: out,
- * lse ((b, h, s_q); packed (1, h, total_q)).
+ * then the learnable sinks, fp32 (1, 1, h); fp8 != 0 (e4m3 q, k, v, a dense
+ * batch): then their descales, fp32 (3, b, h_kv), and out is OUTPUT_DTYPE.
+ * Launches: fwd. Outputs: out, lse ((b, h, s_q); packed (1, h, total_q)).
  * forced_parts 0: the split of the tail from the cost model (launch_plan.cpp);
  * otherwise forced_full_tiles / forced_parts (a sweep's A/B, checked by the
  * caller). Returns 0, or -1 for a shape or variant it cannot plan. */
 int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
                      const CuteFaWindow* window, const CuteFaVarlen* varlen, int32_t sink,
-                     int64_t num_sms, int64_t forced_full_tiles, int64_t forced_parts,
-                     CuteFaPlan* plan);
+                     int32_t fp8, int64_t num_sms, int64_t forced_full_tiles,
+                     int64_t forced_parts, CuteFaPlan* plan);
 
 /* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
  * the call has none); packed: then the forward's four int32 tensors; sink:

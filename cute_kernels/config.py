@@ -185,6 +185,9 @@ class FwdConfig(_KernelConfig):
     kv_load_rows: 0, or (paged_kv) the page size where it is below tile_n:
         each K/V block then arrives as tile_n / kv_load_rows TMA loads, one
         per page, into one stage (paged.py).
+    transpose_warps: (e4m3 inputs) the warps of the producer warpgroup,
+        beside its TMA warp, that transpose each V stage into the Vᵀ ring
+        the e4m3 P·V reads (fp8_operands.py); 1 to 3.
     """
 
     tile_m: int = 128
@@ -203,20 +206,25 @@ class FwdConfig(_KernelConfig):
     consumer_regs: int = 240
     l2_section_mb: int = 16
     kv_load_rows: int = 0
+    transpose_warps: int = 3
 
     @property
     def consumer_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
 
     def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
-                   elem_bytes: int = 2) -> int:
+                   fp8: bool = False) -> int:
         """Dynamic shared memory of the kernel's SharedStorage, as laid out there:
-        mbarriers first, then Q, the K and V rings and the O slabs (or O in
-        the V ring, which is then at least O's size), each 1 KB aligned."""
+        mbarriers first, then Q, the K and V rings (fp8: one-byte elements,
+        and the Vᵀ ring after V) and the 16-bit O slabs (or O in the V ring,
+        which is then at least O's size), each 1 KB aligned."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        elem_bytes = 1 if fp8 else 2
         v_ring = self.kv_stages * self.tile_n * head_dim_v * elem_bytes
-        o_slabs = self.tile_m * head_dim_v * elem_bytes
-        size = 8 * (3 + 4 * self.kv_stages)                              # mbarriers
+        if fp8:
+            v_ring = _align_1k(v_ring) * 2                                    # V, Vᵀ
+        o_slabs = self.tile_m * head_dim_v * 2
+        size = 8 * (3 + 6 * self.kv_stages) + 4 * 8                      # mbarriers, words
         size = _align_1k(size) + self.tile_m * head_dim * elem_bytes          # Q
         size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # K
         if self.o_in_v_smem:
@@ -224,11 +232,20 @@ class FwdConfig(_KernelConfig):
         size = _align_1k(size) + v_ring                                       # V
         return _align_1k(size) + o_slabs                                      # O slabs
 
-    def validate(self, head_dim: int, head_dim_v: int | None = None) -> None:
-        """Raise ValueError naming the field when the combination cannot run."""
+    def validate(self, head_dim: int, head_dim_v: int | None = None, fp8: bool = False) -> None:
+        """Raise ValueError naming the field when the combination cannot run
+        (fp8: for e4m3 inputs)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         bad = _field_error(self, head_dim)
 
+        if not 1 <= self.transpose_warps <= 3:
+            raise bad("transpose_warps", "1, 2 or 3 (the producer warpgroup's warps beside the "
+                                         "TMA warp)")
+        if fp8 and self.tile_n % 32:
+            raise bad("tile_n", "a multiple of 32 for e4m3 inputs (the e4m3 WGMMA's K)")
+        if fp8 and self.o_in_v_smem:
+            raise bad("o_in_v_smem", "False for e4m3 inputs (the V ring holds bytes, O 16-bit "
+                                     "values)")
         if self.tile_m % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_m", "64, 128 or 192 (one consumer warpgroup per 64 rows)")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
@@ -258,7 +275,7 @@ class FwdConfig(_KernelConfig):
             raise bad("split_tail", "False unless persistent, and False with dynamic_tiles (a "
                                     "claimed order has no fixed last round to split)")
         _check_shared_fields(self, bad)
-        smem = self.smem_bytes(head_dim, head_dim_v)
+        smem = self.smem_bytes(head_dim, head_dim_v, fp8)
         if smem > SMEM_CAPACITY_BYTES:
             raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                    f"this needs {smem} B at head dims {head_dim}/{head_dim_v}"
@@ -312,6 +329,36 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          dynamic_tiles=claimed, split_tail=not claimed, pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, split_tail=True,
                      pv_wait_after_exp2=8)
+
+
+# The head dims of the e4m3 forward: multiples of 32 (the e4m3 WGMMA's K) among
+# the kernels', with v's equal to q's.
+FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_fwd_config(head_dim: int, causal: bool,
+                   features: Features = PLAIN_FEATURES) -> FwdConfig:
+    """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS): 128-row tiles of
+    two consumer warpgroups, in two stages each of V and Vᵀ; the producer
+    warpgroup's three spare warps transpose V with 56 registers per thread,
+    the consumers 224 (the 504 that three warpgroups have at launch).
+    Scheduling as the 16-bit kernels': claimed tiles for causal and
+    windows, the split tail otherwise. The FP8 GEMMs take half the 16-bit
+    ones' time against the same softmax, so the key tile is wider where
+    the registers allow (more independent work per softmax), and ping-pong
+    stays only where it measured faster (profiling.sweep, the FP8 report)."""
+    claimed = causal or features.local
+    if head_dim <= 64:
+        tile_n, pingpong, pv_wait = 192 if claimed else 256, False, 8
+    elif head_dim <= 128:
+        tile_n, pingpong, pv_wait = (128, False, 8) if claimed else (192, True, 0)
+    else:
+        tile_n, pingpong, pv_wait = 64, True, 0
+    return FwdConfig(tile_m=128, tile_n=tile_n, kv_stages=2, pingpong=pingpong,
+                     persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
+                     pv_wait_after_exp2=pv_wait, producer_regs=56, consumer_regs=224,
+                     transpose_warps=3)
 
 
 @functools.lru_cache(maxsize=None)

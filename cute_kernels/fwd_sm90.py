@@ -6,6 +6,9 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
                 from the last one down, into `kv_stages`-deep rings; with
                 dynamic_tiles it also claims the CTA's next tile and hands
                 it to the consumers with that tile's Q (scheduler.TileQueue).
+                e4m3 inputs: its warps 1 .. transpose_warps transpose each
+                V stage into the Vᵀ ring (fp8_operands.py), following the
+                V ring until warp 0 marks its end.
   warpgroups 1+ consumers (setmaxnreg.inc), 64 query rows each: WGMMA
                 S = Q·Kᵀ (smem × smem), online softmax in registers,
                 WGMMA O += P·V with P in registers, then the epilogue
@@ -16,8 +19,11 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
                 (Features) every tile comes in key ranges, each leaving
                 fp32 O and LSE for split_combine.py.
 Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-thread
-mbarrier rings (pipeline.py); ping-pong named barriers between consumer
-warpgroups; epilogue named barriers.
+mbarrier rings (pipeline.py); e4m3: V feeds the transposer, whose Vᵀ ring
+(kv_stages, thread → thread) feeds the consumers in V's place, P is packed
+to e4m3 in registers and the descales scale the scores and O (one multiply
+each); ping-pong named barriers between consumer warpgroups; epilogue named
+barriers.
 
 Main loop of one consumer warpgroup, with intra_wg_overlap (block j from
 last to first):
@@ -44,14 +50,14 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from . import wgmma
+from . import fp8_operands, wgmma
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
                           store_rows, tma_store_tile, tma_views)
 from .mask import BlockRange, Limits, ScoreMask, Window
 from .paged import KvBlocks, KvStream
-from .pipeline import (NamedBarrier, PingPong, consumer_state, make_tma_pipeline,
-                       producer_state, release, release_after, wait_full)
+from .pipeline import (NamedBarrier, PingPong, consumer_state, make_thread_pipeline,
+                       make_tma_pipeline, producer_state, release, release_after, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
 from .softcap import cap_scores
 from .softmax import OnlineSoftmax
@@ -73,11 +79,13 @@ class Buffers:
 
 @dataclass
 class Pipes:
-    """The TMA → consumer rings of Q, K and V."""
+    """The TMA → consumer rings of Q, K and V; an e4m3 kernel's V ring feeds
+    the transposer, whose Vᵀ ring (vt) feeds the consumers."""
 
     q: object
     k: object
     v: object
+    vt: object = None
 
 
 @dataclass
@@ -128,12 +136,17 @@ class Consumer:
 
 
 class FlashAttentionForwardSm90(Sm90AttentionKernel):
-    """One compiled kernel per (dtype, head_dim, head_dim_v, causal, features,
-    config: FwdConfig)."""
+    """One compiled kernel per (dtype, out_dtype, head_dim, head_dim_v, causal,
+    features, config: FwdConfig). dtype is that of Q, K, V; out_dtype that
+    of O (None: dtype), bf16 or fp16 where the inputs are e4m3."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
-                 features: Features = PLAIN_FEATURES):
+                 features: Features = PLAIN_FEATURES, out_dtype=None):
         super().__init__(dtype, head_dim, causal, config, head_dim_v, features)
+        self.fp8 = dtype is cutlass.Float8E4M3FN
+        self.out_dtype = dtype if out_dtype is None else out_dtype
+        if self.fp8:
+            self._check_fp8()
         if (causal or features.local or features.varlen or features.split_kv) \
                 and config.split_tail:
             raise ValueError(f"FwdConfig.split_tail: expected False for a causal, local, "
@@ -154,13 +167,31 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             raise ValueError(f"features.rows_per_query: expected at least 1, got "
                              f"{features.rows_per_query}")
 
+    def _check_fp8(self):
+        """What the e4m3 kernel builds on: a 16-bit O, K steps of 32 (the
+        e4m3 WGMMA's K), O in a slab of its own (the V ring holds bytes),
+        and no feature whose scores the descales would have to reach."""
+        if self.out_dtype.width != 16:
+            raise ValueError(f"out_dtype: expected bf16 or fp16 for e4m3 inputs, got "
+                             f"{self.out_dtype}")
+        if self.tile_n % 32 or self.head_dim % 32:
+            raise ValueError(f"FwdConfig.tile_n and head_dim: expected multiples of 32 for e4m3 "
+                             f"(the WGMMA's K), got {self.tile_n} and {self.head_dim}")
+        if self.cfg.o_in_v_smem:
+            raise ValueError(f"FwdConfig.o_in_v_smem: expected False for e4m3 inputs (O is "
+                             f"16-bit, the V ring holds bytes), got True (config={self.cfg})")
+        if (self.features.softcap or self.features.varlen or self.features.split_kv
+                or self.features.paged_kv):
+            raise ValueError(f"features: expected none of softcap, varlen, split_kv, paged_kv "
+                             f"with e4m3 inputs, got {self.features}")
+
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
                  mSeqUsedK: cute.Tensor, mSink: cute.Tensor, mPageTable: cute.Tensor,
-                 softmax_scale_log2: Float32,
+                 mDescale: cute.Tensor, softmax_scale_log2: Float32,
                  num_sms: Int32,
                  full_tiles: Int32, tail_parts: Int32, window_left: Int32,
                  window_right: Int32, score_pre_tanh: Float32, seqused: Int32,
@@ -174,6 +205,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         A paged_kv kernel's K and V are the caches (num_pages, page_size,
         h_kv, d) and mPageTable its pages per sequence, int32 (1, b,
         max_pages); its cu_seqlens_k are 0 (others never read the table).
+        An e4m3 kernel's descales, fp32 (3, b, h_kv): Q's, K's and V's
+        (others never read it); O is then bf16 or fp16 (out_dtype).
         Read only by some configs: the counters, int32
         (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
         0; split_tail: the split tiles' counters after it), and with
@@ -201,10 +234,16 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d)
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
         sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, self.cfg.kv_stages)
+        # e4m3: Vᵀ, K-major for P·V, filled by the transposer (fp8_operands.py)
+        sVt_layout = wgmma.smem_layout(self.dtype, dv, tile_n, self.cfg.kv_stages)
         # One (64, dv) slab per consumer warpgroup, stored by that warpgroup alone.
-        sO_layout = wgmma.smem_layout(self.dtype, WGMMA_M, dv, self.consumer_wgs)
+        sO_layout = wgmma.smem_layout(self.out_dtype, WGMMA_M, dv, self.consumer_wgs)
         tiled_mma_qk = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_n)
-        tiled_mma_pv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, dv)
+        if cutlass.const_expr(self.fp8):
+            tiled_mma_pv = wgmma.tiled_mma(self.dtype, True, True, (self.consumer_wgs, 1, 1), dv,
+                                           a_in_registers=True)
+        else:
+            tiled_mma_pv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, dv)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
@@ -216,7 +255,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                                 cute.select(sO_layout, mode=[0, 1]),
                                                 (WGMMA_M, dv))
 
-        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sVt_layout,
+                                             sO_layout)
 
         if cutlass.const_expr(self.features.varlen):
             num_tiles = VarlenScheduler.max_tiles(mQ.shape[0], seqlens.num_batch(mQ.shape[3]),
@@ -227,10 +267,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, tail, seqlens, kv_blocks,
-                    tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
+        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, mDescale, tail, seqlens,
+                    kv_blocks, tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
                     Window(window_left, window_right), score_pre_tanh,
-                    sQ_layout, sK_layout, sV_layout, sO_layout,
+                    sQ_layout, sK_layout, sV_layout, sVt_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
@@ -255,14 +295,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         return cute.composition(stage, cute.make_layout((self.kv_load_rows, cols),
                                                         stride=(1, self.tile_n)))
 
-    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sVt_layout, sO_layout):
         """The CTA's shared memory (FwdConfig.smem_bytes counts it): barriers,
-        Q, the K and V rings, and the O slabs, unless they are staged in the
-        V ring (o_in_v_smem), which is then at least their size."""
+        Q, the K and V rings (e4m3: and the Vᵀ ring), and the O slabs, unless
+        they are staged in the V ring (o_in_v_smem), which is then at least
+        their size."""
         stages = self.cfg.kv_stages
-        dtype = self.dtype
 
-        def tiles(elems: int):
+        def tiles(elems: int, dtype=self.dtype):
             return cute.struct.Align[cute.struct.MemRange[dtype, elems], SMEM_ALIGN]
 
         mem = cute.struct.MemRange
@@ -273,6 +313,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             "o_read": mem[cutlass.Int64, 1],  # O staged in V has been stored (o_in_v_smem)
             "tile_slots": mem[Int32, 2],  # TileQueue (dynamic_tiles)
             "split_arrivals": mem[Int32, 4],  # per consumer warpgroup (split_tail)
+            "vt_barriers": mem[cutlass.Int64, 2 * stages],  # the Vᵀ ring (e4m3)
+            "v_stream_done": mem[Int32, stages],  # the V ring's end of stream (e4m3)
         }
         fields["sQ"] = tiles(cute.cosize(sQ_layout))
         fields["sK"] = tiles(cute.cosize(sK_layout))
@@ -280,20 +322,22 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             fields["sV"] = tiles(max(cute.cosize(sV_layout), cute.cosize(sO_layout)))
         else:
             fields["sV"] = tiles(cute.cosize(sV_layout))
-            fields["sO"] = tiles(cute.cosize(sO_layout))
+            if self.fp8:
+                fields["sVt"] = tiles(cute.cosize(sVt_layout))
+            fields["sO"] = tiles(cute.cosize(sO_layout), self.out_dtype)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------- kernel
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, mCounters: cute.Tensor,
-               mSink: cute.Tensor, tail: TailSplit, seqlens: Seqlens, kv_blocks: KvBlocks,
-               tma_q: cute.CopyAtom,
+               mSink: cute.Tensor, mDescale: cute.Tensor, tail: TailSplit, seqlens: Seqlens,
+               kv_blocks: KvBlocks, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale_log2: Float32, window: Window, score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
-               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sV_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
         copies = Copies(tma_q, tma_k, tma_v, tma_o)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -303,14 +347,23 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
         storage = SmemAllocator().allocate(SharedStorage)
         arrivals = self.consumer_threads
+        # e4m3: the transposer frees V stages, and fills the Vᵀ ring
+        v_arrivals = self.transpose_threads if cutlass.const_expr(self.fp8) else arrivals
         pipes = Pipes(
             make_tma_pipeline(storage.q_barriers.data_ptr(), 1, arrivals,
                               cute.size_in_bytes(self.dtype, sQ_layout)),
             make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))),
-            make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
+            make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, v_arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))),
         )
+        if cutlass.const_expr(self.fp8):
+            pipes.vt = make_thread_pipeline(storage.vt_barriers.data_ptr(), self.cfg.kv_stages,
+                                            self.transpose_threads, arrivals)
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    fp8_operands.start_v_stream(storage.v_stream_done.data_ptr().toint(),
+                                                self.cfg.kv_stages)
         o_read = storage.o_read.data_ptr()
         if cutlass.const_expr(self.cfg.o_in_v_smem):
             if warp_idx == 0:
@@ -342,20 +395,34 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
         limits = Limits(self.causal, self.features.local, window, self.features.rows_per_query)
 
+        done = storage.v_stream_done.data_ptr().toint()
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, seqlens, kv_blocks,
-                             o_read, limits)
+                             o_read, limits, done)
+            if cutlass.const_expr(self.fp8):
+                if warp_idx >= 1 and warp_idx <= self.cfg.transpose_warps:
+                    fp8_operands.transpose_v_stream(
+                        fp8_operands.VTransposeRing.create(
+                            pipes.v, pipes.vt, storage.sV.data_ptr().toint(),
+                            cute.select(sV_layout, mode=[0, 1]), storage.sVt.data_ptr().toint(),
+                            cute.select(sVt_layout, mode=[0, 1]), done, self.cfg.kv_stages),
+                        cute.arch.thread_idx()[0] - 32, self.transpose_threads)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            # Q, K, V once more for the WGMMAs (kernel_base.mma_operand_view).
+            # Q, K, V (e4m3: Vᵀ) once more for the WGMMAs (kernel_base.mma_operand_view).
+            if cutlass.const_expr(self.fp8):
+                mma_v = mma_operand_view(storage.sVt, sVt_layout, self.dtype)
+                consumer_pipes = Pipes(pipes.q, pipes.k, pipes.vt)
+            else:
+                mma_v = mma_operand_view(storage.sV, sV_layout, self.dtype)
+                consumer_pipes = pipes
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
-                               mma_operand_view(storage.sK, sK_layout, self.dtype),
-                               mma_operand_view(storage.sV, sV_layout, self.dtype), smem.o)
-            self.consume(mO, mO_rows, mLSE, mSink, copies, seqlens, softmax_scale_log2,
+                               mma_operand_view(storage.sK, sK_layout, self.dtype), mma_v, smem.o)
+            self.consume(mO, mO_rows, mLSE, mSink, mDescale, copies, seqlens, softmax_scale_log2,
                          score_pre_tanh,
-                         limits, mma_smem, pipes, tiles, tail,
+                         limits, mma_smem, consumer_pipes, tiles, tail,
                          storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
                          tiled_mma_qk, tiled_mma_pv)
 
@@ -363,7 +430,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
                 smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
-                seqlens: Seqlens, kv: KvBlocks, o_read: cute.Pointer, limits: Limits):
+                seqlens: Seqlens, kv: KvBlocks, o_read: cute.Pointer, limits: Limits,
+                done: Int32):
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
@@ -415,6 +483,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             tile = tiles.claimed(round_idx)
         if dynamic:
             tiles.queue.finish(round_idx, tile, pipes.q, q_state)
+        if cutlass.const_expr(self.fp8):
+            fp8_operands.end_v_stream(pipes.v, kv_state, done)
+
+    @property
+    def transpose_threads(self) -> int:
+        """The producer warpgroup's threads that transpose V (e4m3): its warps
+        1 .. transpose_warps, beside the TMA warp."""
+        return 32 * self.cfg.transpose_warps
 
     def _num_units(self, num_tiles: Int32, tail: TailSplit) -> Int32:
         """The units of work the CTAs deal: the tiles, or with split_tail
@@ -477,7 +553,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(self, mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor,
-                mSink: cute.Tensor, copies: Copies,
+                mSink: cute.Tensor, mDescale: cute.Tensor, copies: Copies,
                 seqlens: Seqlens, softmax_scale_log2: Float32, score_pre_tanh: Float32,
                 limits: Limits,
                 smem: Buffers, pipes: Pipes,
@@ -492,13 +568,16 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         q = wg_qk.make_fragment_A(wg_qk.partition_A(smem.q))
         k = wg_qk.make_fragment_B(wg_qk.partition_B(smem.k))
         p = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        vt = wg_pv.make_fragment_B(wg_pv.partition_B(wgmma.transpose_view(smem.v)))
+        # smem.v: V, read MN-major through a transposed view; e4m3: Vᵀ itself
+        vt_view = smem.v if cutlass.const_expr(self.fp8) else wgmma.transpose_view(smem.v)
+        vt = wg_pv.make_fragment_B(wg_pv.partition_B(vt_view))
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)),
                                       Float32)
         s_coords = tiled_mma_qk.get_slice(tid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
         softmax = OnlineSoftmax.create(softmax_scale_log2,
-                                       cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]))
+                                       cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]),
+                                       per_tile_scale=self.fp8)
         pingpong = PingPong(self.consumer_wgs, self.cfg.pingpong)
         pingpong.start(wg)
         o_scale = cute.make_rmem_tensor(softmax.rows, Float32)
@@ -516,6 +595,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens)
             # the sink's load is issued here, its latency hidden by the main loop
             sink = self._sink(mSink, work)
+            o_factor = None
+            if cutlass.const_expr(self.fp8):
+                # the descales: Q's and K's into the score scale, V's into O
+                head_kv = work.head // (mO.shape[2] // mDescale.shape[2])
+                softmax.set_tile_scale(softmax_scale_log2 * mDescale[0, work.batch, head_kv]
+                                       * mDescale[1, work.batch, head_kv])
+                o_factor = mDescale[2, work.batch, head_kv]
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)
@@ -530,9 +616,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 release(pipes.q, q_state)
             q_state.advance()
             if cutlass.const_expr(self.features.sink):
-                lse = softmax.finalize_with_sink(acc_o, self._sink_log2(sink, work))
+                lse = softmax.finalize_with_sink(acc_o, self._sink_log2(sink, work), o_factor)
             else:
-                lse = softmax.finalize(acc_o)
+                lse = softmax.finalize(acc_o, o_factor)
             out = work  # where the epilogue writes
             if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
                 # from an opaque copy of the index, so that the main loop's
@@ -599,7 +685,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             o_scale = me.softmax.update(acc_s, is_first=True)
             if cutlass.const_expr(self.cfg.rescale_o_before_pv):
                 me.o_scale.store(o_scale.load())
-            wgmma.convert_to_16bit(acc_s, me.p)
+            self._convert_p(acc_s, me.p)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
                 kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_max - 2 - i,
                                                  apply_mask=True)
@@ -648,6 +734,15 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(apply_mask):
             mask.apply(acc_s, n_block)
 
+    @cute.jit
+    def _convert_p(self, acc_s: cute.Tensor, p: cute.Tensor):
+        """P from the fp32 accumulator into P·V's register A operand: 16-bit
+        in place, or e4m3 packed in the key order of fp8_operands."""
+        if cutlass.const_expr(self.fp8):
+            fp8_operands.convert_p_to_e4m3(acc_s, p)
+        else:
+            wgmma.convert_to_16bit(acc_s, p)
+
     def _new_scores(self, me: Consumer) -> cute.Tensor:
         """A fresh fp32 accumulator for S = Q·Kᵀ."""
         return cute.make_rmem_tensor(me.mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
@@ -688,7 +783,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             me.o_scale.store(rescale.load())
         else:
             me.softmax.rescale_o(me.acc_o, rescale)
-        wgmma.convert_to_16bit(acc_s, me.p)
+        self._convert_p(acc_s, me.p)
         return kv_state
 
     @cute.jit
@@ -707,7 +802,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         release(pipes.k, kv_state)
         self._mod_scores(me, acc_s, mask, n_block, apply_mask)
         rescale = me.softmax.update(acc_s, is_first=is_first)
-        wgmma.convert_to_16bit(acc_s, me.p)
+        self._convert_p(acc_s, me.p)
         me.softmax.rescale_o(me.acc_o, rescale)
         wait_full(pipes.v, kv_state)
         me.pingpong.wait_turn(me.wg)
@@ -792,7 +887,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         main loop runs. A slab in the V ring: awaited right after (_o_left),
         as the producer's next V load waits for it."""
         m_block, head, batch, seqlen_q = work.m_block, work.head, work.batch, work.seqlen_q
-        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
         wgmma.convert_to_16bit(acc_o, r_o)
         if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
             # An opaque copy of the thread index (a shuffle from its own
@@ -808,7 +903,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
                               number_of_threads=WARPGROUP_THREADS)
         slab = sO[None, None, wg]
-        wgmma.stmatrix_store(self.dtype, r_o, slab, wg_tid)
+        wgmma.stmatrix_store(self.out_dtype, r_o, slab, wg_tid)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
 

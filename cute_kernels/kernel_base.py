@@ -103,7 +103,10 @@ class Sm90AttentionKernel:
     def __init__(self, dtype, head_dim: int, causal: bool, config, head_dim_v: int | None = None,
                  features: Features = PLAIN_FEATURES):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        config.validate(head_dim, head_dim_v)
+        if dtype is cutlass.Float8E4M3FN:  # the forward's e4m3 inputs
+            config.validate(head_dim, head_dim_v, fp8=True)
+        else:
+            config.validate(head_dim, head_dim_v)
         if causal and features.local:
             raise ValueError("features.local: expected False for a causal kernel (a causal window "
                              "is a local kernel with window_right = 0), got True")

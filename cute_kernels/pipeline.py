@@ -57,6 +57,20 @@ def make_tma_pipeline(barrier_storage, stages: int, consumer_arrivals: int, tx_b
     )
 
 
+def make_thread_pipeline(barrier_storage, stages: int, producer_arrivals: int,
+                         consumer_arrivals: int):
+    """A ring between two groups of threads (no TMA): a stage is full after
+    `producer_arrivals` arrivals (producer_commit, one per producer thread)
+    and free after `consumer_arrivals` (release)."""
+    return cpipeline.PipelineAsync.create(
+        barrier_storage=barrier_storage,
+        num_stages=stages,
+        producer_group=cpipeline.CooperativeGroup(cpipeline.Agent.Thread, producer_arrivals),
+        consumer_group=cpipeline.CooperativeGroup(cpipeline.Agent.Thread, consumer_arrivals),
+        defer_sync=True,
+    )
+
+
 # How consumer threads wait for a full stage and free it. Waiting spins on
 # try_wait: the DSL pipeline's consumer_wait passes a suspend-time hint that
 # ptxas lowers to a NANOSLEEP retry path beside every wait of the main loop.

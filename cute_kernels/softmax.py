@@ -34,15 +34,28 @@ LN2 = math.log(2.0)
 
 @dataclass
 class OnlineSoftmax(DslStruct):
+    """scale_log2: the kernel's scale, or with per_tile_scale a register
+    the caller sets for each tile (set_tile_scale: e4m3 descales)."""
+
     scale_log2: Float32
     rows: int
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    tile_scale: cute.Tensor | None = None
 
     @staticmethod
-    def create(scale_log2: Float32, rows: int) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, rows: int, per_tile_scale: bool = False) -> "OnlineSoftmax":
+        tile_scale = cute.make_rmem_tensor(1, Float32) if per_tile_scale else None
         return OnlineSoftmax(scale_log2, rows, cute.make_rmem_tensor(rows, Float32),
-                             cute.make_rmem_tensor(rows, Float32))
+                             cute.make_rmem_tensor(rows, Float32), tile_scale)
+
+    def set_tile_scale(self, scale_log2: Float32):
+        self.tile_scale[0] = scale_log2
+
+    @property
+    def scale(self) -> Float32:
+        """The scale of the scores (log2 units) that this tile uses."""
+        return self.scale_log2 if self.tile_scale is None else self.tile_scale[0]
 
     @cute.jit
     def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -67,16 +80,16 @@ class OnlineSoftmax(DslStruct):
         # A row fully masked so far keeps -inf; subtracting 0 instead keeps
         # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
         safe_max = ref_max if ref_max != -Float32.inf else Float32(0.0)
-        neg_max_scaled = -safe_max * self.scale_log2
+        neg_max_scaled = -safe_max * self.scale
         row = s[r, None].load()
-        probs = cute.math.exp2(row * self.scale_log2 + neg_max_scaled, fastmath=True)
+        probs = cute.math.exp2(row * self.scale + neg_max_scaled, fastmath=True)
         s[r, None].store(probs)
         row_sum = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         if cutlass.const_expr(is_first):
             rescale[r] = Float32(1.0)
             self.row_sum[r] = row_sum
         else:
-            factor = cute.math.exp2(self.row_max[r] * self.scale_log2 + neg_max_scaled,
+            factor = cute.math.exp2(self.row_max[r] * self.scale + neg_max_scaled,
                                     fastmath=True)
             rescale[r] = factor
             self.row_sum[r] = self.row_sum[r] * factor + row_sum
@@ -89,8 +102,9 @@ class OnlineSoftmax(DslStruct):
             o[r, None].store(o[r, None].load() * rescale[r])
 
     @cute.jit
-    def finalize(self, acc_o: cute.Tensor) -> cute.Tensor:
-        """Normalise O by the row sums; return the natural-log LSE of each row."""
+    def finalize(self, acc_o: cute.Tensor, o_factor: Float32 | None = None) -> cute.Tensor:
+        """Normalise O by the row sums; return the natural-log LSE of each row.
+        o_factor (an e4m3 V's descale) joins the normaliser's multiply."""
         lse = cute.make_rmem_tensor(self.rows, Float32)
         inv = cute.make_rmem_tensor(self.rows, Float32)
         for r in cutlass.range_constexpr(self.rows):
@@ -100,12 +114,15 @@ class OnlineSoftmax(DslStruct):
                 lse[r] = -Float32.inf
             else:
                 inv[r] = cute.arch.rcp_approx(total)
-                lse[r] = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+                if cutlass.const_expr(o_factor is not None):
+                    inv[r] = inv[r] * o_factor
+                lse[r] = (self.row_max[r] * self.scale + cute.math.log2(total, fastmath=True)) * LN2
         self.rescale_o(acc_o, inv)
         return lse
 
     @cute.jit
-    def finalize_with_sink(self, acc_o: cute.Tensor, sink_log2: Float32) -> cute.Tensor:
+    def finalize_with_sink(self, acc_o: cute.Tensor, sink_log2: Float32,
+                           o_factor: Float32 | None = None) -> cute.Tensor:
         """finalize, with the sink column of logit sink_log2 (log2 units, the
         scale applied; -inf: none, as for a part of a split tile, whose
         merge adds it)."""
@@ -113,7 +130,7 @@ class OnlineSoftmax(DslStruct):
         inv = cute.make_rmem_tensor(self.rows, Float32)
         for r in cutlass.range_constexpr(self.rows):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
-            row_top = self.row_max[r] * self.scale_log2  # -inf for a row with no key
+            row_top = self.row_max[r] * self.scale  # -inf for a row with no key
             top = cute.arch.fmax(row_top, sink_log2)
             if top == -Float32.inf:
                 inv[r] = Float32(0.0)
@@ -123,6 +140,8 @@ class OnlineSoftmax(DslStruct):
                 weight = cute.math.exp2(row_top - top, fastmath=True)
                 normaliser = total * weight + cute.math.exp2(sink_log2 - top, fastmath=True)
                 inv[r] = weight * cute.arch.rcp_approx(normaliser)
+                if cutlass.const_expr(o_factor is not None):
+                    inv[r] = inv[r] * o_factor
                 lse[r] = (top + cute.math.log2(normaliser, fastmath=True)) * LN2
         self.rescale_o(acc_o, inv)
         return lse

@@ -55,6 +55,7 @@ PTX_PATTERNS = {
 }
 SASS_PATTERNS = {
     "hgmma": r"\bHGMMA\.",
+    "qgmma": r"\bQGMMA\.",  # e4m3 operands
     "warpgroup_wait": r"\bWARPGROUP\.DEPBAR",
     "local_memory": r"\b(STL|LDL)\b",
     # the high half of a 64-bit vector add: descriptor arithmetic left in
@@ -84,7 +85,8 @@ class KernelInfo:
         """ptxas made every WGMMA synchronous (None: SASS not read)."""
         if self.sass is None:
             return None
-        return self.sass["hgmma"] > 0 and self.sass["warpgroup_wait"] >= self.sass["hgmma"]
+        gmma = self.sass["hgmma"] + self.sass.get("qgmma", 0)
+        return gmma > 0 and self.sass["warpgroup_wait"] >= gmma
 
 
 def ptx_info(ptx: str) -> KernelInfo:

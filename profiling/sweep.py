@@ -3,12 +3,16 @@
     python -m cute_fa.profiling.sweep --head-dim 128 --seqlen 8192 --causal \\
         --vary persistent=0,1 pingpong=0,1 intra_wg_overlap=0,1 kv_stages=2,3
     python -m cute_fa.profiling.sweep --kernel bwd --head-dim 64 --vary tile_m=64,128 --out sweep1
+    python -m cute_fa.profiling.sweep --dtype e4m3 --head-dim 128 --vary transpose_warps=1,2,3
 
 Every variant (the cartesian product of the --vary values over the op's
 default config for the problem) is first checked against the fp32 reference
 on a short version of the problem (same config, head dim, causal, GQA;
 seqlen_q/k cut to --check-seqlen and made ragged): the output (forward) or
-dQ, dK, dV (backward) within twice torch's low-precision error. Only variants
+dQ, dK, dV (backward) within twice torch's low-precision error; an e4m3
+forward (--dtype e4m3: q, k, v quantized per (batch, KV head), the base
+config fp8_fwd_config) within 1.5x the RMSE of the emulation of its
+arithmetic (cute_fa.fp8), both against the dequantized inputs' attention. Only variants
 that pass are timed (the backward: preprocess + main kernel + postprocess, on
 a saved forward). Variants that fail validation (FwdConfig/BwdConfig.validate),
 compilation or the check are listed with the reason. One line per variant as
@@ -27,12 +31,12 @@ import os
 
 import torch
 
-from cute_fa.kernels.config import default_config
+from cute_fa.kernels.config import FP8_HEAD_DIMS, default_config, fp8_fwd_config
 
 from .cli import (Progress, add_kernel_option, command_parser, config_vary, positive_int,
                   require_cuda)
 from .flops import attention_flops, tflops
-from .problem import (DTYPES, add_causal_option, add_dtype_option, add_head_dim_option,
+from .problem import (DTYPES, add_causal_option, add_head_dim_option,
                       add_head_dim_v_option, add_size_options, check_gqa, make_qkv,
                       problem_shape, resolve_head_dim_v)
 
@@ -43,7 +47,8 @@ DEFAULT_VARY = {"fwd": ["persistent=0,1"], "bwd": ["qdo_stages=1,2"]}
 def build_parser() -> argparse.ArgumentParser:
     p = command_parser("sweep", __doc__)
     add_kernel_option(p)
-    add_dtype_option(p)
+    p.add_argument("--dtype", choices=[*DTYPES, "e4m3"], default="bf16",
+                   help="input dtype (default: bf16; e4m3: the FP8 forward)")
     add_head_dim_option(p)
     add_head_dim_v_option(p)
     add_size_options(p, 8192)
@@ -68,6 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
     resolve_head_dim_v(p, args, backward=args.kernel == "bwd")
+    if args.dtype == "e4m3" and (args.kernel != "fwd" or args.head_dim not in FP8_HEAD_DIMS
+                                 or args.head_dim_v != args.head_dim):
+        p.error(f"--dtype e4m3: expected --kernel fwd and --head-dim one of {FP8_HEAD_DIMS} "
+                f"(v's the same), got --kernel {args.kernel}, --head-dim {args.head_dim}, "
+                f"--head-dim-v {args.head_dim_v}")
     defaulted = args.vary is None
     if defaulted:
         args.vary = DEFAULT_VARY[args.kernel]
@@ -93,14 +103,18 @@ def run_variants(args, configs: list) -> list[dict]:
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     scale = args.head_dim ** -0.5
 
+    fp8 = args.dtype == "e4m3"
+
     def make(b, sq, sk):
-        return make_qkv(b, sq, sk, heads, heads // args.gqa, args.head_dim, DTYPES[args.dtype],
+        return make_qkv(b, sq, sk, heads, heads // args.gqa, args.head_dim,
+                        torch.bfloat16 if fp8 else DTYPES[args.dtype],
                         head_dim_v=args.head_dim_v)
 
     check_inputs = make(1, args.check_seqlen + 7, args.check_seqlen + 29)
     problem = make(batch, args.seqlen, args.seqlen)
-    case = (_forward_case if args.kernel == "fwd" else _backward_case)(
-        check_inputs, problem, scale, causal)
+    make_case = (_fp8_forward_case if fp8 else
+                 _forward_case if args.kernel == "fwd" else _backward_case)
+    case = make_case(check_inputs, problem, scale, causal)
     flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, causal,
                             args.kernel, head_dim_v=args.head_dim_v)
     varied = list(args.vary_values)
@@ -111,7 +125,7 @@ def run_variants(args, configs: list) -> list[dict]:
             bar.working_on(label)
             row = {"config": config.__dict__.copy(), "status": "ok"}
             try:
-                config.validate(args.head_dim, args.head_dim_v)
+                config.validate(args.head_dim, args.head_dim_v, **({"fp8": True} if fp8 else {}))
                 row["max_error"] = case.check(config)
                 t = time_cuda(lambda: case.run(config), repeats=args.repeats)
                 row.update(median_ms=t.median_ms, tflops=tflops(flops, t.median_ms))
@@ -144,7 +158,8 @@ def main(argv=None):
     args = parse_args(argv)
     require_cuda("sweep")
     causal = args.causal == "yes"
-    base = default_config(args.kernel, args.head_dim, causal, args.head_dim_v)
+    base = (fp8_fwd_config(args.head_dim, causal) if args.dtype == "e4m3"
+            else default_config(args.kernel, args.head_dim, causal, args.head_dim_v))
     results = run_variants(args, variants(base, args.vary_values))
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} dv={args.head_dim_v} "
@@ -188,6 +203,31 @@ def _forward_case(check_inputs, problem, scale, causal) -> _Case:
                               [tolerance])
 
     return _Case(check, lambda config: forward_cuda(*problem, scale, causal, config))
+
+
+def _fp8_forward_case(check_inputs, problem, scale, causal) -> _Case:
+    from cute_fa.fp8 import dequantize_fp8, fp8_attention_emulation, quantize_fp8
+    from cute_fa.fp8_ops import forward_fp8_cuda
+    from cute_fa.reference import attention_reference
+
+    def quantized(inputs):
+        q, k, v = inputs
+        return [*quantize_fp8(q, k.shape[2]), *quantize_fp8(k), *quantize_fp8(v)]
+
+    q8, qs, k8, ks, v8, vs = quantized(check_inputs)
+    exact, _ = attention_reference(dequantize_fp8(q8, qs), dequantize_fp8(k8, ks),
+                                   dequantize_fp8(v8, vs), scale, causal)
+    emulated, _ = fp8_attention_emulation(q8, k8, v8, qs, ks, vs, scale, causal)
+    tolerance = 1.5 * (emulated - exact).pow(2).mean().sqrt().item() + 1e-6
+
+    def check(config):
+        out, _ = forward_fp8_cuda(q8, k8, v8, qs, ks, vs, scale, causal, None, config)
+        rmse = (out.float() - exact).pow(2).mean().sqrt().item()
+        return _errors_within([("out RMSE", rmse)], [tolerance])
+
+    p8, ps, pk8, pks, pv8, pvs = quantized(problem)
+    return _Case(check, lambda config: forward_fp8_cuda(p8, pk8, pv8, ps, pks, pvs, scale,
+                                                        causal, None, config))
 
 
 def _backward_case(check_inputs, problem, scale, causal) -> _Case:

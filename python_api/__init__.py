@@ -16,11 +16,12 @@ import sys
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
+from . import fp8_ops  # noqa: F401  (registers torch.ops.cute_fa.fwd_fp8)
 from . import varlen  # noqa: F401  (registers torch.ops.cute_fa.varlen_*)
 from .kvcache import flash_attn_with_kvcache  # (registers torch.ops.cute_fa.fwd_kvcache)
 from .reference import attention_reference
 from .scores import check_score_args, check_sink, check_sink_type, window_from_size
-from .validate import check_argument_types, check_attention_tensors
+from .validate import check_argument_types, check_attention_tensors, describe
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "attention_reference"]
@@ -30,7 +31,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     learnable_sink: torch.Tensor | None = None, return_lse: bool = False,
-                    deterministic: bool = False):
+                    deterministic: bool = False, q_descale: torch.Tensor | None = None,
+                    k_descale: torch.Tensor | None = None,
+                    v_descale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None):
     """Exact attention softmax(q·kᵀ·scale)·v.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
@@ -52,6 +56,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     softmax_scale: defaults to 1/sqrt(headdim).
     deterministic: the backward adds dQ partials in a fixed order, so gradients
         are bitwise reproducible (a little slower).
+    FP8: q, k, v all torch.float8_e4m3fn (head dims 64, 96, 128, 192, 256, v's
+        that of q), with descales q_descale, k_descale, v_descale fp32 (batch,
+        nheads_kv), x ≈ x8 · descale (None: 1; fp8.quantize_fp8 makes both
+        from a bf16/fp16 tensor): the attention of the dequantized inputs,
+        out bf16 (out_dtype: bf16 or fp16), through torch.ops.cute_fa.fwd_fp8.
+        Full or causal; no window, softcap or sinks; no backward (a gradient
+        through it raises NotImplementedError).
     Returns out (batch, seqlen_q, nheads, headdim_v), and with return_lse the
     fp32 log-sum-exp (batch, nheads, seqlen_q).
     Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd),
@@ -59,6 +70,16 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gradient through other head dims raises NotImplementedError there.
     """
     check_argument_types(q, k, v, softmax_scale)
+    if fp8_ops.is_fp8(q) or fp8_ops.is_fp8(k) or fp8_ops.is_fp8(v):
+        _check_fp8_call(window_size, softcap, learnable_sink, deterministic)
+        out, lse = torch.ops.cute_fa.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
+                                             softmax_scale, bool(causal), out_dtype)
+        return (out, lse) if return_lse else out
+    for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
+                        ("v_descale", v_descale), ("out_dtype", out_dtype)):
+        if value is not None:
+            raise ValueError(f"{name}: expected None for {q.dtype} inputs (it belongs to "
+                             f"float8_e4m3fn q, k, v), got {describe(value)}")
     window_left, window_right = window_from_size(window_size)
     check_score_args(window_left, window_right, softcap)
     check_sink_type(learnable_sink)
@@ -76,6 +97,21 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                          bool(deterministic), window_left, window_right,
                                          softcap, learnable_sink)
     return (out, lse) if return_lse else out
+
+
+def _check_fp8_call(window_size, softcap, learnable_sink, deterministic) -> None:
+    """What the FP8 forward does not take, named."""
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size: expected (-1, -1) with float8_e4m3fn inputs (the FP8 "
+                         f"forward has no sliding window), got {window_size}")
+    if softcap:
+        raise ValueError(f"softcap: expected 0.0 with float8_e4m3fn inputs, got {softcap}")
+    if learnable_sink is not None:
+        raise ValueError("learnable_sink: expected None with float8_e4m3fn inputs (the FP8 "
+                         "forward has no sinks)")
+    if deterministic:
+        raise ValueError("deterministic: expected False with float8_e4m3fn inputs (it is a "
+                         "property of the backward, which FP8 does not have)")
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -48,9 +48,12 @@ class CompiledKernel:
 
 
 def fwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-            head_dim_v: int, features: Features = PLAIN_FEATURES) -> tuple:
+            head_dim_v: int, features: Features = PLAIN_FEATURES,
+            out_dtype: torch.dtype | None = None) -> tuple:
     # FwdConfig is frozen, so hashable: the key costs no copying on the hot path.
-    return ("fwd_sm90", dtype, head_dim, head_dim_v, bool(causal), features, config)
+    key = ("fwd_sm90", dtype, head_dim, head_dim_v, bool(causal), features, config)
+    # e4m3 inputs: the output's dtype too (16-bit kernels' keys stay as they were)
+    return key if out_dtype is None else key + (out_dtype,)
 
 
 @dataclass
@@ -89,13 +92,15 @@ def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
                 dump_dir: str | None = None, head_dim_v: int | None = None,
-                features: Features = PLAIN_FEATURES) -> CompiledKernel:
+                features: Features = PLAIN_FEATURES,
+                out_dtype: torch.dtype | None = None) -> CompiledKernel:
     """Compile the forward kernel now (no cache); dump_dir keeps its PTX and
-    cubin; head_dim_v is that of v and o (None: head_dim)."""
+    cubin; head_dim_v is that of v and o (None: head_dim); out_dtype that of
+    o for e4m3 inputs."""
     from . import kernel_compile
 
     return kernel_compile.compile_fwd(dtype, head_dim, causal, config, dump_dir, head_dim_v,
-                                      features)
+                                      features, out_dtype)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
@@ -143,10 +148,12 @@ def _stored(key: tuple, kind, compile_variant, args: tuple):
 
 
 def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
-            head_dim_v: int | None = None, features: Features = PLAIN_FEATURES) -> CompiledKernel:
+            head_dim_v: int | None = None, features: Features = PLAIN_FEATURES,
+            out_dtype: torch.dtype | None = None) -> CompiledKernel:
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    return _cached(fwd_key(dtype, head_dim, causal, config, head_dim_v, features), CompiledKernel,
-                   compile_fwd, dtype, head_dim, causal, config, None, head_dim_v, features)
+    return _cached(fwd_key(dtype, head_dim, causal, config, head_dim_v, features, out_dtype),
+                   CompiledKernel, compile_fwd, dtype, head_dim, causal, config, None,
+                   head_dim_v, features, out_dtype)
 
 
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,

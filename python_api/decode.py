@@ -281,7 +281,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     cu_k, used_k = _key_sequences(c, capacity, cache_rows, lengths)
     pages = c.no_pages if not paged else page_table.unsqueeze(0)
     kernel.fn(q_rows, keys, values, _rows_view(out.unsqueeze(0), p), lse_kernel, c.no_pages,
-              partials, c.cu_q, cu_k, c.used_q, used_k, c.stand_in, pages,
+              partials, c.cu_q, cu_k, c.used_q, used_k, c.stand_in, pages, c.stand_in,
               softmax_scale * LOG2_E, sms, 0, parts, 0, 0, 0.0, SEQUSED_Q | SEQUSED_K)
     if split:
         lse = torch.empty((batch, out_heads, out_rows), dtype=torch.float32, device=q.device)

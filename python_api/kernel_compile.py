@@ -43,7 +43,8 @@ from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features  # no
 from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 from .kernels.split_combine import SplitCombine  # noqa: E402
 
-TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                 torch.float8_e4m3fn: cutlass.Float8E4M3FN}
 _ALIGN_ELEMS = 8  # 16-byte TMA alignment for 16-bit elements
 
 
@@ -93,6 +94,12 @@ def _sink_tensor():
     return _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())
 
 
+def _descale_tensor():
+    """The descales of e4m3 q, k, v, fp32 (3, b, h_kv), which every forward
+    main kernel takes and only e4m3 kernels read."""
+    return _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())
+
+
 def _compile(kernel, *args, dump_dir: str | None = None):
     options = "--enable-tvm-ffi" + _target_option()
     if dump_dir:
@@ -104,15 +111,22 @@ def _compile(kernel, *args, dump_dir: str | None = None):
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
                 dump_dir: str | None = None, head_dim_v: int | None = None,
-                features: Features = PLAIN_FEATURES) -> CompiledKernel:
+                features: Features = PLAIN_FEATURES,
+                out_dtype: torch.dtype | None = None) -> CompiledKernel:
+    """The forward of q, k, v of `dtype` (bf16, fp16, or e4m3 with O of
+    `out_dtype`, bf16 or fp16)."""
     cute_dtype = TORCH_TO_CUTE[dtype]
+    cute_out = TORCH_TO_CUTE[out_dtype or dtype]
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config, head_dim_v, features)
+    kernel = FlashAttentionForwardSm90(cute_dtype, head_dim, causal, config, head_dim_v, features,
+                                       out_dtype=cute_out)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
-    q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
-    k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-    v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim_v)
-    o = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim_v)
+    # 16-byte strides: 8 16-bit or 16 one-byte elements
+    align = 16 // (dtype.itemsize or 1)
+    q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim, align)
+    k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim, align)
+    v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim_v, align)
+    o = _fake_bshd(cute_out, batch, seqlen_q, heads_q, head_dim_v)
     lse = _fake_rows(cutlass.Float32, batch, heads_q, seqlen_q)
     counters = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, 1, n)
     combine = None
@@ -129,7 +143,8 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
         k = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim)
         v = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim_v)
     fn = _compile(kernel, q, k, v, o, lse, counters, partials, *_seqlen_tensors(),
-                  _sink_tensor(), page_table, cutlass.Float32(1.0), cutlass.Int32(1),
+                  _sink_tensor(), page_table, _descale_tensor(), cutlass.Float32(1.0),
+                  cutlass.Int32(1),
                   cutlass.Int32(0),
                   cutlass.Int32(1),
                   *_score_args(), cutlass.Int32(0), dump_dir=dump_dir)

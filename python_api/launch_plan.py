@@ -32,7 +32,7 @@ from . import user_cache
 from .kernels import tail_plan
 from .kernels.config import WARPGROUP_THREADS, BwdConfig, FwdConfig
 
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 24, 24, 4, 4
 LOG2_E = 1.4426950408889634
 
@@ -87,7 +87,7 @@ class _Plan(ctypes.Structure):
 _LAYOUT = (Shape, FwdVariant, BwdVariant, _Buffer, _Arg, _Launch, _Plan, Window, Varlen)
 
 # CuteFaDtype, CuteFaInit, CuteFaArgKind
-INPUT_DTYPE, F32, I32 = 0, 1, 2
+INPUT_DTYPE, F32, I32, OUTPUT_DTYPE = 0, 1, 2, 3
 EMPTY, ZERO, UNUSED = 0, 1, 2
 ARG_BUFFER, ARG_SCALE_LOG2, ARG_SCALE, ARG_INT, ARG_PRE_TANH = 0, 1, 2, 3, 4
 
@@ -142,8 +142,8 @@ def library() -> ctypes.CDLL:
     lib.cute_fa_plan_fwd.restype = ctypes.c_int
     lib.cute_fa_plan_fwd.argtypes = [ctypes.POINTER(FwdVariant), ctypes.POINTER(Shape),
                                      ctypes.POINTER(Window), ctypes.POINTER(Varlen),
-                                     ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
+                                     ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Plan)]
     lib.cute_fa_plan_bwd.restype = ctypes.c_int
     lib.cute_fa_plan_bwd.argtypes = [ctypes.POINTER(BwdVariant), ctypes.POINTER(Shape),
                                      ctypes.POINTER(Window), ctypes.POINTER(Varlen),
@@ -238,20 +238,21 @@ def _varlen_arg(varlen: tuple | None):
 @functools.lru_cache(maxsize=1024)  # the Python op path asks it on every call
 def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
              tail: tail_plan.TailPlan | None = None, window: tuple = (-1, -1),
-             varlen: tuple | None = None, sink: bool = False) -> Plan:
+             varlen: tuple | None = None, sink: bool = False, fp8: bool = False) -> Plan:
     """The forward's plan for `shape` (shape_of, or for a packed batch
     varlen_shape); `tail` forces the split of the last round
     (profiling.sweep's A/B), else the planner's cost model; `window` (left,
     right; -1 unbounded) is a local kernel's; `varlen` (total_q, total_k,
     seqused_q given, seqused_k given) a packed batch's; `sink`: the call
-    hands learnable sinks (an input after the others)."""
+    hands learnable sinks (an input after the others); `fp8`: e4m3 inputs,
+    their descales (3, b, h_kv) the last input, out of execute's out_dtype."""
     plan = _Plan()
     forced_full, forced_parts = (tail.full_tiles, tail.parts) if tail is not None else (0, 0)
     status = library().cute_fa_plan_fwd(ctypes.byref(fwd_variant(config, shape[6])),
                                         ctypes.byref(Shape(*shape)),
                                         ctypes.byref(Window(*window)), _varlen_arg(varlen),
-                                        int(sink), num_sms, forced_full, forced_parts,
-                                        ctypes.byref(plan))
+                                        int(sink), int(fp8), num_sms, forced_full,
+                                        forced_parts, ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no forward launch plan for shape {shape} on {num_sms} SMs with "
                          f"tail {tail} and config {config}")
@@ -289,17 +290,18 @@ def _stand_in(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def execute(plan: Plan, launches: list, inputs: list, softmax_scale: float,
-            softcap: float = 0.0) -> tuple:
+            softcap: float = 0.0, out_dtype: torch.dtype | None = None) -> tuple:
     """Run `plan`: allocate its buffers next to inputs[0], call `launches`
     (the variant's compiled launches, in order) with their arguments (the
     scalars from softmax_scale and softcap, 0: none, as plan_launcher.h makes
     them), return the output buffers. Inputs must already be TMA-ready
-    (ops.tma_ready)."""
+    (ops.tma_ready). out_dtype: that of OUTPUT_DTYPE buffers (e4m3 inputs)."""
     first = inputs[0]
     device = first.device
     buffers = list(inputs)
+    dtypes = {INPUT_DTYPE: first.dtype, OUTPUT_DTYPE: out_dtype, **_TORCH_DTYPE}
     for w in plan.workspaces:
-        dtype = first.dtype if w.dtype == INPUT_DTYPE else _TORCH_DTYPE[w.dtype]
+        dtype = dtypes[w.dtype]
         if w.init == UNUSED:
             buffers.append(_stand_in(device, dtype))
         elif w.init == ZERO:

@@ -15,7 +15,7 @@ import contextlib
 
 import nvtx as _nvtx
 
-_SHORT_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+_SHORT_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float8_e4m3fn": "e4m3"}
 # A model repeats a handful of problems: the names are built once each, since
 # formatting one costs more host time than the push and pop together.
 _names: dict[tuple, str] = {}

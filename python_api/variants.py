@@ -10,7 +10,7 @@ import functools
 import torch
 
 from .kernels.config import (PLAIN_FEATURES, BwdConfig, FwdConfig, Features,
-                             bwd_config_for_problem, default_fwd_config)
+                             bwd_config_for_problem, default_fwd_config, fp8_fwd_config)
 from .validate import check_cuda_device
 
 
@@ -46,15 +46,19 @@ def _kernels():
 
 
 def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
-                   config: FwdConfig | None = None, features: Features = PLAIN_FEATURES):
+                   config: FwdConfig | None = None, features: Features = PLAIN_FEATURES,
+                   out_dtype: torch.dtype | None = None):
     """(compiled forward, its config, device index) for a problem: the device
     checked, `config` or the per-problem default. The op's Python path
-    asks it per call, the C++ host layer's planner (native.py) once per problem."""
+    asks it per call, the C++ host layer's planner (native.py) once per problem.
+    out_dtype: the output's, for e4m3 inputs."""
     device_index = _device_index(q)
     head_dim, head_dim_v = q.shape[3], v.shape[3]
-    config = config or default_fwd_config(head_dim, causal, head_dim_v, features)
-    return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v, features), config,
-            device_index)
+    if config is None:
+        config = (fp8_fwd_config(head_dim, causal, features) if out_dtype is not None
+                  else default_fwd_config(head_dim, causal, head_dim_v, features))
+    return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v, features,
+                               out_dtype), config, device_index)
 
 
 def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,

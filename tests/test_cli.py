@@ -14,7 +14,7 @@ import pytest
 import cute_fa.profiling
 
 COMMANDS = ("bench", "breakdown", "host", "ncu", "main", "kernel_info", "sass_loop", "sweep",
-            "data", "train", "step", "infer", "decode_bench", "fp8_error", "varlen_bench")
+            "data", "train", "step", "infer", "decode_bench", "fp8_error", "varlen_bench", "fp8_bench")
 
 
 def _module(command):
@@ -81,6 +81,8 @@ BAD_ARGUMENTS = [
     ("sweep", ["--seqlen", "0"], "--seqlen"),
     ("sweep", ["--head-dim", "80"], "--head-dim"),
     ("sweep", ["--vary", "tile_k=1,2"], "--vary"),
+    ("sweep", ["--dtype", "e4m3", "--kernel", "bwd"], "--dtype e4m3"),
+    ("sweep", ["--dtype", "e4m3", "--head-dim", "128", "--head-dim-v", "64"], "--dtype e4m3"),
     ("sweep", ["--kernel", "bwd", "--vary", "pingpong=0,1"], "--vary"),
     ("data", ["--out"], "--out"),
     ("train", ["--seq", "1"], "--seq"),

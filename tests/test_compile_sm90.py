@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd, get_fwd
-from cute_fa.kernels.config import (Features, FwdConfig, bwd_config_for_problem,
-                                    default_bwd_config, default_fwd_config)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, FwdConfig, bwd_config_for_problem,
+                                    default_bwd_config, default_fwd_config, fp8_fwd_config)
 from cute_fa.profiling.kernel_info import dumped_kernel_info
 
 
@@ -80,6 +80,27 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
         assert in_steps == 0 and total <= 32, (in_steps, total)
     else:
         _assert_no_spills(info)
+
+
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_kernel(tmp_path, head_dim, causal):
+    """e4m3 Q·Kᵀ and P·V on FP8 WGMMA (QGMMA), P converted to e4m3 in
+    registers, V transposed in shared memory with byte permutes, O bf16."""
+    config = fp8_fwd_config(head_dim, causal)
+    compile_fwd(torch.float8_e4m3fn, head_dim, causal, config, dump_dir=str(tmp_path),
+                out_dtype=torch.bfloat16)
+    ptx = _ptx(tmp_path)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx
+    info = dumped_kernel_info(str(tmp_path))
+    assert info.counts["tma_store"] > 0 and info.counts["stmatrix"] > 0
+    assert info.sass is not None and info.sass["qgmma"] > 0 and info.sass["hgmma"] == 0
+    assert not info.wgmma_serialized, info.sass
+    assert ("dec", config.producer_regs) in info.setmaxnreg
+    assert ("inc", config.consumer_regs) in info.setmaxnreg
+    _assert_no_spills(info)
 
 
 def test_claimed_tiles_add_one_atomic_and_no_math(tmp_path):

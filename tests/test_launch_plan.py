@@ -56,6 +56,21 @@ def _workspace(plan, index):
     return next(w for w in plan.workspaces if w.index == index)
 
 
+def test_fp8_forward_plan_takes_descales_and_gives_the_output_dtype():
+    from cute_fa.kernels.config import fp8_fwd_config
+
+    config = fp8_fwd_config(128, True)
+    shape = (2, 1000, 1000, 8, 2, 128, 128)
+    plan = launch_plan.plan_fwd(config, shape, 132, fp8=True)
+    assert plan.num_inputs == 4  # q, k, v, then the descales
+    _, args = plan.launches[0]
+    buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
+    assert buffers[-1] == 3  # the kernel's last tensor: the descales input
+    assert _workspace(plan, plan.outputs[0]).dtype == launch_plan.OUTPUT_DTYPE
+    with pytest.raises(ValueError, match="no forward launch plan"):  # dense batches only
+        launch_plan.plan_fwd(config, shape, 132, varlen=(2000, 2000, 0, 0), fp8=True)
+
+
 def test_forward_plan():
     config = default_fwd_config(128, False)
     shape = (2, 8192, 8192, 16, 4, 128, 128)
@@ -66,14 +81,16 @@ def test_forward_plan():
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
     # q, k, v, out, lse, counters, partials, the four sequence-length tensors
     # (a dense batch: one stand-in), the sinks (none: a stand-in), the page
-    # table (a stand-in), then scale·log2(e), SMs, the tail, the window
-    # (unbounded: every key on the left, every query on the right), scale /
-    # softcap and the seqused bits
-    assert buffers == list(range(7)) + [7] * 4 + [8, 9] and plan.outputs == (3, 4)
-    assert {_workspace(plan, i).init for i in (7, 8, 9)} == {launch_plan.UNUSED}
+    # table (a stand-in), the e4m3 descales (a stand-in), then scale·log2(e),
+    # SMs, the tail, the window (unbounded: every key on the left, every
+    # query on the right), scale / softcap and the seqused bits
+    assert buffers == list(range(7)) + [7] * 4 + [8, 10, 9] and plan.outputs == (3, 4)
+    assert {_workspace(plan, i).init for i in (7, 8, 9, 10)} == {launch_plan.UNUSED}
     assert _workspace(plan, 8).dtype == launch_plan.F32
-    assert _workspace(plan, 9).dtype == launch_plan.I32
-    assert [(kind, value) for kind, _, value in args[13:]] == [
+    assert _workspace(plan, 9).dtype == launch_plan.F32
+    assert _workspace(plan, 10).dtype == launch_plan.I32
+    assert _workspace(plan, 3).dtype == launch_plan.INPUT_DTYPE
+    assert [(kind, value) for kind, _, value in args[14:]] == [
         (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
         (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3), (launch_plan.ARG_INT, 8192),
         (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0), (launch_plan.ARG_INT, 0)]
@@ -227,7 +244,7 @@ def test_window_arguments_are_clamped_to_the_shape(window, expected):
     """A side wider than any row reaches is the unbounded one, in int32 range."""
     shape = (1, 100, 300, 4, 4, 64, 64)
     for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
-                                              window=window), 0, 17),
+                                              window=window), 0, 18),
                         (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
                                               window=window), 1, 17)):
         args = dict(enumerate(plan.launches[launch][1]))
@@ -258,7 +275,8 @@ def test_packed_forward_plan():
     assert plan.num_inputs == 7 and plan.tail == tail_plan.NO_SPLIT
     _, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    assert buffers[7:] == [3, 4, 5, 6, 11, 12]  # then the sinks and page table (stand-ins)
+    # then the sinks, the page table and the descales (stand-ins)
+    assert buffers[7:] == [3, 4, 5, 6, 11, 13, 12]
     assert [value for _, _, value in args[-4:-1]] == [900, 1000, 0]  # window, pre-tanh
     assert args[-1] == (launch_plan.ARG_INT, 0, 1)  # seqused_q read, seqused_k not
     assert _workspace(plan, plan.outputs[0]).shape == (1, 3000, 8, 128)

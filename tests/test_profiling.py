@@ -233,6 +233,10 @@ def test_wgmma_serialisation_from_sass_counts():
     assert info.wgmma_serialized is False
     info.sass = {"hgmma": 32, "warpgroup_wait": 32, "local_memory": 12}
     assert info.wgmma_serialized is True
+    info.sass = {"hgmma": 0, "qgmma": 16, "warpgroup_wait": 16, "local_memory": 0}  # e4m3
+    assert info.wgmma_serialized is True
+    info.sass = {"hgmma": 0, "qgmma": 16, "warpgroup_wait": 3, "local_memory": 0}
+    assert info.wgmma_serialized is False
 
 
 def test_problem_shape():

@@ -1,0 +1,190 @@
+"""The e4m3 forward op:
+`cute_fa::fwd_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
+ softmax_scale=None, causal=False, out_dtype=None) -> (out, lse)`.
+
+q, k, v are torch.float8_e4m3fn (batch, seqlen, nheads, d) with fp32
+descales (batch, nheads_kv), x ≈ x8 · descale (fp8.py; None: 1); out is
+bf16 (or `out_dtype`: bf16 or fp16), lse fp32 (batch, nheads, seqlen_q),
+both of the dequantized inputs' attention.
+- CUDA (sm_90): the forward kernel with e4m3 operands (FP8 WGMMA for
+  Q·Kᵀ and P·V, V transposed in shared memory: cute_kernels/fp8_operands.py),
+  by its launch plan; descales folded into the score scale and the output;
+- CPU: the reference math on the dequantized inputs;
+- fake: shapes only. Inside an NVTX range named like fwd's, dtype e4m3.
+There is no backward (FlashAttention-3 has none for FP8 either): a gradient
+through it raises, rather than being dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import launch_plan
+from . import nvtx as nvtx_ranges
+from .kernels.config import FP8_HEAD_DIMS
+from .ops import _lib, tma_ready
+from .reference import attention_reference
+from .scores import resolve
+from .validate import check_argument_types, describe
+from .variants import fwd_kernel_for, num_sms
+
+E4M3 = torch.float8_e4m3fn
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+_lib.define("fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale=None, "
+            "Tensor? k_descale=None, Tensor? v_descale=None, float? softmax_scale=None, "
+            "bool causal=False, ScalarType? out_dtype=None) -> (Tensor, Tensor)")
+
+
+def is_fp8(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn,
+                                                       torch.float8_e5m2,
+                                                       torch.float8_e4m3fnuz,
+                                                       torch.float8_e5m2fnuz)
+
+
+def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
+                     out_dtype) -> None:
+    """The arguments of fwd_fp8; every error names the argument."""
+    check_argument_types(q, k, v, softmax_scale)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != E4M3:
+            raise TypeError(f"{name}: expected dtype torch.float8_e4m3fn for the FP8 forward "
+                            f"(q, k and v all e4m3; e5m2 is not supported), got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, nheads, headdim), "
+                             f"got {describe(t)}")
+        if t.shape[2] == 0:
+            raise ValueError(f"{name}: expected at least one head, got {describe(t)}")
+        if t.stride(3) != 1 and t.numel():
+            raise ValueError(f"{name}: expected the last dimension (headdim) to be contiguous "
+                             f"(stride 1), got strides {tuple(t.stride())}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v: expected one device, got q {q.device}, k {k.device}, "
+                         f"v {v.device}")
+    head_dim = q.shape[3]
+    if head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"q: expected headdim one of {FP8_HEAD_DIMS} for the FP8 forward, "
+                         f"got {head_dim}")
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"k, v: expected headdim {head_dim} (that of q) for the FP8 forward, "
+                         f"got k {k.shape[3]}, v {v.shape[3]}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k, v: expected equal (batch, seqlen, nheads), got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (that of q), got {k.shape[0]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"k: expected nheads_kv to divide nheads_q = {q.shape[2]} "
+                         f"(GQA/MQA), got nheads_kv = {k.shape[2]}")
+    expected = (q.shape[0], k.shape[2])
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale),
+                    ("v_descale", v_descale)):
+        if d is None:
+            continue
+        if not isinstance(d, torch.Tensor) or tuple(d.shape) != expected \
+                or d.dtype != torch.float32 or d.device != q.device:
+            raise ValueError(f"{name}: expected None or an fp32 tensor of shape {expected} "
+                             f"(batch, nheads_kv) on {q.device}, got {describe(d)}")
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected None (bf16), torch.bfloat16 or torch.float16, "
+                        f"got {out_dtype}")
+    if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
+
+
+def _scale(q, softmax_scale):
+    return 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+
+
+def _descales(q, k, q_descale, k_descale, v_descale) -> torch.Tensor:
+    """The kernel's descales, fp32 (3, batch, nheads_kv): q's, k's, v's (1 where None)."""
+    ones = None
+    parts = []
+    for d in (q_descale, k_descale, v_descale):
+        if d is None:
+            if ones is None:
+                ones = torch.ones((q.shape[0], k.shape[2]), dtype=torch.float32, device=q.device)
+            d = ones
+        parts.append(d)
+    return torch.stack(parts).contiguous()
+
+
+def _dequantized(x8, descale):
+    from .fp8 import dequantize_fp8  # the CPU path only
+
+    if descale is None:
+        return x8.float()
+    return dequantize_fp8(x8, descale)
+
+
+def _fwd_fp8_cpu(q, k, v, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                 causal=False, out_dtype=None):
+    check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale, out_dtype)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal)):
+        out, lse = attention_reference(_dequantized(q, q_descale), _dequantized(k, k_descale),
+                                       _dequantized(v, v_descale), _scale(q, softmax_scale),
+                                       causal)
+    return out.to(out_dtype or torch.bfloat16).contiguous(), lse.contiguous()
+
+
+def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
+                     softmax_scale=None, causal=False, out_dtype=None, config=None, tail=None):
+    """The e4m3 forward kernel by its launch plan; `config` overrides the
+    default (config.fp8_fwd_config), `tail` a split_tail config's split
+    (profiling.sweep)."""
+    out_dtype = out_dtype or torch.bfloat16
+    batch, seqlen_q, heads, _ = q.shape
+    if q.numel() == 0 or k.shape[1] == 0:
+        out = torch.zeros((batch, seqlen_q, heads, v.shape[3]), dtype=out_dtype, device=q.device)
+        return out, torch.full((batch, heads, seqlen_q), float("-inf"), device=q.device)
+    scores = resolve(causal, -1, -1, 0.0, seqlen_q, k.shape[1])
+    name = nvtx_ranges.range_name("fwd", q, v, causal, scores)
+    kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.features,
+                                                  out_dtype)
+    plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
+                                tail, scores.window, fp8=True)
+    inputs = [tma_ready(q), tma_ready(k), tma_ready(v),
+              _descales(q, k, q_descale, k_descale, v_descale)]
+    nvtx_ranges.push(name)
+    try:
+        return launch_plan.execute(plan, [kernel.fn], inputs, _scale(q, softmax_scale),
+                                   out_dtype=out_dtype)
+    finally:
+        nvtx_ranges.pop()
+
+
+def _fwd_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                  causal=False, out_dtype=None):
+    check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale, out_dtype)
+    return forward_fp8_cuda(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+                            out_dtype)
+
+
+def _fwd_fp8_fake(q, k, v, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                  causal=False, out_dtype=None):
+    check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale, out_dtype)
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.empty((batch, seqlen_q, heads, v.shape[3]), dtype=out_dtype or torch.bfloat16,
+                      device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _no_backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError(
+        "cute_fa: the FP8 (e4m3) forward has no backward (FlashAttention-3 has none either); "
+        "compute gradients with bf16 or fp16 q, k, v")
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+_lib.impl("fwd_fp8", _fwd_fp8_cpu, "CPU")
+_lib.impl("fwd_fp8", _fwd_fp8_cuda, "CUDA")
+torch.library.register_fake("cute_fa::fwd_fp8", _fwd_fp8_fake, lib=_lib)
+torch.library.register_autograd("cute_fa::fwd_fp8", _no_backward, setup_context=_setup_context,
+                                lib=_lib)
