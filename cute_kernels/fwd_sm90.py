@@ -313,9 +313,10 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             "o_read": mem[cutlass.Int64, 1],  # O staged in V has been stored (o_in_v_smem)
             "tile_slots": mem[Int32, 2],  # TileQueue (dynamic_tiles)
             "split_arrivals": mem[Int32, 4],  # per consumer warpgroup (split_tail)
-            "vt_barriers": mem[cutlass.Int64, 2 * stages],  # the Vᵀ ring (e4m3)
-            "v_stream_done": mem[Int32, stages],  # the V ring's end of stream (e4m3)
         }
+        if self.fp8:
+            fields["vt_barriers"] = mem[cutlass.Int64, 2 * stages]  # the Vᵀ ring
+            fields["v_stream_done"] = mem[Int32, stages]  # the V ring's end of stream
         fields["sQ"] = tiles(cute.cosize(sQ_layout))
         fields["sK"] = tiles(cute.cosize(sK_layout))
         if self.cfg.o_in_v_smem:
@@ -357,13 +358,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, v_arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))),
         )
+        done = None  # e4m3: the V ring's end-of-stream words (fp8_operands)
         if cutlass.const_expr(self.fp8):
             pipes.vt = make_thread_pipeline(storage.vt_barriers.data_ptr(), self.cfg.kv_stages,
                                             self.transpose_threads, arrivals)
+            done = storage.v_stream_done.data_ptr().toint()
             if warp_idx == 0:
                 with cute.arch.elect_one():
-                    fp8_operands.start_v_stream(storage.v_stream_done.data_ptr().toint(),
-                                                self.cfg.kv_stages)
+                    fp8_operands.start_v_stream(done, self.cfg.kv_stages)
         o_read = storage.o_read.data_ptr()
         if cutlass.const_expr(self.cfg.o_in_v_smem):
             if warp_idx == 0:
@@ -395,7 +397,6 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
         limits = Limits(self.causal, self.features.local, window, self.features.rows_per_query)
 
-        done = storage.v_stream_done.data_ptr().toint()
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
@@ -431,7 +432,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
                 smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
                 seqlens: Seqlens, kv: KvBlocks, o_read: cute.Pointer, limits: Limits,
-                done: Int32):
+                done: Int32 | None):
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)

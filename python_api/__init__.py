@@ -70,16 +70,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gradient through other head dims raises NotImplementedError there.
     """
     check_argument_types(q, k, v, softmax_scale)
-    if fp8_ops.is_fp8(q) or fp8_ops.is_fp8(k) or fp8_ops.is_fp8(v):
+    fp8 = fp8_ops.FP8_DTYPES
+    if q.dtype in fp8 or k.dtype in fp8 or v.dtype in fp8:
         _check_fp8_call(window_size, softcap, learnable_sink, deterministic)
         out, lse = torch.ops.cute_fa.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
                                              softmax_scale, bool(causal), out_dtype)
         return (out, lse) if return_lse else out
-    for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
-                        ("v_descale", v_descale), ("out_dtype", out_dtype)):
-        if value is not None:
-            raise ValueError(f"{name}: expected None for {q.dtype} inputs (it belongs to "
-                             f"float8_e4m3fn q, k, v), got {describe(value)}")
+    if not (q_descale is None and k_descale is None and v_descale is None
+            and out_dtype is None):
+        _reject_fp8_arguments(q, q_descale, k_descale, v_descale, out_dtype)
     window_left, window_right = window_from_size(window_size)
     check_score_args(window_left, window_right, softcap)
     check_sink_type(learnable_sink)
@@ -97,6 +96,14 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                          bool(deterministic), window_left, window_right,
                                          softcap, learnable_sink)
     return (out, lse) if return_lse else out
+
+
+def _reject_fp8_arguments(q, q_descale, k_descale, v_descale, out_dtype) -> None:
+    for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
+                        ("v_descale", v_descale), ("out_dtype", out_dtype)):
+        if value is not None:
+            raise ValueError(f"{name}: expected None for {q.dtype} inputs (it belongs to "
+                             f"float8_e4m3fn q, k, v), got {describe(value)}")
 
 
 def _check_fp8_call(window_size, softcap, learnable_sink, deterministic) -> None:

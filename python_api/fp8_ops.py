@@ -27,7 +27,8 @@ from .kernels.config import FP8_HEAD_DIMS
 from .ops import _lib, tma_ready
 from .reference import attention_reference
 from .scores import resolve
-from .validate import check_argument_types, describe
+from .validate import (check_argument_types, check_kv_shapes, check_one_device,
+                       check_tensor_layout, describe)
 from .variants import fwd_kernel_for, num_sms
 
 E4M3 = torch.float8_e4m3fn
@@ -38,11 +39,10 @@ _lib.define("fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale=None, "
             "bool causal=False, ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 
 
-def is_fp8(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn,
-                                                       torch.float8_e5m2,
-                                                       torch.float8_e4m3fnuz,
-                                                       torch.float8_e5m2fnuz)
+# every 8-bit float dtype: a call with any of them goes to fwd_fp8, whose
+# checks name the one it takes
+FP8_DTYPES = frozenset((torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                        torch.float8_e5m2fnuz))
 
 
 def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
@@ -53,17 +53,8 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
         if t.dtype != E4M3:
             raise TypeError(f"{name}: expected dtype torch.float8_e4m3fn for the FP8 forward "
                             f"(q, k and v all e4m3; e5m2 is not supported), got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, nheads, headdim), "
-                             f"got {describe(t)}")
-        if t.shape[2] == 0:
-            raise ValueError(f"{name}: expected at least one head, got {describe(t)}")
-        if t.stride(3) != 1 and t.numel():
-            raise ValueError(f"{name}: expected the last dimension (headdim) to be contiguous "
-                             f"(stride 1), got strides {tuple(t.stride())}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v: expected one device, got q {q.device}, k {k.device}, "
-                         f"v {v.device}")
+        check_tensor_layout(name, t)
+    check_one_device(q, k, v)
     head_dim = q.shape[3]
     if head_dim not in FP8_HEAD_DIMS:
         raise ValueError(f"q: expected headdim one of {FP8_HEAD_DIMS} for the FP8 forward, "
@@ -71,14 +62,7 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
     if k.shape[3] != head_dim or v.shape[3] != head_dim:
         raise ValueError(f"k, v: expected headdim {head_dim} (that of q) for the FP8 forward, "
                          f"got k {k.shape[3]}, v {v.shape[3]}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k, v: expected equal (batch, seqlen, nheads), got k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k: expected batch {q.shape[0]} (that of q), got {k.shape[0]}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"k: expected nheads_kv to divide nheads_q = {q.shape[2]} "
-                         f"(GQA/MQA), got nheads_kv = {k.shape[2]}")
+    check_kv_shapes(q, k, v)
     expected = (q.shape[0], k.shape[2])
     for name, d in (("q_descale", q_descale), ("k_descale", k_descale),
                     ("v_descale", v_descale)):
@@ -179,12 +163,7 @@ def _no_backward(ctx, grad_out, grad_lse):
         "compute gradients with bf16 or fp16 q, k, v")
 
 
-def _setup_context(ctx, inputs, output):
-    pass
-
-
 _lib.impl("fwd_fp8", _fwd_fp8_cpu, "CPU")
 _lib.impl("fwd_fp8", _fwd_fp8_cuda, "CUDA")
 torch.library.register_fake("cute_fa::fwd_fp8", _fwd_fp8_fake, lib=_lib)
-torch.library.register_autograd("cute_fa::fwd_fp8", _no_backward, setup_context=_setup_context,
-                                lib=_lib)
+torch.library.register_autograd("cute_fa::fwd_fp8", _no_backward, lib=_lib)

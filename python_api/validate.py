@@ -75,45 +75,61 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 or t.numel() == 0
 
 
-def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
-    """Raise the error that names what is wrong; return if nothing is."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, nheads, headdim), "
-                             f"got {t.dim()}-D with {describe(t)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, "
-                            f"got {t.dtype}")
-        if t.shape[2] == 0:
-            raise ValueError(f"{name}: expected at least one head, got {describe(t)}")
-        if not _rows_contiguous(t):
-            raise ValueError(f"{name}: expected the last dimension (headdim) to be contiguous "
-                             f"(stride 1), got strides {tuple(t.stride())}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, "
-                        f"v {v.dtype}")
+def check_tensor_layout(name: str, t: torch.Tensor) -> None:
+    """What every op asks of q, k and v each, whatever their dtype: 4-D
+    (batch, seqlen, nheads, headdim), a head, headdim contiguous."""
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, nheads, headdim), "
+                         f"got {t.dim()}-D with {describe(t)}")
+    if t.shape[2] == 0:
+        raise ValueError(f"{name}: expected at least one head, got {describe(t)}")
+    if not _rows_contiguous(t):
+        raise ValueError(f"{name}: expected the last dimension (headdim) to be contiguous "
+                         f"(stride 1), got strides {tuple(t.stride())}")
+
+
+def check_one_device(q, k, v) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v: expected one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}")
+
+
+def check_kv_shapes(q, k, v) -> None:
+    """k and v of one (batch, seqlen, nheads), q's batch, nheads_kv dividing
+    nheads_q (GQA/MQA)."""
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k, v: expected equal (batch, seqlen, nheads), got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (that of q), got {k.shape[0]}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"k: expected nheads_kv to divide nheads_q = {q.shape[2]} "
+                         f"(GQA/MQA), got nheads_kv = {k.shape[2]}")
+
+
+def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
+    """Raise the error that names what is wrong; return if nothing is."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, "
+                            f"got {t.dtype}")
+        check_tensor_layout(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}")
+    check_one_device(q, k, v)
     head_dim = q.shape[3]
     if kernel_head_dim(head_dim) is None:
         raise ValueError(f"q: expected headdim a multiple of {HEAD_DIM_MULTIPLE} up to "
                          f"{SUPPORTED_HEAD_DIMS[-1]} ({', '.join(map(str, SUPPORTED_HEAD_DIMS))} "
                          f"run as they are, the others zero-padded to the next of those), "
                          f"got {head_dim}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k, v: expected equal (batch, seqlen, nheads), got k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
     if kernel_head_dim(v.shape[3]) is None or v.shape[3] > head_dim:
         raise ValueError(f"v: expected headdim a multiple of {HEAD_DIM_MULTIPLE} no larger "
                          f"than that of q ({head_dim}), got {v.shape[3]}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k: expected headdim {head_dim} (that of q), got {k.shape[3]}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k: expected batch {q.shape[0]} (that of q), got {k.shape[0]}")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"k: expected nheads_kv to divide nheads_q = {q.shape[2]} "
-                         f"(GQA/MQA), got nheads_kv = {k.shape[2]}")
+    check_kv_shapes(q, k, v)
     if softmax_scale is not None:
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale: expected a finite positive float, "
