@@ -331,12 +331,14 @@ bool backward_inputs_ok(const at::Tensor& grad_out, const at::Tensor& q, const a
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                         double scale, const std::optional<at::Tensor>& grad_lse) {
   if (!attention_tensors_ok(q, k, v, scale)) return false;
-  // The backward kernel's head dims (config.BACKWARD_HEAD_DIMS, v's that of q).
-  if (q.size(3) > 128 || v.size(3) != q.size(3)) return false;
+  // The backward kernel's head dims (config.BACKWARD_HEAD_DIMS, v's at most
+  // q's: attention_tensors_ok).
+  if (q.size(3) > 128) return false;
   const auto dtype = q.scalar_type();
+  const std::array<int64_t, 4> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
   for (const at::Tensor* t : {&grad_out, &out}) {
-    if (t->sizes() != q.sizes() || t->scalar_type() != dtype || t->device() != q.device() ||
-        t->stride(3) != 1)
+    if (t->sizes() != at::IntArrayRef(out_sizes) || t->scalar_type() != dtype ||
+        t->device() != q.device() || t->stride(3) != 1)
       return false;
   }
   const std::array<int64_t, 3> stats{q.size(0), q.size(2), q.size(1)};
@@ -367,7 +369,7 @@ Grads bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor
                     shape.head_dim, shape.head_dim_v, causal, deterministic,
                     1 + grad_lse.has_value()};
   const auto entry = plan_for(key, true, q, shape, [&] {
-    return py::make_tuple(q, k, causal, deterministic, grad_lse.has_value());
+    return py::make_tuple(q, k, v, causal, deterministic, grad_lse.has_value());
   });
   const at::Tensor lse_c = lse.contiguous();
   std::vector<at::Tensor> buffers{tma_ready(grad_out), tma_ready(q),   tma_ready(k),

@@ -261,9 +261,9 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
 extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
                                 const CuteFaWindow* window, const CuteFaVarlen* varlen,
                                 int32_t sink, int64_t num_sms, CuteFaPlan* plan) {
-  // The backward kernels take one head dim for q, k, v and the output; a
-  // packed batch's dK and dV leave per KV head (no split_gqa partials).
-  if (!shape_ok(s, varlen) || s->head_dim_v != s->head_dim || v->tile_m <= 0 ||
+  // The backward kernels take v's head dim (v, the output, dO, dV) at most
+  // q's; a packed batch's dK and dV leave per KV head (no split_gqa partials).
+  if (!shape_ok(s, varlen) || s->head_dim_v > s->head_dim || v->tile_m <= 0 ||
       num_sms <= 0 || (varlen && v->split_gqa))
     return -1;
   Builder b(plan);
@@ -271,15 +271,17 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const Rows r = rows_of(s, varlen);
   // B, SQ, SK: the dimensions of the tensors (a packed batch: 1, total_q, total_k)
   const int64_t B = r.batch, SQ = r.q, SK = r.k, H = s->heads, HKV = s->heads_kv,
-                D = s->head_dim;
+                D = s->head_dim, DV = s->head_dim_v;
   const int64_t bshd_q[4] = {B, SQ, H, D};
+  const int64_t bshd_o[4] = {B, SQ, H, DV};
   const int64_t bshd_k[4] = {B, SK, HKV, D};
+  const int64_t bshd_v[4] = {B, SK, HKV, DV};
   const int64_t rows[3] = {B, H, SQ};
-  const int grad_out = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
+  const int grad_out = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_o, true);
   const int q = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
   const int k = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
-  const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_k, true);
-  const int out = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_q, true);
+  const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_v, true);
+  const int out = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_o, true);
   const int lse = b.input(CUTE_FA_F32, 3, rows, false);
   const int grad_lse = b.input(CUTE_FA_F32, 3, rows, false);
   SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
@@ -304,11 +306,11 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const int32_t grad_init = varlen ? CUTE_FA_ZERO : CUTE_FA_EMPTY;
   const int grad_q = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_q);
   const int grad_k = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_k);
-  const int grad_v = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_k);
+  const int grad_v = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_v);
   int dk_main = grad_k, dv_main = grad_v;
   if (v->split_gqa) {
     dk_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
-    dv_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
+    dv_main = b.buffer4(CUTE_FA_F32, B, SK, H, DV);
   }
 
   // one partial of d(sink) per preprocess warp, each written once

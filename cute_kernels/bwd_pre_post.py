@@ -285,14 +285,15 @@ class BackwardPostprocess:
 
 
 class GroupSum:
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int | None = None):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
 
     @cute.jit
     def __call__(self, mdKpart: cute.Tensor, mdVpart: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, stream: cuda.CUstream):
-        """dK, dV partials (b, s_k, h_q, d) fp32 -> dK, dV (b, s_k, h_kv, d)."""
+        """dK, dV partials (b, s_k, h_q, d / dv) fp32 -> dK, dV (b, s_k, h_kv, d / dv)."""
         grid = (cute.ceil_div(mdK.shape[1], ROWS_PER_CTA), mdK.shape[2], mdK.shape[0])
         self.kernel(mdKpart, mdVpart, mdK, mdV).launch(
             grid=list(grid), block=[PRE_THREADS, 1, 1], stream=stream)
@@ -304,10 +305,11 @@ class GroupSum:
         row_block, head_kv, batch = cute.arch.block_idx()
         row = row_block * ROWS_PER_CTA + tid // LANES_PER_ROW
         lane = tid % LANES_PER_ROW
-        chunk = self.head_dim // LANES_PER_ROW
         group = mdKpart.shape[2] // mdK.shape[2]
         if row < mdK.shape[1]:
-            for partials, out in ((mdKpart, mdK), (mdVpart, mdV)):
+            for partials, out, dim in ((mdKpart, mdK, self.head_dim),
+                                       (mdVpart, mdV, self.head_dim_v)):
+                chunk = dim // LANES_PER_ROW
                 total = cute.make_rmem_tensor((chunk,), Float32)
                 total.fill(0.0)
                 for g in cutlass.range(group):

@@ -202,7 +202,8 @@ class Consumer:
 
     ops: Operands
     mma_sdp: cute.TiledMma
-    mma_dkv: cute.TiledMma
+    mma_dk: cute.TiledMma  # dK += dSᵀ·Q (N = head_dim)
+    mma_dv: cute.TiledMma  # dV += Pᵀ·dO (N = head_dim_v)
     mma_dq: cute.TiledMma
     acc_dk: cute.Tensor
     acc_dv: cute.Tensor
@@ -268,8 +269,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                  mSeqUsedK: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
                  num_sms: Int32, window_left: Int32, window_right: Int32,
                  score_pre_tanh: Float32, seqused: Int32, stream: cuda.CUstream):
-        """Torch order: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d); dK, dV
-        (b, s_k, h_kv, d), or with split_gqa fp32 (b, s_k, h, d);
+        """Torch order: Q (b, s_q, h, d), dO (b, s_q, h, dv); K (b, s_k, h_kv,
+        d), V (b, s_k, h_kv, dv); dK, dV (b, s_k, h_kv, d / dv), or with
+        split_gqa fp32 (b, s_k, h, d / dv) (dv = head_dim_v);
         LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
         · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
         (read only in deterministic mode; with dynamic_tiles its first
@@ -284,27 +286,32 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                            for t in (mLSE2, mD, mdQaccum, mSemaphore)]
         seqlens = Seqlens(self.features.varlen, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                           seqused, mQ.shape[0], mK.shape[0])
-        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.cfg.qdo_stages
+        tile_m, tile_n, stages = self.tile_m, self.tile_n, self.cfg.qdo_stages
+        d, dv = self.head_dim, self.head_dim_v
 
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, stages)
+        sdO_layout = wgmma.smem_layout(self.dtype, tile_m, dv, stages)
         # dQ = dS·K reads K MN-major, split across warpgroups along d when not along M.
         k_atom_cols = d if self.cfg.dq_split_m() else d // self.consumer_wgs
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, atom_cols=k_atom_cols)
+        sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv)
         sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, 2)
         # each stage's statistics start 128-byte aligned, as a TMA destination
         # must (tile_m=80: 320 bytes a stage otherwise, a misaligned address)
         stat_stride = self.cfg.stat_stage_floats()
         sStat_layout = cute.make_layout((tile_m, stages), stride=(1, stat_stride))
         mma_sdp = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_m)
-        mma_dkv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
+        mma_dk = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
+        mma_dv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, dv)
         mma_dq = dq_tiled_mma(self.dtype, self.cfg, d)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         q_stage = cute.select(sQ_layout, mode=[0, 1])
         tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, q_stage, (tile_m, d))
-        tma_do, tdO = cpasync.make_tiled_tma_atom(load, mdO, q_stage, (tile_m, d))
+        tma_do, tdO = cpasync.make_tiled_tma_atom(load, mdO, cute.select(sdO_layout, mode=[0, 1]),
+                                                  (tile_m, dv))
         tma_k, tK = cpasync.make_tiled_tma_atom(load, mK, sK_layout, (tile_n, d))
-        tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, sK_layout, (tile_n, d))
+        tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, sV_layout, (tile_n, dv))
         stat_stage = cute.make_layout(tile_m)
         tma_lse, tLSE2 = cpasync.make_tiled_tma_atom(load, mLSE2, stat_stage, (tile_m,))
         tma_d, tD = cpasync.make_tiled_tma_atom(load, mD, stat_stage, (tile_m,))
@@ -314,7 +321,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         store = cpasync.CopyBulkTensorTileS2GOp()
         tma_dk, tdK = (cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
                        if self._dkv_tma_store() else (None, mdK))
-        tma_dv, tdV = (cpasync.make_tiled_tma_atom(store, mdV, sK_layout, (tile_n, d))
+        tma_dv, tdV = (cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, dv))
                        if self._dkv_tma_store() else (None, mdV))
 
         @cute.struct
@@ -325,11 +332,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
                                   SMEM_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)],
                                   SMEM_ALIGN]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
                                   SMEM_ALIGN]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)],
                                    SMEM_ALIGN]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
@@ -347,8 +354,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     mSemaphore, seqlens,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
                     softmax_scale_log2, softmax_scale, Window(window_left, window_right),
-                    score_pre_tanh, sQ_layout, sK_layout, sdSt_layout,
-                    sStat_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage).launch(
+                    score_pre_tanh, sQ_layout, sK_layout, sV_layout, sdO_layout, sdSt_layout,
+                    sStat_layout, mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage).launch(
             grid=list(grid), block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
 
@@ -363,9 +370,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                softmax_scale_log2: Float32, softmax_scale: Float32, window: Window,
                score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sdSt_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
-               mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr):
+               mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
+               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         copies = Copies(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -376,24 +384,23 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         arrivals = self.consumer_threads
         elem = self.dtype.width // 8
         stat_bytes = self.tile_m * 4
-        qdo_bytes = self.tile_m * self.head_dim * elem
         pipes = Pipes(
             # With dynamic_tiles the dQ writer also frees K/V (one arrive per
             # tile, once it has read the tile's index: TileQueue's slots).
             make_tma_pipeline(storage.kv_barriers.data_ptr(), 1,
                               arrivals + (1 if self.cfg.dynamic_tiles else 0),
-                              2 * self.tile_n * self.head_dim * elem),
+                              self.tile_n * (self.head_dim + self.head_dim_v) * elem),
             make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.qdo_stages,
-                              arrivals, qdo_bytes + stat_bytes),
+                              arrivals, self.tile_m * self.head_dim * elem + stat_bytes),
             make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.qdo_stages,
-                              arrivals, qdo_bytes + stat_bytes),
+                              arrivals, self.tile_m * self.head_dim_v * elem + stat_bytes),
         )
         cpipeline.pipeline_init_arrive()
         smem = Buffers(
             storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
-            storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
-            storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
             storage.sLSE2.get_tensor(sStat_layout),
             storage.sD.get_tensor(sStat_layout),
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
@@ -416,8 +423,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(mdK, mdV, mdK_rows, mdV_rows, copies, seqlens, softmax_scale_log2,
-                         softmax_scale, limits, score_pre_tanh, smem, pipes, mma_sdp, mma_dkv,
-                         mma_dq, tiles)
+                         softmax_scale, limits, score_pre_tanh, smem, pipes, mma_sdp, mma_dk,
+                         mma_dv, mma_dq, tiles)
 
     def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor, seqlens: Seqlens):
         """One CTA per (key block, KV head or with split_gqa query head, batch),
@@ -431,7 +438,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         q_per_kv = mQ.shape[2] // mK.shape[2]
         split = self.cfg.split_gqa
         query_rows = mQ.shape[0] if split else mQ.shape[0] * q_per_kv
-        row_bytes = self.head_dim * (2 * self.dtype.width // 8 + 4)
+        # a query row's Q and dO, and its fp32 dQ accumulator
+        row_bytes = (self.head_dim + self.head_dim_v) * (self.dtype.width // 8) + 4 * self.head_dim
         return TileScheduler.create(
             cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2] if split else mK.shape[2],
             mK.shape[3], query_rows, 1, row_bytes, self.cfg.l2_section_mb * 1024 * 1024,
@@ -486,7 +494,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             seqlens.k_rows(mK, tile.head_kv, batch), (self.tile_n, d), (n_block, 0)),
             staged=False)
         tVs, tVg = tma_views(copies.v, smem.v, cute.local_tile(
-            seqlens.k_rows(mV, tile.head_kv, batch), (self.tile_n, d), (n_block, 0)),
+            seqlens.k_rows(mV, tile.head_kv, batch), (self.tile_n, self.head_dim_v),
+            (n_block, 0)),
             staged=False)
         pipes.kv.producer_acquire(kv_state)
         kv_bar = pipes.kv.producer_get_barrier(kv_state)
@@ -500,7 +509,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             tQs, tQg = tma_views(copies.q, smem.q, cute.local_tile(
                 seqlens.q_rows(mQ, head, batch), (self.tile_m, d), (None, 0)), staged=True)
             tdOs, tdOg = tma_views(copies.do, smem.do, cute.local_tile(
-                seqlens.q_rows(mdO, head, batch), (self.tile_m, d), (None, 0)), staged=True)
+                seqlens.q_rows(mdO, head, batch), (self.tile_m, self.head_dim_v), (None, 0)),
+                staged=True)
             tLs, tLg = tma_views(copies.lse2, smem.lse2, cute.local_tile(
                 seqlens.row_stats(mLSE2, stats_start, head, batch), (self.tile_m,), (None,)),
                 staged=True)
@@ -530,17 +540,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     def consume(self, mdK, mdV, mdK_rows, mdV_rows, copies: Copies, seqlens: Seqlens,
                 softmax_scale_log2: Float32, softmax_scale: Float32, limits: Limits,
                 pre_tanh: Float32, smem: Buffers,
-                pipes: Pipes, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
-                mma_dq: cute.TiledMma, tiles: _Tiles):
-        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+                pipes: Pipes, mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma,
+                mma_dv: cute.TiledMma, mma_dq: cute.TiledMma, tiles: _Tiles):
+        tile_m, tile_n = self.tile_m, self.tile_n
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
-        me = Consumer(self._operands(smem, mma_sdp, mma_dkv, mma_dq, wg), mma_sdp, mma_dkv,
-                      mma_dq,
-                      cute.make_rmem_tensor(mma_dkv.get_slice(wg * WARPGROUP_THREADS)
-                                            .partition_shape_C((tile_n, d)), Float32),
-                      cute.make_rmem_tensor(mma_dkv.get_slice(wg * WARPGROUP_THREADS)
-                                            .partition_shape_C((tile_n, d)), Float32),
+        me = Consumer(self._operands(smem, mma_sdp, mma_dk, mma_dv, mma_dq, wg), mma_sdp,
+                      mma_dk, mma_dv, mma_dq,
+                      cute.make_rmem_tensor(mma_dk.get_slice(wg * WARPGROUP_THREADS)
+                                            .partition_shape_C((tile_n, self.head_dim)),
+                                            Float32),
+                      cute.make_rmem_tensor(mma_dv.get_slice(wg * WARPGROUP_THREADS)
+                                            .partition_shape_C((tile_n, self.head_dim_v)),
+                                            Float32),
                       mma_sdp.get_slice(tid).partition_C(
                           cute.make_identity_tensor((tile_n, tile_m))),
                       wg, tid, smem, pipes, copies, mdK, mdV, mdK_rows, mdV_rows, seqlens,
@@ -567,20 +579,21 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             wait_full(pipes.kv, consumer_state(1))
             self._consume_tile(me, tiles.own(num_tiles), q_state, do_state, step)
 
-    def _operands(self, smem: Buffers, mma_sdp, mma_dkv, mma_dq, wg: Int32) -> Operands:
+    def _operands(self, smem: Buffers, mma_sdp, mma_dk, mma_dv, mma_dq, wg: Int32) -> Operands:
         """WGMMA operands are per warpgroup (descriptors / register A)."""
         tile_m, tile_n = self.tile_m, self.tile_n
         wg_sdp = mma_sdp.get_slice(wg * WARPGROUP_THREADS)
-        wg_dkv = mma_dkv.get_slice(wg * WARPGROUP_THREADS)
+        wg_dk = mma_dk.get_slice(wg * WARPGROUP_THREADS)
+        wg_dv = mma_dv.get_slice(wg * WARPGROUP_THREADS)
         wg_dq = mma_dq.get_slice(wg * WARPGROUP_THREADS)
         k = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.k))
         q = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.q))
         v = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.v))
         do = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.do))
-        pt = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        dst = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        dot = wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(smem.do)))
-        qt = wg_dkv.make_fragment_B(wg_dkv.partition_B(wgmma.transpose_view(smem.q)))
+        pt = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tile_n, tile_m)))
+        dst = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tile_n, tile_m)))
+        dot = wg_dv.make_fragment_B(wg_dv.partition_B(wgmma.transpose_view(smem.do)))
+        qt = wg_dk.make_fragment_B(wg_dk.partition_B(wgmma.transpose_view(smem.q)))
         # dQ's operands: dS = (dSᵀ)ᵀ and Kᵀ, as A and B, or B and A for dQᵀ
         sdS, sKt = wgmma.transpose_view(smem.dst), wgmma.transpose_view(smem.k)
         if cutlass.const_expr(self.cfg.dq_transposed()):
@@ -713,7 +726,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             a, b = b, a
         wgmma.gemm(me.mma_dq, acc_dq, a, b, zero_init=True, wait_groups=-1)
         # dK += dSᵀ·Q behind dQ, so dQ's stores to shared memory run under it
-        wgmma.gemm(me.mma_dkv, me.acc_dk, ops.dst, ops.qt[None, None, None, q_state.index],
+        wgmma.gemm(me.mma_dk, me.acc_dk, ops.dst, ops.qt[None, None, None, q_state.index],
                    zero_init=False, wait_groups=-1)
         warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
         release(pipes.do, do_state)
@@ -724,7 +737,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def issue_dv(self, me: Consumer, do_state):
         """dV += Pᵀ·dO, the 16-bit Pᵀ from registers, left in flight."""
-        wgmma.gemm(me.mma_dkv, me.acc_dv, me.ops.pt,
+        wgmma.gemm(me.mma_dv, me.acc_dv, me.ops.pt,
                    me.ops.dot[None, None, None, do_state.index], zero_init=False,
                    wait_groups=-1)
 
@@ -840,8 +853,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         # consumers' GEMMs have retired before any overwrites it.
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
                           number_of_threads=self.consumer_threads)
-        for values, s in zip(outputs, (me.smem.k, me.smem.v)):
-            slab = cute.local_tile(s, (WGMMA_M, self.head_dim), (me.wg, 0))
+        for values, s, dim in zip(outputs, (me.smem.k, me.smem.v),
+                                  (self.head_dim, self.head_dim_v)):
+            slab = cute.local_tile(s, (WGMMA_M, dim), (me.wg, 0))
             wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
@@ -863,15 +877,15 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             by_rows = rows_out < self.tile_n
         if by_rows:
             # each thread's loads of K and V are done before it releases them
-            for s, m_out in ((sK, mdK), (sV, mdV)):
+            for s, m_out, dim in ((sK, mdK, self.head_dim), (sV, mdV, self.head_dim_v)):
                 store_rows(s, cute.local_tile(seqlens.k_rows(m_out, head_kv, batch),
-                                              (self.tile_n, self.head_dim), (n_block, 0)),
+                                              (self.tile_n, dim), (n_block, 0)),
                            rows_out, tid, self.consumer_threads)
         elif tid < 32:
-            for atom, s, m_out in ((tma_dk, sK, tdK), (tma_dv, sV, tdV)):
+            for atom, s, m_out, dim in ((tma_dk, sK, tdK, self.head_dim),
+                                        (tma_dv, sV, tdV, self.head_dim_v)):
                 tma_store_tile(atom, s, cute.local_tile(seqlens.k_rows(m_out, head_kv, batch),
-                                                        (self.tile_n, self.head_dim),
-                                                        (n_block, 0)))
+                                                        (self.tile_n, dim), (n_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
             # shared memory must outlive the stores' reads of it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -881,9 +895,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         """split_gqa: dK (scaled) and dV straight from registers (once per
         CTA), the fp32 partials of query head tile.cta_head (dense batches)."""
         n_block, out_head, batch = tile.n_block, tile.cta_head, tile.batch
-        thr = me.mma_dkv.get_slice(me.tid)
         rows_valid = tile.seqlen_k - n_block * self.tile_n
-        for acc, m_out in ((me.acc_dk, me.mdK), (me.acc_dv, me.mdV)):
+        for acc, m_out, mma, dim in ((me.acc_dk, me.mdK, me.mma_dk, self.head_dim),
+                                     (me.acc_dv, me.mdV, me.mma_dv, self.head_dim_v)):
             g_tile = cute.local_tile(m_out[None, None, out_head, batch],
-                                     (self.tile_n, self.head_dim), (n_block, 0))
-            wgmma.store_acc_tile(acc, thr, g_tile, rows_valid)
+                                     (self.tile_n, dim), (n_block, 0))
+            wgmma.store_acc_tile(acc, mma.get_slice(me.tid), g_tile, rows_valid)

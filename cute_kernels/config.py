@@ -25,7 +25,7 @@ REGISTERS_PER_SM = 65536
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # the forward kernel's own
 # The backward kernel keeps a CTA's dK and dV in the registers of the warpgroup
 # that owns their keys: (d + dv) / 2 per thread for 64 keys, which fits up to 128.
-BACKWARD_HEAD_DIMS = (64, 96, 128)
+BACKWARD_HEAD_DIMS = (64, 96, 128)  # v's too, at most q's
 # The ops take any multiple of this up to the largest kernel head dim: TMA
 # moves rows of 16 bytes, 8 16-bit elements (kernel_head_dim).
 HEAD_DIM_MULTIPLE = 8
@@ -445,10 +445,13 @@ class BwdConfig(_KernelConfig):
         to 128 bytes, the alignment a TMA destination needs."""
         return -(-self.tile_m // 32) * 32
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
+                   elem_bytes: int = 2) -> int:
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        both = head_dim + head_dim_v
         size = 8 * (2 + 4 * self.qdo_stages)                                   # mbarriers
-        size = _align_1k(size) + 2 * self.tile_n * head_dim * elem_bytes           # K, V
-        size = _align_1k(size) + 2 * self.qdo_stages * self.tile_m * head_dim * elem_bytes  # Q, dO
+        size = _align_1k(size) + self.tile_n * both * elem_bytes                   # K, V
+        size = _align_1k(size) + self.qdo_stages * self.tile_m * both * elem_bytes  # Q, dO
         size = _align_1k(size) + 2 * self.qdo_stages * self.stat_stage_floats() * 4  # LSE, D
         size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
         size = _align_1k(size) + self.tile_m * head_dim * 4                        # dQ partial
@@ -459,9 +462,11 @@ class BwdConfig(_KernelConfig):
         if head_dim not in BACKWARD_HEAD_DIMS:
             raise ValueError(f"head_dim: expected one of {BACKWARD_HEAD_DIMS} for the backward "
                              f"kernel (its dK and dV stay in registers), got {head_dim}")
-        if head_dim_v not in (None, head_dim):
-            raise ValueError(f"head_dim_v: expected {head_dim} (the backward kernel's value "
-                             f"head dim is that of q and k), got {head_dim_v}")
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if head_dim_v not in BACKWARD_HEAD_DIMS or head_dim_v > head_dim:
+            raise ValueError(f"head_dim_v: expected one of {BACKWARD_HEAD_DIMS} up to "
+                             f"head_dim {head_dim} for the backward kernel (dV stays in "
+                             f"registers beside dK), got {head_dim_v}")
 
         if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
@@ -486,9 +491,9 @@ class BwdConfig(_KernelConfig):
             raise bad("dynamic_tiles", "False with deterministic (its semaphore orders the "
                                        "key blocks of one CTA per tile)")
         _check_shared_fields(self, bad)
-        if self.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
+        if self.smem_bytes(head_dim, head_dim_v) > SMEM_CAPACITY_BYTES:
             raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
-                                    f"this needs {self.smem_bytes(head_dim)} B")
+                                    f"this needs {self.smem_bytes(head_dim, head_dim_v)} B")
 
 
 def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:

@@ -86,8 +86,11 @@ class CompiledBackward:
 
 
 def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-            has_grad_lse: bool, features: Features = PLAIN_FEATURES) -> tuple:
-    return ("bwd_sm90", dtype, head_dim, bool(causal), features, config, bool(has_grad_lse))
+            has_grad_lse: bool, features: Features = PLAIN_FEATURES,
+            head_dim_v: int | None = None) -> tuple:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return ("bwd_sm90", dtype, head_dim, head_dim_v, bool(causal), features, config,
+            bool(has_grad_lse))
 
 
 def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
@@ -105,12 +108,14 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
                 has_grad_lse: bool = False, dump_dir: str | None = None,
-                features: Features = PLAIN_FEATURES) -> CompiledBackward:
-    """Compile the backward's kernels now (no cache); dump_dir keeps PTX and cubins."""
+                features: Features = PLAIN_FEATURES,
+                head_dim_v: int | None = None) -> CompiledBackward:
+    """Compile the backward's kernels now (no cache); dump_dir keeps PTX and
+    cubins; head_dim_v is that of v, o and dO (None: head_dim)."""
     from . import kernel_compile
 
     return kernel_compile.compile_bwd(dtype, head_dim, causal, config, has_grad_lse, dump_dir,
-                                      features)
+                                      features, head_dim_v)
 
 
 _cache: dict[tuple, object] = {}
@@ -157,7 +162,9 @@ def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
 
 
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
-            has_grad_lse: bool, features: Features = PLAIN_FEATURES) -> CompiledBackward:
-    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse, features),
+            has_grad_lse: bool, features: Features = PLAIN_FEATURES,
+            head_dim_v: int | None = None) -> CompiledBackward:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse, features, head_dim_v),
                    CompiledBackward, compile_bwd, dtype, head_dim, causal, config,
-                   has_grad_lse, None, features)
+                   has_grad_lse, None, features, head_dim_v)

@@ -174,19 +174,25 @@ def _compile_combine(cute_dtype, head_dim_v: int, dump_dir: str | None):
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
                 has_grad_lse: bool = False, dump_dir: str | None = None,
-                features: Features = PLAIN_FEATURES) -> CompiledBackward:
+                features: Features = PLAIN_FEATURES,
+                head_dim_v: int | None = None) -> CompiledBackward:
+    """head_dim: q's and k's; head_dim_v: v's, o's and dO's (None: the same)."""
     cute_dtype = TORCH_TO_CUTE[dtype]
     f32 = cutlass.Float32
-    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config, features=features)
+    dv_dim = head_dim if head_dim_v is None else head_dim_v
+    main = FlashAttentionBackwardSm90(cute_dtype, head_dim, causal, config, dv_dim,
+                                      features=features)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = _sym(), _sym(), _sym(), _sym(), _sym()
     padded_q = cute.sym_int(divisibility=config.tile_m)
     accum_len = cute.sym_int(divisibility=config.tile_m * head_dim)
-    q, do = (_fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim) for _ in range(2))
-    k, v = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
-    if config.split_gqa:  # fp32 partials per query head
-        dk, dv = (_fake_bshd(f32, batch, seqlen_k, heads_q, head_dim) for _ in range(2))
-    else:
-        dk, dv = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim) for _ in range(2))
+    q = _fake_bshd(cute_dtype, batch, seqlen_q, heads_q, head_dim)
+    o, do = (_fake_bshd(cute_dtype, batch, seqlen_q, heads_q, dv_dim) for _ in range(2))
+    k = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
+    v = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, dv_dim)
+    grad_type, grad_heads = (f32, heads_q) if config.split_gqa else (cute_dtype, heads_kv)
+    # split_gqa: fp32 partials per query head
+    dk = _fake_bshd(grad_type, batch, seqlen_k, grad_heads, head_dim)
+    dv = _fake_bshd(grad_type, batch, seqlen_k, grad_heads, dv_dim)
     lse2, dsum = (_fake_rows(f32, batch, heads_q, padded_q, config.tile_m, 16) for _ in range(2))
     dq_accum = _fake_rows(f32, batch, heads_q, accum_len, config.tile_m * head_dim, 16)
     semaphore = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # tiny unless deterministic
@@ -196,7 +202,7 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     start = time.perf_counter()
     fns = (
         _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse, config.tile_m,
-                                    features.varlen, features.sink), q, do, lse, dlse, lse2,
+                                    features.varlen, features.sink), o, do, lse, dlse, lse2,
                  dsum, dq_accum, semaphore, seqlen_tensors[0], seqlen_tensors[2],
                  _sink_tensor(), _fake_rows(f32, _sym(), _sym(), _sym()), cutlass.Int32(0),
                  cutlass.Int32(1),
@@ -211,8 +217,8 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     )
     group_sum = None
     if config.split_gqa:
-        dk16, dv16 = (_fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
-                      for _ in range(2))
-        group_sum = _compile(GroupSum(cute_dtype, head_dim), dk, dv, dk16, dv16,
+        dk16 = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, head_dim)
+        dv16 = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, dv_dim)
+        group_sum = _compile(GroupSum(cute_dtype, head_dim, dv_dim), dk, dv, dk16, dv16,
                              dump_dir=dump_dir and os.path.join(dump_dir, "group_sum"))
     return CompiledBackward(*fns, group_sum, compile_seconds=time.perf_counter() - start)

@@ -145,15 +145,16 @@ def _fwd_plan(q, v, causal) -> NativeVariant:
                          variants.num_sms(device_index), nvtx_ranges.range_name("fwd", q, v, causal))
 
 
-def _bwd_plan(q, k, causal, deterministic, has_grad_lse) -> NativeVariant:
+def _bwd_plan(q, k, v, causal, deterministic, has_grad_lse) -> NativeVariant:
     from . import launch_plan, variants
     from . import nvtx as nvtx_ranges
 
     kernels, config, device_index = variants.bwd_kernels_for(q, k, causal, deterministic,
-                                                        has_grad_lse)
+                                                             has_grad_lse,
+                                                             head_dim_v=v.shape[3])
     return NativeVariant(kernels, tuple(_ffi_handle(f) for f in kernels.launch_list),
                          bytes(launch_plan.bwd_variant(config)), variants.num_sms(device_index),
-                         nvtx_ranges.range_name("bwd", q, k, causal))
+                         nvtx_ranges.range_name("bwd", q, v, causal))
 
 
 @functools.lru_cache(maxsize=None)

@@ -174,11 +174,14 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                      sink=sink)
     name = nvtx_ranges.range_name("bwd", q, v, causal, scores)  # the caller's head dim
     head_dims = (q.shape[3], k.shape[3], v.shape[3])
-    kernel_dim = kernel_head_dim(q.shape[3])  # v's pads to it too (check_backward_head_dims)
-    if head_dims != (kernel_dim,) * 3:  # the padded columns' gradients are zero: dropped
-        grad_out, q, k, v, out = (pad_head_dim(t, kernel_dim) for t in (grad_out, q, k, v, out))
+    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[3]), kernel_head_dim(v.shape[3])
+    kernel_dims = (kernel_dim, kernel_dim, kernel_dim_v)
+    if head_dims != kernel_dims:  # the padded columns' gradients are zero: dropped
+        q, k = pad_head_dim(q, kernel_dim), pad_head_dim(k, kernel_dim)
+        grad_out, v, out = (pad_head_dim(t, kernel_dim_v) for t in (grad_out, v, out))
     kernels, config, device_index = bwd_kernels_for(q, k, scores.causal, deterministic,
-                                                    grad_lse is not None, config, scores.features)
+                                                    grad_lse is not None, config, scores.features,
+                                                    head_dim_v=kernel_dim_v)
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
                                 scores.window, sink=sink)
     lse = lse.contiguous()
@@ -195,9 +198,9 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         nvtx_ranges.pop()
     if sink:
         grads = grads[:3] + (sink_grad(grads[3], learnable_sink),)
-    if head_dims != (kernel_dim,) * 3:
-        grads = tuple(g[..., :d].contiguous() if d != kernel_dim else g
-                      for g, d in zip(grads, head_dims)) + grads[3:]
+    if head_dims != kernel_dims:
+        grads = tuple(g[..., :d].contiguous() if d != kd else g
+                      for g, d, kd in zip(grads, head_dims, kernel_dims)) + grads[3:]
     return grads
 
 

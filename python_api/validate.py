@@ -147,13 +147,14 @@ def check_backward_head_dims(q, v) -> None:
     """The forward kernel serves head dims the backward kernel does not have
     yet: a gradient through them on CUDA is an error that says so, never a
     wrong one (the CPU reference has them all). The backward takes q and v
-    padded to the same one of BACKWARD_HEAD_DIMS."""
-    kernel_dim = kernel_head_dim(q.shape[3])
-    if kernel_dim not in BACKWARD_HEAD_DIMS or kernel_head_dim(v.shape[3]) != kernel_dim:
+    each padded to one of BACKWARD_HEAD_DIMS, v's at most q's."""
+    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[3]), kernel_head_dim(v.shape[3])
+    if kernel_dim not in BACKWARD_HEAD_DIMS or kernel_dim_v not in BACKWARD_HEAD_DIMS \
+            or kernel_dim_v > kernel_dim:
         raise NotImplementedError(
-            f"q, v: the backward supports headdim up to {BACKWARD_HEAD_DIMS[-1]} with v's "
-            f"headdim that of q (after padding to one of {BACKWARD_HEAD_DIMS}); got q headdim "
-            f"{q.shape[3]}, v headdim {v.shape[3]}. The forward supports these.")
+            f"q, v: the backward supports headdims up to {BACKWARD_HEAD_DIMS[-1]} with v's "
+            f"headdim at most q's (after padding each to one of {BACKWARD_HEAD_DIMS}); got q "
+            f"headdim {q.shape[3]}, v headdim {v.shape[3]}. The forward supports these.")
 
 
 def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) -> bool:
@@ -167,7 +168,8 @@ def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) ->
         return False
     qs, dtype, device = q.shape, q.dtype, q.device
     stats_shape = (qs[0], qs[2], qs[1])
-    return (v.shape[3] == qs[3] and grad_out.shape == qs and out.shape == qs
+    out_shape = (qs[0], qs[1], qs[2], v.shape[3])
+    return (grad_out.shape == out_shape and out.shape == out_shape
             and grad_out.dtype == dtype and out.dtype == dtype
             and grad_out.device == device and out.device == device
             and grad_out.stride(3) == 1 and out.stride(3) == 1

@@ -63,13 +63,13 @@ def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministic: bool,
                     has_grad_lse: bool, config: BwdConfig | None = None,
-                    features: Features = PLAIN_FEATURES):
+                    features: Features = PLAIN_FEATURES, head_dim_v: int | None = None):
     """(compiled backward launches, their config, device index) for a
-    problem, as fwd_kernel_for."""
+    problem, as fwd_kernel_for; head_dim_v: v's (None: q's)."""
     device_index = _device_index(q)
     batch, _, heads, head_dim = q.shape
     config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch,
                                               k.shape[1], heads, k.shape[2],
                                               num_sms(device_index), features)
-    return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse, features), config,
-            device_index)
+    return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse, features,
+                               head_dim_v), config, device_index)

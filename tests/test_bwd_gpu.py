@@ -110,6 +110,41 @@ def test_value_head_dim_padded_to_that_of_q(head_dims):
                     head_dim_v=head_dim_v), True)
 
 
+@pytest.mark.parametrize("head_dims", [(128, 64), (128, 96), (96, 64), (120, 56)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203), (300, 77)])
+def test_value_head_dim_below_that_of_q(head_dims, causal, seqlens):
+    # dv < d in the kernel itself (V, dO and dV tiles of v's head dim); 120/56
+    # pads each to its own kernel head dim (128/64)
+    head_dim, head_dim_v = head_dims
+    seqlen_q, seqlen_k = seqlens
+    _check(*_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16,
+                    seed=head_dim + head_dim_v + seqlen_q, head_dim_v=head_dim_v), causal)
+
+
+@pytest.mark.parametrize("split_gqa", [False, True])
+def test_value_head_dim_below_that_of_q_in_every_epilogue(split_gqa):
+    """dK/dV through shared memory and TMA, or as fp32 per-head partials
+    summed over the group (split_gqa), with the LSE gradient and
+    deterministic dQ."""
+    q, k, v, grad_out = _inputs(2, 333, 500, 8, 2, 128, torch.bfloat16, seed=21, head_dim_v=64)
+    config = default_bwd_config(128, True, deterministic=True, split_gqa=split_gqa)
+    grad_lse = torch.randn((2, 8, 333), device="cuda")
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    ours = backward_cuda(grad_out, q, k, v, out, lse, default_scale(128), True, grad_lse,
+                         config=config)
+    ref = _reference_grads(q, k, v, grad_out, True, torch.float32, grad_lse)
+    low = _reference_grads(q, k, v, grad_out, True, None, grad_lse)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), ours, ref, low):
+        assert g.shape == r.shape, name
+        err = (g.float() - r.float()).abs().max().item()
+        bound = 2 * (lo.float() - r.float()).abs().max().item() + 1e-5
+        assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e}"
+    again = backward_cuda(grad_out, q, k, v, out, lse, default_scale(128), True, grad_lse,
+                          config=config)
+    assert all(torch.equal(a, b) for a, b in zip(ours, again))
+
+
 def test_padded_head_dims_with_lse_gradient_and_determinism():
     q, k, v, grad_out = _inputs(2, 333, 500, 4, 1, 80, torch.bfloat16, seed=11)
     _check(q, k, v, grad_out, True, torch.randn((2, 4, 333), device="cuda"))

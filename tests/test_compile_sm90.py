@@ -245,6 +245,25 @@ def test_backward_kernels(tmp_path, dtype, head_dim, causal):
     assert not re.search(r"st\.global\.b32\s", _ptx(tmp_path / "postprocess"))
 
 
+@pytest.mark.parametrize("head_dims", [(128, 64), (128, 96), (96, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("split_gqa", [False, True])
+def test_backward_with_a_narrower_value_head_dim(tmp_path, head_dims, causal, split_gqa):
+    """dv < d: dV's GEMM has v's head dim as its N, dK's q's; no spills."""
+    head_dim, head_dim_v = head_dims
+    config = default_bwd_config(head_dim, causal, split_gqa=split_gqa)
+    compile_bwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
+                head_dim_v=head_dim_v)
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    ptx = _ptx(tmp_path / "main")
+    for n in (head_dim, head_dim_v):
+        assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16", ptx), n
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+    for helper in ("preprocess", "postprocess") + (("group_sum",) if split_gqa else ()):
+        assert dumped_kernel_info(str(tmp_path / helper)).counts["local_memory"] == 0
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_stats_early_loads_statistics_before_the_gemm_issue(tmp_path, head_dim):
     """BwdConfig.stats_early: in the query-block step, LSE₂ is read from shared

@@ -33,8 +33,12 @@ def test_backward_kernel_head_dims():
     with pytest.raises(ValueError, match="head_dim: expected one of .64, 96, 128. for the "
                                          "backward kernel"):
         BwdConfig().validate(256)
-    with pytest.raises(ValueError, match="head_dim_v: expected 128"):
-        BwdConfig().validate(128, 64)
+    BwdConfig().validate(128, 64)  # v narrower than q
+    with pytest.raises(ValueError, match="head_dim_v: expected one of .64, 96, 128. up to "
+                                         "head_dim 96"):
+        BwdConfig().validate(96, 128)
+    with pytest.raises(ValueError, match="head_dim_v"):
+        BwdConfig().validate(128, 48)
 
 
 @pytest.mark.parametrize("changes, field", [

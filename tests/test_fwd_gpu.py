@@ -89,7 +89,7 @@ def test_large_head_dims_have_no_backward_yet(head_dims):
     q, k, v = (t.requires_grad_() for t in _inputs(1, 64, 64, 2, 2, head_dim, torch.bfloat16,
                                                    seed=0, head_dim_v=head_dim_v))
     out = flash_attn_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="backward supports headdim up to 128"):
+    with pytest.raises(NotImplementedError, match="backward supports headdims up to 128"):
         out.sum().backward()
 
 

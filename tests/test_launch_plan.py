@@ -185,7 +185,7 @@ def test_sink_plans():
 
 def test_value_head_dim_plans():
     # v and the output carry v's head dim, the split tail's partials too;
-    # the backward kernels take one head dim
+    # in the backward also dO, dV and split_gqa's dV partials
     config = default_fwd_config(192, False, 128).replace(split_tail=True)
     shape = (2, 1000, 1000, 8, 2, 192, 128)
     plan = launch_plan.plan_fwd(config, shape, 132, tail_plan.TailPlan(0, 2))
@@ -193,8 +193,16 @@ def test_value_head_dim_plans():
     assert _workspace(plan, 6).shape[1] == tail_plan.partial_floats(128)
     native = launch_plan.fwd_variant(config, 128)
     assert native.partial_floats == tail_plan.partial_floats(128)
-    with pytest.raises(ValueError, match="no backward launch plan"):
-        launch_plan.plan_bwd(default_bwd_config(128, False), (1, 64, 64, 2, 2, 128, 64), 132)
+    bwd_shape = (2, 1000, 900, 8, 2, 128, 64)
+    bwd = launch_plan.plan_bwd(default_bwd_config(128, False), bwd_shape, 132)
+    assert [_workspace(bwd, i).shape for i in bwd.outputs] == [
+        (2, 1000, 8, 128), (2, 900, 2, 128), (2, 900, 2, 64)]  # dq, dk, dv
+    split = launch_plan.plan_bwd(default_bwd_config(128, False, split_gqa=True), bwd_shape, 132)
+    partials = [w.shape for w in split.workspaces if w.dtype == launch_plan.F32
+                and len(w.shape) == 4]
+    assert partials == [(2, 900, 8, 128), (2, 900, 8, 64)]  # dK, dV per query head
+    with pytest.raises(ValueError, match="no backward launch plan"):  # v wider than q
+        launch_plan.plan_bwd(default_bwd_config(64, False), (1, 64, 64, 2, 2, 64, 128), 132)
 
 
 def test_bad_shapes_are_not_planned():
