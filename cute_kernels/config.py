@@ -341,24 +341,29 @@ def fp8_fwd_config(head_dim: int, causal: bool,
                    features: Features = PLAIN_FEATURES) -> FwdConfig:
     """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS): 128-row tiles of
     two consumer warpgroups, in two stages each of V and Vᵀ; the producer
-    warpgroup's three spare warps transpose V with 56 registers per thread,
-    the consumers 224 (the 504 that three warpgroups have at launch).
+    warpgroup's three spare warps transpose V with 56 registers per thread
+    (40 where the consumers need 232), the consumers 224 (of the 504 that
+    three warpgroups have at launch).
     Scheduling as the 16-bit kernels': claimed tiles for causal and
     windows, the split tail otherwise. The FP8 GEMMs take half the 16-bit
     ones' time against the same softmax, so the key tile is wider where
     the registers allow (more independent work per softmax), and ping-pong
     stays only where it measured faster (profiling.sweep, the FP8 report)."""
     claimed = causal or features.local
+    producer_regs, consumer_regs = 56, 224
     if head_dim <= 64:
         tile_n, pingpong, pv_wait = 192 if claimed else 256, False, 8
+    elif head_dim <= 128 and claimed:
+        tile_n, pingpong, pv_wait = 128, False, 8
     elif head_dim <= 128:
-        tile_n, pingpong, pv_wait = (128, False, 8) if claimed else (192, True, 0)
+        tile_n, pingpong, pv_wait = 224, True, 0
+        producer_regs, consumer_regs = 40, 232  # tile_n 224 spills with 224
     else:
         tile_n, pingpong, pv_wait = 64, True, 0
     return FwdConfig(tile_m=128, tile_n=tile_n, kv_stages=2, pingpong=pingpong,
                      persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
-                     pv_wait_after_exp2=pv_wait, producer_regs=56, consumer_regs=224,
-                     transpose_warps=3)
+                     pv_wait_after_exp2=pv_wait, producer_regs=producer_regs,
+                     consumer_regs=consumer_regs, transpose_warps=3)
 
 
 @functools.lru_cache(maxsize=None)
