@@ -331,9 +331,8 @@ bool backward_inputs_ok(const at::Tensor& grad_out, const at::Tensor& q, const a
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                         double scale, const std::optional<at::Tensor>& grad_lse) {
   if (!attention_tensors_ok(q, k, v, scale)) return false;
-  // The backward kernel's head dims (config.BACKWARD_HEAD_DIMS, v's at most
-  // q's: attention_tensors_ok).
-  if (q.size(3) > 128) return false;
+  // The backward kernel has every forward head dim (v's at most q's:
+  // attention_tensors_ok).
   const auto dtype = q.scalar_type();
   const std::array<int64_t, 4> out_sizes{q.size(0), q.size(1), q.size(2), v.size(3)};
   for (const at::Tensor* t : {&grad_out, &out}) {

@@ -14,8 +14,10 @@ cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
                 Warp 1 is the dQ writer: it adds each consumer warpgroup's dQ
                 partial from shared memory into the fp32 accumulator (one bulk
                 reduce-add each), so consumers never wait on global memory.
-  warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each. dK and dV stay in
-                registers for the whole walk over query blocks.
+  warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each, or with
+                cfg.dim_split 2 two per 64 keys, each with half of the head
+                dims of dK and dV. dK and dV stay in registers for the whole
+                walk over query blocks.
 Pipelines: K/V (1 stage), Q and dO (qdo_stages each), TMA → consumer-thread
 mbarriers (pipeline.py); named barriers BwdBarrier between consumers and
 between consumers and the dQ writer.
@@ -37,6 +39,10 @@ next WGMMA takes as its A operand):
                                        memory run under it
     dQ_part → smem [DQ_FULL]; the writer warp reduce-adds it into the fp32 dQ
     accumulator (dq_accum.py) and frees the slab [DQ_EMPTY]
+With cfg.dim_split 2 (head dims above 128) the two warpgroups of the 64 keys
+each compute Sᵀ and dPᵀ for half of the query columns and write Pᵀ and dSᵀ to
+shared memory; after the DS_READY barrier both run dV += Pᵀ·dO and dK += dSᵀ·Q
+as SS-WGMMAs over all queries for their half of the head dims.
 At the end dK·scale and dV go to global memory: 16-bit through the K and V
 buffers and TMA stores, or with split_gqa as fp32 partials per query head
 straight from registers, which the group-sum kernel adds over each group;
@@ -182,7 +188,8 @@ class Copies:
 class Operands:
     """One consumer warpgroup's WGMMA operands: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
     from shared memory; dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from
-    registers; dQ from dS and Kᵀ in shared memory."""
+    registers (dim_split 1) or from shared memory (dim_split 2, staged by
+    buffer like dS); dQ from dS and Kᵀ in shared memory."""
 
     k: cute.Tensor
     q: cute.Tensor
@@ -245,6 +252,38 @@ def dq_gemm_shape(config: BwdConfig, head_dim: int) -> tuple[int, int]:
     return config.tile_m, head_dim
 
 
+def sdp_tiled_mma(dtype, config: BwdConfig, tile_m: int):
+    """Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys on M): each warpgroup its 64 keys and
+    all tile_m queries, or with dim_split the shared 64 keys and its share of
+    the queries."""
+    if config.dim_split > 1:
+        return wgmma.tiled_mma(dtype, True, True, (1, config.dim_split, 1),
+                               tile_m // config.dim_split)
+    return wgmma.tiled_mma_ss(dtype, config.consumer_warpgroups, tile_m)
+
+
+def dkv_tiled_mma(dtype, config: BwdConfig, dim: int):
+    """dK += dSᵀ·Q (dim = head_dim) or dV += Pᵀ·dO (dim = head_dim_v), Q and
+    dO read MN-major: Pᵀ / dSᵀ from registers, each warpgroup its keys, or
+    with dim_split from shared memory, each warpgroup its share of dim."""
+    if config.dim_split > 1:
+        return wgmma.tiled_mma(dtype, True, False, (1, config.dim_split, 1),
+                               dim // config.dim_split)
+    return wgmma.tiled_mma_rs(dtype, config.consumer_warpgroups, dim)
+
+
+def ds_buffers(config: BwdConfig) -> int:
+    """Stages of the (tile_n, tile_m) 16-bit ring: dSᵀ in two buffers (one
+    step's dQ GEMMs may still read it while the next step writes), with
+    dim_split Pᵀ in two more (pt_buffer)."""
+    return 2 * (2 if config.dim_split > 1 else 1)
+
+
+def pt_buffer(ds_buffer):
+    """The stage of the ring that holds Pᵀ beside dSᵀ's stage ds_buffer."""
+    return 2 + ds_buffer
+
+
 class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     """One compiled kernel per (dtype, head_dim, causal, features, config: BwdConfig)."""
 
@@ -289,20 +328,23 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.cfg.qdo_stages
         d, dv = self.head_dim, self.head_dim_v
 
-        sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, stages)
-        sdO_layout = wgmma.smem_layout(self.dtype, tile_m, dv, stages)
+        # dK and dV read Q and dO MN-major, split along d / dv with dim_split.
+        split = self.cfg.dim_split
+        sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, stages, atom_cols=d // split)
+        sdO_layout = wgmma.smem_layout(self.dtype, tile_m, dv, stages, atom_cols=dv // split)
         # dQ = dS·K reads K MN-major, split across warpgroups along d when not along M.
         k_atom_cols = d if self.cfg.dq_split_m() else d // self.consumer_wgs
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, atom_cols=k_atom_cols)
-        sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv)
-        sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, 2)
+        # dV leaves through V's buffer in column slices of dv / dim_split
+        sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, atom_cols=dv // split)
+        sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, ds_buffers(self.cfg))
         # each stage's statistics start 128-byte aligned, as a TMA destination
         # must (tile_m=80: 320 bytes a stage otherwise, a misaligned address)
         stat_stride = self.cfg.stat_stage_floats()
         sStat_layout = cute.make_layout((tile_m, stages), stride=(1, stat_stride))
-        mma_sdp = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_m)
-        mma_dk = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, d)
-        mma_dv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, dv)
+        mma_sdp = sdp_tiled_mma(self.dtype, self.cfg, tile_m)
+        mma_dk = dkv_tiled_mma(self.dtype, self.cfg, d)
+        mma_dv = dkv_tiled_mma(self.dtype, self.cfg, dv)
         mma_dq = dq_tiled_mma(self.dtype, self.cfg, d)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -590,8 +632,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         q = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.q))
         v = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.v))
         do = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.do))
-        pt = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tile_n, tile_m)))
-        dst = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tile_n, tile_m)))
+        if cutlass.const_expr(self.cfg.dim_split > 1):
+            pt = wg_dv.make_fragment_A(wg_dv.partition_A(smem.dst))
+            dst = wg_dk.make_fragment_A(wg_dk.partition_A(smem.dst))
+        else:
+            pt = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tile_n, tile_m)))
+            dst = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tile_n, tile_m)))
         dot = wg_dv.make_fragment_B(wg_dv.partition_B(wgmma.transpose_view(smem.do)))
         qt = wg_dk.make_fragment_B(wg_dk.partition_B(wgmma.transpose_view(smem.q)))
         # dQ's operands: dS = (dSᵀ)ᵀ and Kᵀ, as A and B, or B and A for dQᵀ
@@ -692,33 +738,43 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                          fastmath=True)
         dsum = self.column_stats(smem.d, coords, do_state.index)
         # The 16-bit Pᵀ (dV's A operand) is made at once, and dSᵀ reads it
-        # back: the fp32 Pᵀ is then dead before dPᵀ lands.
-        wgmma.convert_to_16bit(acc_s, ops.pt)
+        # back: the fp32 Pᵀ is then dead before dPᵀ lands. With dim_split it
+        # goes to shared memory too, under the dPᵀ GEMM.
+        split = self.cfg.dim_split > 1
+        p_16bit = cute.make_rmem_tensor_like(acc_s, self.dtype) if split else ops.pt
+        wgmma.convert_to_16bit(acc_s, p_16bit)
+        if cutlass.const_expr(split):
+            self.store_slab(me, p_16bit, pt_buffer(ds_buffer))
         warpgroup.wait_group(0)  # dPᵀ has landed
         ds = wgmma.acc_rows_cols(acc_dp)
         for j in cutlass.range_constexpr(cute.size(ds, mode=[1])):
             dsum_j = dsum[j]
             for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
-                p_rj = wgmma.read_16bit_as_f32(ops.pt, acc_s.layout.shape, r, j)
+                p_rj = wgmma.read_16bit_as_f32(p_16bit, acc_s.layout.shape, r, j)
                 if cutlass.const_expr(self.features.softcap):
                     p_rj = p_rj * wgmma.read_16bit_as_f32(slope, acc_s.layout.shape, r, j)
                 ds[r, j] = p_rj * (ds[r, j] - dsum_j)
-        if cutlass.const_expr(not self.cfg.dv_at_ds_barrier):
-            self.issue_dv(me, do_state)
-        wgmma.convert_to_16bit(acc_dp, ops.dst)
+        if cutlass.const_expr(not split and not self.cfg.dv_at_ds_barrier):
+            self.issue_dv(me, do_state, ds_buffer)
+        if cutlass.const_expr(split):
+            ds_16bit = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            wgmma.convert_to_16bit(acc_dp, ds_16bit)
+        else:
+            wgmma.convert_to_16bit(acc_dp, ops.dst)
+            # the register A fragment holds the values in accumulator order
+            ds_16bit = cute.make_tensor(ops.dst.iterator, cute.make_layout(acc_dp.shape))
 
-        # dSᵀ to shared memory for dQ, which needs every warpgroup's keys. The
-        # register A fragment holds the values in accumulator order.
-        ds_16bit = cute.make_tensor(ops.dst.iterator, cute.make_layout(acc_dp.shape))
-        slab = cute.local_tile(smem.dst[None, None, ds_buffer], (WGMMA_M, tile_m), (me.wg, 0))
-        wgmma.stmatrix_store(self.dtype, ds_16bit, slab, me.tid % WARPGROUP_THREADS)
-        if cutlass.const_expr(self.cfg.dv_at_ds_barrier):
+        # dSᵀ to shared memory for dQ, which needs every warpgroup's keys
+        self.store_slab(me, ds_16bit, ds_buffer)
+        if cutlass.const_expr(not split and self.cfg.dv_at_ds_barrier):
             # the tensor core runs dV while this warpgroup waits for the others
-            self.issue_dv(me, do_state)
+            self.issue_dv(me, do_state, ds_buffer)
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
                           number_of_threads=self.consumer_threads)
+        if cutlass.const_expr(split):
+            self.issue_dv(me, do_state, ds_buffer)  # Pᵀ of both warpgroups is in
         acc_dq = cute.make_rmem_tensor(
             me.mma_dq.partition_shape_C(dq_gemm_shape(self.cfg, self.head_dim)), Float32)
         a, b = ops.ds[None, None, None, ds_buffer], ops.kt
@@ -726,7 +782,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             a, b = b, a
         wgmma.gemm(me.mma_dq, acc_dq, a, b, zero_init=True, wait_groups=-1)
         # dK += dSᵀ·Q behind dQ, so dQ's stores to shared memory run under it
-        wgmma.gemm(me.mma_dk, me.acc_dk, ops.dst, ops.qt[None, None, None, q_state.index],
+        dst = ops.dst[None, None, None, ds_buffer] if split else ops.dst
+        wgmma.gemm(me.mma_dk, me.acc_dk, dst, ops.qt[None, None, None, q_state.index],
                    zero_init=False, wait_groups=-1)
         warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
         release(pipes.do, do_state)
@@ -735,11 +792,27 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         release(pipes.q, q_state)
 
     @cute.jit
-    def issue_dv(self, me: Consumer, do_state):
-        """dV += Pᵀ·dO, the 16-bit Pᵀ from registers, left in flight."""
-        wgmma.gemm(me.mma_dv, me.acc_dv, me.ops.pt,
-                   me.ops.dot[None, None, None, do_state.index], zero_init=False,
-                   wait_groups=-1)
+    def issue_dv(self, me: Consumer, do_state, ds_buffer: Int32):
+        """dV += Pᵀ·dO, the 16-bit Pᵀ from registers (with dim_split from its
+        buffer beside dSᵀ's), left in flight."""
+        pt = me.ops.pt
+        if cutlass.const_expr(self.cfg.dim_split > 1):
+            pt = pt[None, None, None, pt_buffer(ds_buffer)]
+        wgmma.gemm(me.mma_dv, me.acc_dv, pt, me.ops.dot[None, None, None, do_state.index],
+                   zero_init=False, wait_groups=-1)
+
+    @cute.jit
+    def store_slab(self, me: Consumer, values: cute.Tensor, buffer):
+        """This warpgroup's 16-bit Sᵀ-shaped values (Pᵀ or dSᵀ, accumulator
+        order) into stage `buffer` of the (tile_n, tile_m) ring: its 64 keys'
+        rows, or with dim_split its share of the query columns."""
+        split = self.cfg.dim_split
+        ring = me.smem.dst[None, None, buffer]
+        if cutlass.const_expr(split > 1):
+            slab = cute.local_tile(ring, (WGMMA_M, self.tile_m // split), (0, me.wg))
+        else:
+            slab = cute.local_tile(ring, (WGMMA_M, self.tile_m), (me.wg, 0))
+        wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS)
 
     @cute.jit
     def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
@@ -853,9 +926,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         # consumers' GEMMs have retired before any overwrites it.
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
                           number_of_threads=self.consumer_threads)
+        split = self.cfg.dim_split
         for values, s, dim in zip(outputs, (me.smem.k, me.smem.v),
                                   (self.head_dim, self.head_dim_v)):
-            slab = cute.local_tile(s, (WGMMA_M, dim), (me.wg, 0))
+            # the warpgroup's keys, or with dim_split its share of the columns
+            slab = (cute.local_tile(s, (WGMMA_M, dim // split), (0, me.wg)) if split > 1
+                    else cute.local_tile(s, (WGMMA_M, dim), (me.wg, 0)))
             wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()

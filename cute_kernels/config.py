@@ -23,9 +23,10 @@ SMEM_CAPACITY_BYTES = 227 * 1024
 # 64K 32-bit registers per SM; setmaxnreg moves them between warpgroups.
 REGISTERS_PER_SM = 65536
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # the forward kernel's own
-# The backward kernel keeps a CTA's dK and dV in the registers of the warpgroup
-# that owns their keys: (d + dv) / 2 per thread for 64 keys, which fits up to 128.
-BACKWARD_HEAD_DIMS = (64, 96, 128)  # v's too, at most q's
+# The backward kernel keeps a CTA's dK and dV in registers: (d + dv) / 2 per
+# thread for 64 keys of one warpgroup, which fits up to this head dim; above it
+# two warpgroups split them by head dim (BwdConfig.dim_split).
+BACKWARD_OWN_KEYS_MAX_DIM = 128
 # The ops take any multiple of this up to the largest kernel head dim: TMA
 # moves rows of 16 bytes, 8 16-bit elements (kernel_head_dim).
 HEAD_DIM_MULTIPLE = 8
@@ -385,7 +386,7 @@ def decode_fwd_config(head_dim: int, head_dim_v: int | None = None) -> FwdConfig
 class BwdConfig(_KernelConfig):
     """Structural choices of the SM90 backward kernel (bwd_sm90.py).
 
-    One CTA owns tile_n keys (tile_n // 64 consumer warpgroups, 64 keys each)
+    One CTA owns tile_n keys (tile_n // 64 · dim_split consumer warpgroups)
     and walks the query tiles that see them, tile_m queries at a time.
     tile_m: queries per main-loop step (WGMMA N of Sᵀ = K·Qᵀ, K of dV/dK).
         A multiple of 64 (dQ = dS·K with the warpgroups splitting its rows,
@@ -393,6 +394,13 @@ class BwdConfig(_KernelConfig):
         computed transposed, dQᵀ = Kᵀ·dSᵀ, with head_dim on WGMMA's M axis,
         64 rows per warpgroup.
     tile_n: keys per CTA.
+    dim_split: consumer warpgroups per 64 keys. 1: each warpgroup owns its
+        64 keys, keeps dK and dV for all of the head dim, and hands Pᵀ and
+        dSᵀ to the dV and dK GEMMs in registers. 2: two warpgroups share the
+        64 keys (tile_n 64); each computes Sᵀ and dPᵀ for half of the query
+        columns and dK, dV for half of the head dims, so Pᵀ and dSᵀ meet in
+        shared memory. Head dims above 128 need it: dK and dV of 64 keys
+        take (d + dv) / 2 registers per thread of one warpgroup.
     qdo_stages: depth of the Q (+LSE₂) and dO (+D) shared-memory rings.
     deterministic: dQ partial sums are added to the fp32 accumulator in
         key-block order (a per-tile semaphore), so gradients are bitwise
@@ -421,6 +429,7 @@ class BwdConfig(_KernelConfig):
 
     tile_m: int = 64
     tile_n: int = 128
+    dim_split: int = 1
     qdo_stages: int = 2
     deterministic: bool = False
     dv_at_ds_barrier: bool = False
@@ -433,7 +442,7 @@ class BwdConfig(_KernelConfig):
 
     @property
     def consumer_warpgroups(self) -> int:
-        return self.tile_n // WGMMA_M
+        return self.tile_n // WGMMA_M * self.dim_split
 
     def dq_split_m(self) -> bool:
         """dQ = dS·K: warpgroups split the tile's rows when there is one 64-row
@@ -459,22 +468,35 @@ class BwdConfig(_KernelConfig):
         size = _align_1k(size) + self.qdo_stages * self.tile_m * both * elem_bytes  # Q, dO
         size = _align_1k(size) + 2 * self.qdo_stages * self.stat_stage_floats() * 4  # LSE, D
         size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
+        if self.dim_split > 1:
+            size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes    # Pᵀ (2 buffers)
         size = _align_1k(size) + self.tile_m * head_dim * 4                        # dQ partial
         return size
 
     def validate(self, head_dim: int, head_dim_v: int | None = None) -> None:
         bad = _field_error(self, head_dim)
-        if head_dim not in BACKWARD_HEAD_DIMS:
-            raise ValueError(f"head_dim: expected one of {BACKWARD_HEAD_DIMS} for the backward "
-                             f"kernel (its dK and dV stay in registers), got {head_dim}")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {SUPPORTED_HEAD_DIMS} for the backward "
+                             f"kernel, got {head_dim}")
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if head_dim_v not in BACKWARD_HEAD_DIMS or head_dim_v > head_dim:
-            raise ValueError(f"head_dim_v: expected one of {BACKWARD_HEAD_DIMS} up to "
-                             f"head_dim {head_dim} for the backward kernel (dV stays in "
-                             f"registers beside dK), got {head_dim_v}")
+        if head_dim_v not in SUPPORTED_HEAD_DIMS or head_dim_v > head_dim:
+            raise ValueError(f"head_dim_v: expected one of {SUPPORTED_HEAD_DIMS} up to "
+                             f"head_dim {head_dim} for the backward kernel, got {head_dim_v}")
 
+        if self.dim_split not in (1, 2):
+            raise bad("dim_split", "1 or 2 (consumer warpgroups per 64 keys)")
+        if self.dim_split == 1 and head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
+            raise bad("dim_split", f"2 at head_dim {head_dim}: one warpgroup holds dK and dV "
+                                   f"of its keys up to head_dim {BACKWARD_OWN_KEYS_MAX_DIM}")
+        if self.dim_split > 1 and self.tile_n != WGMMA_M:
+            raise bad("tile_n", f"{WGMMA_M} with dim_split {self.dim_split} (the warpgroups "
+                                f"share one 64-key slice)")
         if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
+        if (self.tile_m // self.dim_split) % 8 or head_dim_v % (8 * self.dim_split):
+            raise bad("tile_m", f"a multiple of {8 * self.dim_split} with head_dim_v a "
+                                f"multiple of it too (dim_split {self.dim_split} halves the "
+                                f"query columns of Sᵀ and the head dims of dK and dV)")
         if self.tile_m % 16 or not WGMMA_M <= self.tile_m <= 192:
             raise bad("tile_m", "a multiple of 16 in [64, 192] (the K of the dV and dK "
                                 "GEMMs)")
@@ -541,9 +563,20 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     - head dim 96: 64 queries per step, dV at the dQ barrier, LSE₂ early;
     - head dim 128: 80 queries per step non-causal (dQ transposed), 64 under
       the causal mask or with split_gqa (80 spills there), dV right after
-      dSᵀ, LSE₂ early.
+      dSᵀ, LSE₂ early;
+    - head dims 192 and 256: 64 keys per CTA shared by two warpgroups that
+      split dK and dV by head dim (dim_split 2), 64 queries per step, LSE₂
+      early, the deepest Q/dO rings that fit in shared memory at dv = head
+      dim.
     """
     dynamic_tiles = causal and not deterministic
+    if head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
+        config = BwdConfig(tile_m=64, tile_n=WGMMA_M, dim_split=2, qdo_stages=2,
+                           deterministic=deterministic, stats_early=True,
+                           split_gqa=split_gqa, dynamic_tiles=dynamic_tiles)
+        if config.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
+            config = config.replace(qdo_stages=1)
+        return config
     if head_dim <= 64:
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
                          dv_at_ds_barrier=True, split_gqa=split_gqa,

@@ -20,8 +20,7 @@ import tempfile
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd
-from cute_fa.kernels.config import (BACKWARD_HEAD_DIMS, SUPPORTED_HEAD_DIMS, default_bwd_config,
-                                    default_fwd_config)
+from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS, default_bwd_config, default_fwd_config
 
 from .cli import command_parser, progress
 from .kernel_info import dumped_kernel_info
@@ -35,8 +34,6 @@ def describe_kernels(kind: str, dtypes, head_dims, causals, overrides: dict | No
     (the backward: its main kernel)."""
     default, compile_kernel = ((default_fwd_config, compile_fwd) if kind == "fwd"
                                else (default_bwd_config, compile_bwd))
-    if kind == "bwd":  # the head dims the backward kernel has
-        head_dims = [d for d in head_dims if d in BACKWARD_HEAD_DIMS]
     selection = [(dtype, head_dim, causal) for dtype in dtypes for head_dim in head_dims
                  for causal in causals]
     rows = []

@@ -65,9 +65,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         through it raises NotImplementedError).
     Returns out (batch, seqlen_q, nheads, headdim_v), and with return_lse the
     fp32 log-sum-exp (batch, nheads, seqlen_q).
-    Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd),
-    on CUDA for headdim up to 128 with headdim_v = headdim (after padding); a
-    gradient through other head dims raises NotImplementedError there.
+    Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd)
+    on CUDA, at every head dim of the forward.
     """
     check_argument_types(q, k, v, softmax_scale)
     fp8 = fp8_ops.FP8_DTYPES

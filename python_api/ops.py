@@ -34,7 +34,7 @@ from .kernels.config import BwdConfig, FwdConfig, kernel_head_dim
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, resolve_scale
 from .scores import check_score_args, check_sink, resolve
-from .validate import check_attention_inputs, check_backward_head_dims, check_backward_inputs
+from .validate import check_attention_inputs, check_backward_inputs
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
 
@@ -166,7 +166,6 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     cute_fa::bwd; `config` overrides the per-problem default
     (profiling.sweep), deterministic included. Returns (dq, dk, dv), with
     learnable sinks (dq, dk, dv, dsink)."""
-    check_backward_head_dims(q, v)
     if q.numel() == 0 or k.shape[1] == 0:
         return empty_backward(q, k, v, grad_lse, learnable_sink)
     sink = learnable_sink is not None

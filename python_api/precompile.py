@@ -7,8 +7,7 @@
     python -m cute_fa.precompile --directions decode --causal yes --query-groups 4 --page-sizes 0
 
 For each dtype, head dim (and value head dim, by default the same) and causal
-flag: the forward's default kernel and, where the backward kernel has the head
-dims (config.BACKWARD_HEAD_DIMS, v's that of q), the backward's default
+flag: the forward's default kernel and the backward's default
 kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
@@ -77,8 +76,6 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
     page_sizes: the decode variants' (0: a contiguous cache); query_groups:
     the causal decode variants' query heads per KV head (a step of several
     tokens masks g rows per token; 1 also serves one token)."""
-    from .kernels.config import BACKWARD_HEAD_DIMS
-
     pairs = [(d, dv) for d in head_dims for dv in (head_dims_v or [d]) if dv <= d]
     out = []
     for dtype, (head_dim, head_dim_v), causal in itertools.product(dtypes, pairs, causal_flags):
@@ -95,10 +92,11 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
             out += [Variant("decode", dtype, head_dim, causal, head_dim_v=dv, split_kv=split,
                             page_size=page, rows_per_query=group)
                     for split, page, group in itertools.product((False, True), pages, groups)]
-        if "bwd" in directions and head_dim in BACKWARD_HEAD_DIMS and dv is None:
+        if "bwd" in directions:
             for det, split, grad in itertools.product((False, True), (False, True),
                                                       (False, True) if lse_grad else (False,)):
-                out.append(Variant("bwd", dtype, head_dim, causal, det, split, grad))
+                out.append(Variant("bwd", dtype, head_dim, causal, det, split, grad,
+                                   head_dim_v=dv))
     return out
 
 
@@ -134,8 +132,11 @@ def kernels_of(variant: Variant, cached: bool = True):
                                          variant.value_head_dim, features)
         return compile_cache.compile_fwd(dtype, variant.head_dim, variant.causal, config,
                                          head_dim_v=variant.value_head_dim, features=features)
-    get = compile_cache.get_bwd if cached else compile_cache.compile_bwd
-    return get(dtype, variant.head_dim, variant.causal, config, variant.lse_grad)
+    if cached:
+        return compile_cache.get_bwd(dtype, variant.head_dim, variant.causal, config,
+                                     variant.lse_grad, head_dim_v=variant.value_head_dim)
+    return compile_cache.compile_bwd(dtype, variant.head_dim, variant.causal, config,
+                                     variant.lse_grad, head_dim_v=variant.value_head_dim)
 
 
 def build(variant: Variant) -> tuple[float, bool]:
@@ -154,8 +155,7 @@ def add_variant_options(p: argparse.ArgumentParser, directions=("fwd", "bwd")) -
     p.add_argument("--head-dims-v", type=choice_list(SUPPORTED_HEAD_DIMS), default=None,
                    metavar="LIST",
                    help="value head dims, comma-separated: each one no larger than a head dim "
-                        "of --head-dims makes a forward variant with it (default: each head "
-                        "dim's own)")
+                        "of --head-dims makes variants with it (default: each head dim's own)")
     add_dtype_option(p, default=list(DTYPES), multiple=True)
     add_causal_option(p, default="both", allow_both=True)
     p.add_argument("--directions", type=choice_list(directions), default=["fwd", "bwd"],

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .kernels.config import (BACKWARD_HEAD_DIMS, HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS,
+from .kernels.config import (HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS,
                              kernel_head_dim)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -141,20 +141,6 @@ def check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse=N
     direct caller may not)."""
     if not _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse):
         _explain_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
-
-
-def check_backward_head_dims(q, v) -> None:
-    """The forward kernel serves head dims the backward kernel does not have
-    yet: a gradient through them on CUDA is an error that says so, never a
-    wrong one (the CPU reference has them all). The backward takes q and v
-    each padded to one of BACKWARD_HEAD_DIMS, v's at most q's."""
-    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[3]), kernel_head_dim(v.shape[3])
-    if kernel_dim not in BACKWARD_HEAD_DIMS or kernel_dim_v not in BACKWARD_HEAD_DIMS \
-            or kernel_dim_v > kernel_dim:
-        raise NotImplementedError(
-            f"q, v: the backward supports headdims up to {BACKWARD_HEAD_DIMS[-1]} with v's "
-            f"headdim at most q's (after padding each to one of {BACKWARD_HEAD_DIMS}); got q "
-            f"headdim {q.shape[3]}, v headdim {v.shape[3]}. The forward supports these.")
 
 
 def _backward_inputs_ok(grad_out, q, k, v, out, lse, softmax_scale, grad_lse) -> bool:

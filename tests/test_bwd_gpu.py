@@ -82,7 +82,7 @@ def _check(q, k, v, grad_out, causal, grad_lse=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(128, 128), (1, 1), (17, 17), (1000, 1000), (256, 1024),
                                      (1024, 256), (113, 203), (300, 77)])
@@ -92,7 +92,7 @@ def test_backward_matches_reference(dtype, head_dim, causal, seqlens):
            causal)
 
 
-@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112, 136, 232])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203)])
 def test_padded_head_dims_match_reference(head_dim, causal, seqlens):
@@ -110,12 +110,13 @@ def test_value_head_dim_padded_to_that_of_q(head_dims):
                     head_dim_v=head_dim_v), True)
 
 
-@pytest.mark.parametrize("head_dims", [(128, 64), (128, 96), (96, 64), (120, 56)])
+@pytest.mark.parametrize("head_dims", [(128, 64), (128, 96), (96, 64), (120, 56), (192, 128),
+                                       (256, 128), (256, 64), (200, 136)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203), (300, 77)])
 def test_value_head_dim_below_that_of_q(head_dims, causal, seqlens):
     # dv < d in the kernel itself (V, dO and dV tiles of v's head dim); 120/56
-    # pads each to its own kernel head dim (128/64)
+    # pads each to its own kernel head dim (128/64), 200/136 to 256/192
     head_dim, head_dim_v = head_dims
     seqlen_q, seqlen_k = seqlens
     _check(*_inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16,
@@ -123,15 +124,18 @@ def test_value_head_dim_below_that_of_q(head_dims, causal, seqlens):
 
 
 @pytest.mark.parametrize("split_gqa", [False, True])
-def test_value_head_dim_below_that_of_q_in_every_epilogue(split_gqa):
+@pytest.mark.parametrize("head_dims", [(128, 64), (192, 128)])
+def test_value_head_dim_below_that_of_q_in_every_epilogue(split_gqa, head_dims):
     """dK/dV through shared memory and TMA, or as fp32 per-head partials
     summed over the group (split_gqa), with the LSE gradient and
     deterministic dQ."""
-    q, k, v, grad_out = _inputs(2, 333, 500, 8, 2, 128, torch.bfloat16, seed=21, head_dim_v=64)
-    config = default_bwd_config(128, True, deterministic=True, split_gqa=split_gqa)
+    head_dim, head_dim_v = head_dims
+    q, k, v, grad_out = _inputs(2, 333, 500, 8, 2, head_dim, torch.bfloat16, seed=21,
+                                head_dim_v=head_dim_v)
+    config = default_bwd_config(head_dim, True, deterministic=True, split_gqa=split_gqa)
     grad_lse = torch.randn((2, 8, 333), device="cuda")
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
-    ours = backward_cuda(grad_out, q, k, v, out, lse, default_scale(128), True, grad_lse,
+    ours = backward_cuda(grad_out, q, k, v, out, lse, default_scale(head_dim), True, grad_lse,
                          config=config)
     ref = _reference_grads(q, k, v, grad_out, True, torch.float32, grad_lse)
     low = _reference_grads(q, k, v, grad_out, True, None, grad_lse)
@@ -140,7 +144,7 @@ def test_value_head_dim_below_that_of_q_in_every_epilogue(split_gqa):
         err = (g.float() - r.float()).abs().max().item()
         bound = 2 * (lo.float() - r.float()).abs().max().item() + 1e-5
         assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e}"
-    again = backward_cuda(grad_out, q, k, v, out, lse, default_scale(128), True, grad_lse,
+    again = backward_cuda(grad_out, q, k, v, out, lse, default_scale(head_dim), True, grad_lse,
                           config=config)
     assert all(torch.equal(a, b) for a, b in zip(ours, again))
 
@@ -167,7 +171,7 @@ def test_backward_with_lse_gradient(causal):
     _check(q, k, v, grad_out, causal, grad_lse)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
     q, k, v, grad_out = _inputs(2, 2048, 2048, 8, 2, head_dim, torch.bfloat16, seed=3)
@@ -195,7 +199,15 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(dynamic_tiles=True),
                                        dict(dynamic_tiles=True, split_gqa=True),
                                        dict(dynamic_tiles=True, tile_m=64, head_dim=128,
-                                            stats_early=True)])
+                                            stats_early=True),
+                                       dict(tile_n=64, tile_m=64, dim_split=2),
+                                       dict(tile_n=64, tile_m=128, dim_split=2),
+                                       dict(tile_n=64, tile_m=64, dim_split=2, head_dim=128,
+                                            stats_early=True, split_gqa=True),
+                                       dict(tile_n=64, tile_m=64, dim_split=2, head_dim=192,
+                                            dynamic_tiles=True),
+                                       dict(tile_n=64, tile_m=64, dim_split=2, head_dim=256,
+                                            qdo_stages=1, deterministic=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)
@@ -212,7 +224,7 @@ def test_backward_config_variants(overrides):
         assert err <= 2 * low_err + 1e-4, f"{config}: {name} error {err:.3e} vs {low_err:.3e}"
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False)])
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False), (256, True)])
 def test_claimed_key_blocks_match_one_cta_per_block(head_dim, causal):
     # BwdConfig.dynamic_tiles: with many more key blocks than SMs most are
     # claimed, by CTAs that drew short or long ones; dK and dV (each from

@@ -212,7 +212,7 @@ def test_compile_cache_reuses_by_static_key():
 # ---------------------------------------------------------------- backward
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_kernels(tmp_path, dtype, head_dim, causal):
     config = default_bwd_config(head_dim, causal)
@@ -245,11 +245,12 @@ def test_backward_kernels(tmp_path, dtype, head_dim, causal):
     assert not re.search(r"st\.global\.b32\s", _ptx(tmp_path / "postprocess"))
 
 
-@pytest.mark.parametrize("head_dims", [(128, 64), (128, 96), (96, 64)])
+@pytest.mark.parametrize("head_dims", [(128, 64), (128, 96), (96, 64), (192, 128), (256, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("split_gqa", [False, True])
 def test_backward_with_a_narrower_value_head_dim(tmp_path, head_dims, causal, split_gqa):
-    """dv < d: dV's GEMM has v's head dim as its N, dK's q's; no spills."""
+    """dv < d: dV's GEMM has v's head dim as its N, dK's q's (each warpgroup
+    half of them with dim_split); no spills."""
     head_dim, head_dim_v = head_dims
     config = default_bwd_config(head_dim, causal, split_gqa=split_gqa)
     compile_bwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
@@ -257,6 +258,7 @@ def test_backward_with_a_narrower_value_head_dim(tmp_path, head_dims, causal, sp
     info = dumped_kernel_info(str(tmp_path / "main"))
     ptx = _ptx(tmp_path / "main")
     for n in (head_dim, head_dim_v):
+        n //= config.dim_split
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16", ptx), n
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)

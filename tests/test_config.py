@@ -30,15 +30,39 @@ def test_large_head_dims_stage_o_in_the_v_ring():
 
 def test_backward_kernel_head_dims():
     from cute_fa.kernels.config import BwdConfig
-    with pytest.raises(ValueError, match="head_dim: expected one of .64, 96, 128. for the "
-                                         "backward kernel"):
-        BwdConfig().validate(256)
+    with pytest.raises(ValueError, match="head_dim: expected one of .64, 96, 128, 192, 256. "
+                                         "for the backward kernel"):
+        BwdConfig().validate(320)
     BwdConfig().validate(128, 64)  # v narrower than q
-    with pytest.raises(ValueError, match="head_dim_v: expected one of .64, 96, 128. up to "
-                                         "head_dim 96"):
+    with pytest.raises(ValueError, match="head_dim_v: expected one of .64, 96, 128, 192, 256. "
+                                         "up to head_dim 96"):
         BwdConfig().validate(96, 128)
     with pytest.raises(ValueError, match="head_dim_v"):
         BwdConfig().validate(128, 48)
+    # above 128, dK and dV of 64 keys need two warpgroups
+    with pytest.raises(ValueError, match="BwdConfig.dim_split: expected 2 at head_dim 192"):
+        BwdConfig(tile_m=64).validate(192, 128)
+    with pytest.raises(ValueError, match="BwdConfig.tile_n: expected 64 with dim_split 2"):
+        BwdConfig(tile_m=64, dim_split=2).validate(192)
+    with pytest.raises(ValueError, match="BwdConfig.dim_split: expected 1 or 2"):
+        BwdConfig(tile_m=64, tile_n=64, dim_split=3).validate(256)
+    with pytest.raises(ValueError, match="BwdConfig.qdo_stages: expected a shared-memory"):
+        BwdConfig(tile_m=64, tile_n=64, dim_split=2, qdo_stages=2).validate(256)
+
+
+def test_backward_defaults_above_128_split_the_head_dims():
+    """dK and dV of d > 128 split between two warpgroups of 64 shared keys,
+    with the deepest Q/dO rings that fit (at dv = d)."""
+    for head_dim, stages in ((192, 2), (256, 1)):
+        for causal in (False, True):
+            config = default_bwd_config(head_dim, causal)
+            assert (config.tile_n, config.dim_split, config.consumer_warpgroups) == (64, 2, 2)
+            assert config.qdo_stages == stages
+            config.validate(head_dim)
+            config.validate(head_dim, 128)
+    # Pᵀ's two buffers beside dSᵀ's
+    split = default_bwd_config(192, False)
+    assert split.smem_bytes(192) - split.replace(dim_split=1).smem_bytes(192) == 2 * 64 * 64 * 2
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -83,16 +83,6 @@ def test_value_head_dim_matches_reference(head_dims, dtype, causal, seqlens):
     _check(q, k, v, causal, out, lse)
 
 
-@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)])
-def test_large_head_dims_have_no_backward_yet(head_dims):
-    head_dim, head_dim_v = head_dims
-    q, k, v = (t.requires_grad_() for t in _inputs(1, 64, 64, 2, 2, head_dim, torch.bfloat16,
-                                                   seed=0, head_dim_v=head_dim_v))
-    out = flash_attn_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="backward supports headdims up to 128"):
-        out.sum().backward()
-
-
 @pytest.mark.parametrize("trial", range(12))
 def test_forward_random_shapes(trial):
     shape = random_problem(random.Random(1234 + trial))

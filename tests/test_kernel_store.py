@@ -213,16 +213,16 @@ def test_precompile_command_line():
     todo = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd", "bwd"], False)
     assert len(todo) == 2 * 2 * (1 + 4)  # fwd + bwd x deterministic x split_gqa
     assert len({v.label() for v in todo}) == len(todo)
-    # the large head dims and a narrower v: forwards only (the backward kernel's
-    # head dims are 64 to 128 with v's that of q)
+    # the large head dims and a narrower v: forward and backward of each pair
     large = precompile.variants([128, 192, 256], ["bf16"], (False,), ["fwd", "bwd"], False,
                                 head_dims_v=[128, 192])
-    assert sorted(v.label() for v in large) == sorted([
-        "fwd bf16 d128 full", *[f"bwd bf16 d128 full{f}" for f in
-                                ("", " deterministic", " split_gqa",
-                                 " deterministic split_gqa")],
-        "fwd bf16 d192 dv128 full", "fwd bf16 d192 full",
-        "fwd bf16 d256 dv128 full", "fwd bf16 d256 dv192 full"])
+    flavours = ("", " deterministic", " split_gqa", " deterministic split_gqa")
+    assert sorted(v.label() for v in large) == sorted(
+        label for dims in ("d128", "d192 dv128", "d192", "d256 dv128", "d256 dv192")
+        for label in [f"fwd bf16 {dims} full"] + [f"bwd bf16 {dims} full{f}" for f in flavours])
+    assert precompile.config_of(next(v for v in large if v.label() == "bwd bf16 d256 dv192 full"
+                                     )).dim_split == 2
+    large = [v for v in large if v.direction == "fwd"]
     assert precompile.config_of(large[-1]).o_in_v_smem
 
 
