@@ -13,7 +13,9 @@ cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
                 publishes it with that block's K/V barrier.
                 Warp 1 is the dQ writer: it adds each consumer warpgroup's dQ
                 partial from shared memory into the fp32 accumulator (one bulk
-                reduce-add each), so consumers never wait on global memory.
+                reduce-add each), so consumers never wait on global memory;
+                with cfg.dq_direct the consumers add it from registers
+                (16-byte reductions) and warp 1 only frees claimed K/V.
   warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each, or with
                 cfg.dim_split 2 two per 64 keys, each with half of the head
                 dims of dK and dV. dK and dV stay in registers for the whole
@@ -224,6 +226,7 @@ class Consumer:
     mdV: cute.Tensor
     mdK_rows: cute.Tensor  # dK and dV themselves (mdK, mdV: the TMA stores' views)
     mdV_rows: cute.Tensor
+    mdQaccum: cute.Tensor  # the fp32 dQ accumulator (dq_direct adds into it)
     seqlens: Seqlens
     softmax_scale_log2: Float32
     softmax_scale: Float32
@@ -384,7 +387,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             sD: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
             sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)],
                                     SMEM_ALIGN]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * d], 128]
+            # the dQ slabs (dq_direct: none, four floats for a well-formed struct)
+            sdQ: cute.struct.Align[cute.struct.MemRange[
+                Float32, 4 if self.cfg.dq_direct else tile_m * d], 128]
 
         if cutlass.const_expr(self.features.varlen):
             max_tiles = VarlenScheduler.max_tiles(mK.shape[0], seqlens.num_batch(mK.shape[3]),
@@ -446,7 +451,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sLSE2.get_tensor(sStat_layout),
             storage.sD.get_tensor(sStat_layout),
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
-            storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim)),
+            storage.sdQ.get_tensor(cute.make_layout(
+                4 if self.cfg.dq_direct else self.tile_m * self.head_dim)),
         )
         tiles = _Tiles(TileSequence(self._scheduler(mQ, mK, seqlens),
                                     TileQueue(mSemaphore, storage.tile_slots.get_tensor(
@@ -464,7 +470,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 self.write_dq(mdQaccum, mSemaphore, smem.dq, pipes.kv, tiles, limits)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mdK, mdV, mdK_rows, mdV_rows, copies, seqlens, softmax_scale_log2,
+            self.consume(mdK, mdV, mdK_rows, mdV_rows, mdQaccum, copies, seqlens,
+                         softmax_scale_log2,
                          softmax_scale, limits, score_pre_tanh, smem, pipes, mma_sdp, mma_dk,
                          mma_dv, mma_dq, tiles)
 
@@ -579,7 +586,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mdK, mdV, mdK_rows, mdV_rows, copies: Copies, seqlens: Seqlens,
+    def consume(self, mdK, mdV, mdK_rows, mdV_rows, mdQaccum, copies: Copies, seqlens: Seqlens,
                 softmax_scale_log2: Float32, softmax_scale: Float32, limits: Limits,
                 pre_tanh: Float32, smem: Buffers,
                 pipes: Pipes, mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma,
@@ -597,7 +604,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                             Float32),
                       mma_sdp.get_slice(tid).partition_C(
                           cute.make_identity_tensor((tile_n, tile_m))),
-                      wg, tid, smem, pipes, copies, mdK, mdV, mdK_rows, mdV_rows, seqlens,
+                      wg, tid, smem, pipes, copies, mdK, mdV, mdK_rows, mdV_rows, mdQaccum,
+                      seqlens,
                       softmax_scale_log2, softmax_scale, limits, pre_tanh)
         q_state = consumer_state(self.cfg.qdo_stages)
         do_state = consumer_state(self.cfg.qdo_stages)
@@ -665,6 +673,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         m_left_masked = blocks.m_block_left_masked(n_block, seqlen_q, seqlen_k)
         seqlen_edge = (n_block + 1) * tile_n > seqlen_k
         for h in cutlass.range(tile.head_count, unroll=1):
+            head = tile.first_head + h
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 needs_mask = seqlen_edge
@@ -672,7 +681,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     needs_mask = needs_mask or m_block < m_unmasked
                 if cutlass.const_expr(me.limits.local):
                     needs_mask = needs_mask or m_block >= m_left_masked
-                self.step(me, q_state, do_state, step % 2, needs_mask, tile, m_block)
+                self.step(me, q_state, do_state, step % 2, needs_mask, tile, head, m_block)
                 q_state.advance()
                 do_state.advance()
                 step += 1
@@ -700,7 +709,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def step(self, me: Consumer, q_state, do_state, ds_buffer: Int32, needs_mask,
-             tile: KeyTile, m_block: Int32):
+             tile: KeyTile, head: Int32, m_block: Int32):
         """One query block: all five GEMMs retired and the dQ partial handed to
         the writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
@@ -787,7 +796,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                    zero_init=False, wait_groups=-1)
         warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
         release(pipes.do, do_state)
-        self.stage_dq(acc_dq, smem.dq, me.wg, me.tid)
+        if cutlass.const_expr(self.cfg.dq_direct):
+            self.add_dq(me, acc_dq, tile, head, m_block)
+        else:
+            self.stage_dq(acc_dq, smem.dq, me.wg, me.tid)
         warpgroup.wait_group(0)
         release(pipes.q, q_state)
 
@@ -828,6 +840,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                  number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
+    def add_dq(self, me: Consumer, acc_dq: cute.Tensor, tile: KeyTile, head: Int32,
+               m_block: Int32):
+        """dq_direct: this thread's dQ partial straight into the accumulator
+        tile (the layout the writer warp's slabs have, dq_accum.py)."""
+        tile_m, d = self.tile_m, self.head_dim
+        first_m_block = me.seqlens.padded_start_q(tile.batch, tile_m) // tile_m
+        offset = (first_m_block + m_block) * tile_m * d
+        base = me.mdQaccum.iterator + cute.crd2idx(
+            (offset, head, me.seqlens.buffer_batch(tile.batch)), me.mdQaccum.layout)
+        dq_accum.reduce_add_registers(acc_dq, base, me.wg, me.tid % WARPGROUP_THREADS, tile_m,
+                                      d, self.consumer_wgs)
+
+    @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
                  pipe_kv, tiles: _Tiles, limits: Limits):
         """The dQ writer warp: per query block and consumer warpgroup, one bulk
@@ -835,7 +860,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         deterministic mode it first waits until the key blocks before this one
         have added theirs to the same tile, and signals after its own landed."""
         lane = cute.arch.lane_idx()
-        for w in cutlass.range_constexpr(self.consumer_wgs):  # every slab starts free
+        direct = self.cfg.dq_direct  # the consumers add dQ: only K/V's release is left here
+        for w in cutlass.range_constexpr(0 if direct else self.consumer_wgs):
+            # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                      number_of_threads=DQ_HANDOFF_THREADS)
         num_tiles = tiles.num_tiles()
@@ -851,12 +878,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 if lane == 0:
                     cute.arch.mbarrier_arrive(pipe_kv.sync_object_empty.get_barrier(
                         kv_state.index))
-                self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile), tiles.seqlens,
-                                    limits)
+                if cutlass.const_expr(not direct):
+                    self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile),
+                                        tiles.seqlens, limits)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
-        else:
+        elif cutlass.const_expr(not direct):
             self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.own(num_tiles), tiles.seqlens,
                                 limits)
 

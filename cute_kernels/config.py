@@ -414,6 +414,12 @@ class BwdConfig(_KernelConfig):
         (D ahead of the dV issue), instead of next to each use: an LDS issued
         behind HGMMAs waits until the tensor core has accepted them. Costs
         tile_m / 4 registers per statistic.
+    dq_direct: each consumer thread adds its dQ partial into the fp32
+        accumulator with 16-byte vector reductions from registers, instead of
+        staging it in shared memory for the writer warp's bulk reduce-add:
+        frees tile_m · head_dim · 4 bytes of shared memory (at head dim 256 a
+        second Q/dO stage). Not with deterministic (the writer orders the
+        adds).
     split_gqa: one CTA per (key block, query head) instead of per (key block,
         KV head): with GQA a small grid fills the GPU and the longest CTA is
         q_per_kv times shorter; dK and dV then leave as fp32 partials per
@@ -434,6 +440,7 @@ class BwdConfig(_KernelConfig):
     deterministic: bool = False
     dv_at_ds_barrier: bool = False
     stats_early: bool = False
+    dq_direct: bool = False
     split_gqa: bool = False
     dynamic_tiles: bool = False
     producer_regs: int = 24
@@ -470,7 +477,8 @@ class BwdConfig(_KernelConfig):
         size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
         if self.dim_split > 1:
             size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes    # Pᵀ (2 buffers)
-        size = _align_1k(size) + self.tile_m * head_dim * 4                        # dQ partial
+        if not self.dq_direct:
+            size = _align_1k(size) + self.tile_m * head_dim * 4                    # dQ partial
         return size
 
     def validate(self, head_dim: int, head_dim_v: int | None = None) -> None:
@@ -514,6 +522,9 @@ class BwdConfig(_KernelConfig):
                                     f"{self.consumer_warpgroups} warpgroups")
         if not 1 <= self.qdo_stages <= 4:
             raise bad("qdo_stages", "an integer in [1, 4]")
+        if self.dq_direct and self.deterministic:
+            raise bad("dq_direct", "False with deterministic (the dQ writer warp adds the "
+                                   "partials in key-block order)")
         if self.dynamic_tiles and self.deterministic:
             raise bad("dynamic_tiles", "False with deterministic (its semaphore orders the "
                                        "key blocks of one CTA per tile)")
@@ -566,17 +577,22 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
       dSᵀ, LSE₂ early;
     - head dims 192 and 256: 64 keys per CTA shared by two warpgroups that
       split dK and dV by head dim (dim_split 2), 64 queries per step, LSE₂
-      early, the deepest Q/dO rings that fit in shared memory at dv = head
-      dim.
+      early, Q/dO rings of two stages with the dQ slabs where both fit in
+      shared memory at dv = head dim (192), else without them (dq_direct;
+      256), else (256 deterministic) of one stage.
     """
     dynamic_tiles = causal and not deterministic
     if head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
         config = BwdConfig(tile_m=64, tile_n=WGMMA_M, dim_split=2, qdo_stages=2,
                            deterministic=deterministic, stats_early=True,
                            split_gqa=split_gqa, dynamic_tiles=dynamic_tiles)
-        if config.smem_bytes(head_dim) > SMEM_CAPACITY_BYTES:
-            config = config.replace(qdo_stages=1)
-        return config
+        if config.smem_bytes(head_dim) <= SMEM_CAPACITY_BYTES:
+            return config
+        # a second Q/dO stage over the dQ slabs: the larger gain where both
+        # cannot fit (head dim 256)
+        if not deterministic:
+            return config.replace(dq_direct=True)
+        return config.replace(qdo_stages=1)
     if head_dim <= 64:
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
                          dv_at_ds_barrier=True, split_gqa=split_gqa,

@@ -4,7 +4,9 @@ Every key block adds its dQ partial (dS·K over tile_m query rows) into one
 fp32 buffer per (batch, head). The addition is a bulk asynchronous
 reduce-add from shared memory (`cp.reduce.async.bulk ... .add.f32`): one
 instruction per warpgroup per step, issued by one thread, with no atomics in
-the main loop's instruction stream.
+the main loop's instruction stream; or (BwdConfig.dq_direct) 16-byte vector
+reductions from each consumer thread's registers (`red.global.add.v4.f32`),
+which need no shared memory.
 
 Layout. The buffer is stored in the order the WGMMA accumulator sits in
 registers, not row-major, so that the registers -> shared-memory write is a
@@ -23,8 +25,9 @@ whole tiles per (batch, head).
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -72,6 +75,30 @@ def bulk_reduce_add_f32(dst_gmem: cute.Pointer, src_smem: cute.Pointer, num_byte
         "l,r,r,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _reduce_add_v4(dst_gmem: cute.Pointer, a, b, c, d, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [dst_gmem.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)]
+        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+
+
+@cute.jit
+def reduce_add_registers(acc: cute.Tensor, tile_base: cute.Pointer, wg: Int32,
+                         thread_in_wg: Int32, tile_m: int, head_dim: int, warpgroups: int):
+    """Add one thread's dQ partial (a compact accumulator, register order)
+    into its values of the tile at tile_base: one 16-byte reduction per
+    vector, a warp's covering 512 contiguous bytes."""
+    src = register_view(acc)
+    dst = thread_view(tile_base, wg, thread_in_wg, tile_m, head_dim, warpgroups)
+    for v in cutlass.range_constexpr(cute.size(src, mode=[1])):
+        _reduce_add_v4(dst.iterator + v * WARPGROUP_STRIDE, src[0, v], src[1, v], src[2, v],
+                       src[3, v])
 
 
 @dsl_user_op

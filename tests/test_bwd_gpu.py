@@ -207,7 +207,12 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(tile_n=64, tile_m=64, dim_split=2, head_dim=192,
                                             dynamic_tiles=True),
                                        dict(tile_n=64, tile_m=64, dim_split=2, head_dim=256,
-                                            qdo_stages=1, deterministic=True)])
+                                            qdo_stages=1, deterministic=True),
+                                       dict(tile_n=64, tile_m=64, dim_split=2, head_dim=256,
+                                            dq_direct=True),
+                                       dict(dq_direct=True),
+                                       dict(dq_direct=True, dynamic_tiles=True,
+                                            split_gqa=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)

@@ -48,16 +48,23 @@ def test_backward_kernel_head_dims():
         BwdConfig(tile_m=64, tile_n=64, dim_split=3).validate(256)
     with pytest.raises(ValueError, match="BwdConfig.qdo_stages: expected a shared-memory"):
         BwdConfig(tile_m=64, tile_n=64, dim_split=2, qdo_stages=2).validate(256)
+    BwdConfig(tile_m=64, tile_n=64, dim_split=2, qdo_stages=2, dq_direct=True).validate(256)
+    with pytest.raises(ValueError, match="BwdConfig.dq_direct: expected False with determ"):
+        BwdConfig(tile_m=64, dq_direct=True, deterministic=True).validate(128)
 
 
 def test_backward_defaults_above_128_split_the_head_dims():
     """dK and dV of d > 128 split between two warpgroups of 64 shared keys,
-    with the deepest Q/dO rings that fit (at dv = d)."""
-    for head_dim, stages in ((192, 2), (256, 1)):
+    with two Q/dO stages, at 256 in place of the dQ slabs unless
+    deterministic (at dv = d)."""
+    for head_dim, deterministic, stages, direct in ((192, False, 2, False),
+                                                   (192, True, 2, False),
+                                                   (256, False, 2, True),
+                                                   (256, True, 1, False)):
         for causal in (False, True):
-            config = default_bwd_config(head_dim, causal)
+            config = default_bwd_config(head_dim, causal, deterministic)
             assert (config.tile_n, config.dim_split, config.consumer_warpgroups) == (64, 2, 2)
-            assert config.qdo_stages == stages
+            assert (config.qdo_stages, config.dq_direct) == (stages, direct)
             config.validate(head_dim)
             config.validate(head_dim, 128)
     # Pᵀ's two buffers beside dSᵀ's
