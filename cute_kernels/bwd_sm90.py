@@ -673,7 +673,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         m_left_masked = blocks.m_block_left_masked(n_block, seqlen_q, seqlen_k)
         seqlen_edge = (n_block + 1) * tile_n > seqlen_k
         for h in cutlass.range(tile.head_count, unroll=1):
-            head = tile.first_head + h
+            dq_head = self.dq_head_start(me, tile, tile.first_head + h)
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_min + i
                 needs_mask = seqlen_edge
@@ -681,7 +681,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     needs_mask = needs_mask or m_block < m_unmasked
                 if cutlass.const_expr(me.limits.local):
                     needs_mask = needs_mask or m_block >= m_left_masked
-                self.step(me, q_state, do_state, step % 2, needs_mask, tile, head, m_block)
+                self.step(me, q_state, do_state, step % 2, needs_mask, tile, dq_head, m_block)
                 q_state.advance()
                 do_state.advance()
                 step += 1
@@ -709,7 +709,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def step(self, me: Consumer, q_state, do_state, ds_buffer: Int32, needs_mask,
-             tile: KeyTile, head: Int32, m_block: Int32):
+             tile: KeyTile, dq_head, m_block: Int32):
         """One query block: all five GEMMs retired and the dQ partial handed to
         the writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
@@ -797,7 +797,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
         release(pipes.do, do_state)
         if cutlass.const_expr(self.cfg.dq_direct):
-            self.add_dq(me, acc_dq, tile, head, m_block)
+            dq_accum.reduce_add_registers(
+                acc_dq, dq_head + m_block * (tile_m * self.head_dim), me.wg,
+                me.tid % WARPGROUP_THREADS, tile_m, self.head_dim, self.consumer_wgs)
         else:
             self.stage_dq(acc_dq, smem.dq, me.wg, me.tid)
         warpgroup.wait_group(0)
@@ -840,17 +842,17 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                  number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
-    def add_dq(self, me: Consumer, acc_dq: cute.Tensor, tile: KeyTile, head: Int32,
-               m_block: Int32):
-        """dq_direct: this thread's dQ partial straight into the accumulator
-        tile (the layout the writer warp's slabs have, dq_accum.py)."""
-        tile_m, d = self.tile_m, self.head_dim
-        first_m_block = me.seqlens.padded_start_q(tile.batch, tile_m) // tile_m
-        offset = (first_m_block + m_block) * tile_m * d
-        base = me.mdQaccum.iterator + cute.crd2idx(
-            (offset, head, me.seqlens.buffer_batch(tile.batch)), me.mdQaccum.layout)
-        dq_accum.reduce_add_registers(acc_dq, base, me.wg, me.tid % WARPGROUP_THREADS, tile_m,
-                                      d, self.consumer_wgs)
+    def dq_head_start(self, me: Consumer, tile: KeyTile, head: Int32):
+        """dq_direct: where query block 0 of this head and sequence starts in
+        the dQ accumulator (query block m's tile follows m tiles on; the
+        layout the writer warp's slabs have, dq_accum.py), once per head so
+        that the step adds one offset. None otherwise."""
+        if cutlass.const_expr(not self.cfg.dq_direct):
+            return None
+        first_row = me.seqlens.padded_start_q(tile.batch, self.tile_m)
+        return me.mdQaccum.iterator + cute.crd2idx(
+            (first_row * self.head_dim, head, me.seqlens.buffer_batch(tile.batch)),
+            me.mdQaccum.layout)
 
     @cute.jit
     def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,

@@ -232,8 +232,13 @@ def test_backward_kernels(tmp_path, dtype, head_dim, causal):
         assert info.stack_bytes <= 8 and info.sass["local_memory"] <= 2
     else:
         _assert_no_spills(info)
-    # the bulk fp32 reduce-add of dQ partials, one per consumer warpgroup slab
-    assert info.counts["dq_reduce"] == config.consumer_warpgroups
+    if config.dq_direct:
+        # dQ partials added from registers, 16 bytes a reduction, no slabs
+        assert info.counts["dq_reduce"] == 0
+        assert "red.global.add.v4.f32" in _ptx(tmp_path / "main")
+    else:
+        # the bulk fp32 reduce-add of dQ partials, one per consumer warpgroup slab
+        assert info.counts["dq_reduce"] == config.consumer_warpgroups
     # dK and dV leave through shared memory and TMA stores, not from registers
     assert info.counts["tma_store"] >= 2
     assert not re.search(r"st\.global\.b32\s", _ptx(tmp_path / "main"))
@@ -363,7 +368,9 @@ def test_forward_score_mods(tmp_path, head_dim, causal, features):
 
 @pytest.mark.parametrize("head_dim,features", [(128, Features(local=True)),
                                            (64, Features(local=True)),
-                                           (128, Features(softcap=True))])
+                                           (128, Features(softcap=True)),
+                                           (256, Features(local=True)),
+                                           (192, Features(softcap=True))])
 def test_backward_score_mods(tmp_path, head_dim, features):
     """The backward's window and cap variants compile to warp-specialised
     HGMMA code (the cap's 16-bit slope spills a few values per step at 240
@@ -397,7 +404,8 @@ def test_forward_varlen(tmp_path, head_dim, causal):
     assert "cp.async.bulk.tensor" in ptx and "st.global.v4" in ptx
 
 
-@pytest.mark.parametrize("head_dim,causal,deterministic", [(128, True, False), (64, False, True)])
+@pytest.mark.parametrize("head_dim,causal,deterministic", [(128, True, False), (64, False, True),
+                                                         (256, True, False), (192, False, True)])
 def test_backward_varlen(tmp_path, head_dim, causal, deterministic):
     features = Features(varlen=True)
     config = bwd_config_for_problem(head_dim, causal, deterministic, 8, 1024, 8, 8, 132,

@@ -88,9 +88,9 @@ def test_softcap_forward_backward(head_dim, dtype, causal, window_size, softcap)
 @pytest.mark.parametrize("causal,window_size,softcap", [(False, (128, 0), 0.0),
                                                         (True, (-1, -1), 20.0),
                                                         (False, (300, 100), 20.0)])
-def test_large_head_dims_forward(head_dim, causal, window_size, softcap):
+def test_large_head_dims_forward_backward(head_dim, causal, window_size, softcap):
     q, k, v, g = _inputs(1, 1000, 1200, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
-    _check(q, k, v, g, causal, window_size, softcap, backward=False)
+    _check(q, k, v, g, causal, window_size, softcap)
 
 
 @pytest.mark.parametrize("causal,window_size", [(False, (200, 64)), (True, (333, -1))])

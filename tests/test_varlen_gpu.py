@@ -21,15 +21,17 @@ def _cu(lengths):
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
 
 
-def _packed(lens_q, lens_k, heads, heads_kv, head_dim, seed, dtype=torch.bfloat16):
+def _packed(lens_q, lens_k, heads, heads_kv, head_dim, seed, dtype=torch.bfloat16,
+            head_dim_v=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    head_dim_v = head_dim_v or head_dim
 
     def randn(*shape):
         return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
 
     total_q, total_k = sum(lens_q), sum(lens_k)
     return (randn(total_q, heads, head_dim), randn(total_k, heads_kv, head_dim),
-            randn(total_k, heads_kv, head_dim), randn(total_q, heads, head_dim))
+            randn(total_k, heads_kv, head_dim_v), randn(total_q, heads, head_dim_v))
 
 
 def _run(fn, q, k, v, grad_out, backward):
@@ -43,8 +45,8 @@ def _run(fn, q, k, v, grad_out, backward):
 
 def _check(lens_q, lens_k, heads=4, heads_kv=2, head_dim=128, causal=False,
            window_size=(-1, -1), softcap=0.0, used=None, backward=True, deterministic=False,
-           seed=0):
-    q, k, v, g = _packed(lens_q, lens_k, heads, heads_kv, head_dim, seed)
+           seed=0, head_dim_v=None):
+    q, k, v, g = _packed(lens_q, lens_k, heads, heads_kv, head_dim, seed, head_dim_v=head_dim_v)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     used_q = used_k = None
     if used is not None:
@@ -85,11 +87,18 @@ RAGGED = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", RAGGED)
 def test_varlen_forward_backward(head_dim, causal, lens):
     _check(*lens, head_dim=head_dim, causal=causal, seed=head_dim + len(lens[0]))
+
+
+@pytest.mark.parametrize("head_dims", [(192, 128), (128, 64)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_value_head_dim_below_that_of_q(head_dims, deterministic):
+    _check(*RAGGED[0], head_dim=head_dims[0], head_dim_v=head_dims[1], causal=True,
+           deterministic=deterministic, seed=head_dims[1])
 
 
 @pytest.mark.parametrize("causal,window_size,softcap", [
