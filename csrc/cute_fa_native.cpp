@@ -90,7 +90,9 @@ struct PlanEntry {
   at::Tensor unused_i32, unused_f32;  // stand in for the buffers the variant never reads
 };
 
-using PlanKey = std::array<int64_t, 12>;
+// device, dtype, the shape (7), causal, deterministic, LSE gradient (0: a
+// forward), window left and right, softcap > 0, sinks
+using PlanKey = std::array<int64_t, 16>;
 
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
@@ -149,31 +151,42 @@ Variant read_variant(py::handle variant) {
   return v;
 }
 
-// This layer serves full and causal attention of plain scores; a window, a
-// softcap or learnable sinks go to the Python path.
-bool plain_scores(int64_t window_left, int64_t window_right, double softcap,
-                  const std::optional<at::Tensor>& learnable_sink) {
-  return window_left == -1 && window_right == -1 && softcap == 0.0 && !learnable_sink;
+// The fast acceptance of scores.check_score_args and check_sink: windows,
+// a softcap and learnable sinks that the naming checks let through.
+bool score_args_ok(int64_t window_left, int64_t window_right, double softcap,
+                   const std::optional<at::Tensor>& sink, const at::Tensor& q) {
+  if (window_left < -1 || window_right < -1) return false;
+  if (!(softcap >= 0.0 && std::isfinite(softcap))) return false;
+  if (!sink) return true;
+  const auto t = sink->scalar_type();
+  return sink->dim() == 1 && sink->size(0) == q.size(2) && sink->device() == q.device() &&
+         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+}
+
+// The sinks as the kernels read them: fp32 (1, 1, nheads) (ops.sink_input).
+at::Tensor sink_input(const at::Tensor& sink) {
+  return sink.to(at::kFloat).contiguous().view({1, 1, -1});
 }
 
 // Asks the Python planner (which compiles the kernels the first time) and
 // plans the problem: python_api/native.py, NativeVariant.
 std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool backward,
-                                     const CuteFaShape& shape) {
+                                     const CuteFaShape& shape, int32_t sink) {
   TORCH_CHECK(planner != nullptr, "cute_fa native: no planner set (python_api.native.load)");
   py::object r = py::reinterpret_borrow<py::object>(planner)(*args);
   auto entry = std::make_shared<PlanEntry>();
   entry->kernels = kernel_set(state(), r.attr("kernels"), r.attr("handles"));
   entry->nvtx_name = r.attr("nvtx_name").cast<std::string>();
   const int64_t num_sms = r.attr("num_sms").cast<int64_t>();
+  const auto window_sides = r.attr("window").cast<std::pair<int64_t, int64_t>>();
+  const CuteFaWindow window{window_sides.first, window_sides.second};
   int status;
   if (backward) {
     const auto v = read_variant<CuteFaBwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_bwd(&v, &shape, &cute_fa::kNoWindow, nullptr, 0, num_sms,
-                              &entry->plan);
+    status = cute_fa_plan_bwd(&v, &shape, &window, nullptr, sink, num_sms, &entry->plan);
   } else {
     const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_fwd(&v, &shape, &cute_fa::kNoWindow, nullptr, 0, 0, num_sms, 0, 0,
+    status = cute_fa_plan_fwd(&v, &shape, &window, nullptr, sink, 0, num_sms, 0, 0,
                               &entry->plan);
   }
   TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");
@@ -183,7 +196,7 @@ std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool bac
 // The plan of one problem, from the cache or planned now.
 std::shared_ptr<const PlanEntry> plan_for(const PlanKey& key, bool backward,
                                           const at::Tensor& like, const CuteFaShape& shape,
-                                          const std::function<py::tuple()>& args) {
+                                          bool sink, const std::function<py::tuple()>& args) {
   State& s = state();
   {
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -196,7 +209,7 @@ std::shared_ptr<const PlanEntry> plan_for(const PlanKey& key, bool backward,
   std::shared_ptr<PlanEntry> entry;
   {
     py::gil_scoped_acquire gil;
-    entry = make_plan(backward ? s.bwd_planner : s.fwd_planner, args(), backward, shape);
+    entry = make_plan(backward ? s.bwd_planner : s.fwd_planner, args(), backward, shape, sink);
   }
   entry->unused_i32 = at::empty({1, 1, 1}, like.options().dtype(at::kInt));
   entry->unused_f32 = at::empty({1, 1, 1}, like.options().dtype(at::kFloat));
@@ -216,7 +229,7 @@ std::shared_ptr<const PlanEntry> plan_for(const PlanKey& key, bool backward,
 // on torch's current stream inside the problem's NVTX range, and returns
 // the output buffers.
 std::vector<at::Tensor> execute(const PlanEntry& e, std::vector<at::Tensor>& buffers,
-                                double softmax_scale) {
+                                double softmax_scale, double softcap) {
   const CuteFaPlan& plan = e.plan;
   const at::Tensor& first = buffers[0];
   for (int32_t i = plan.num_inputs; i < plan.num_buffers; ++i) {
@@ -242,7 +255,8 @@ std::vector<at::Tensor> execute(const PlanEntry& e, std::vector<at::Tensor>& buf
     cute_fa::EnvStream stream(device, impl->getStream(first.device()).native_handle());
     TORCH_CHECK(stream.ok(), "cute_fa native: TVMFFIEnvSetStream failed");
     const std::string error =
-        cute_fa::run_launches(plan, e.kernels->launches.data(), views.data(), softmax_scale);
+        cute_fa::run_launches(plan, e.kernels->launches.data(), views.data(), softmax_scale,
+                              softcap);
     TORCH_CHECK(error.empty(), "cute_fa native: ", error);
   }
   std::vector<at::Tensor> outputs;
@@ -308,22 +322,26 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             int64_t window_right, double softcap,
                                             const std::optional<at::Tensor>& learnable_sink) {
   if (!attention_tensors_ok(q, k, v, scale) ||
-      !plain_scores(window_left, window_right, softcap, learnable_sink))
+      !score_args_ok(window_left, window_right, softcap, learnable_sink, q))
     return fall_back<std::tuple<at::Tensor, at::Tensor>>(state().fallback_fwd, [&] {
       return py::make_tuple(q, k, v, scale, causal, deterministic, window_left, window_right,
                             softcap, learnable_sink);
     });
   const CuteFaShape shape = shape_of(q, k, v);
+  const bool sink = learnable_sink.has_value();
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
-                    shape.head_dim, shape.head_dim_v, causal, 0, 0};
-  const auto entry =
-      plan_for(key, false, q, shape, [&] { return py::make_tuple(q, v, causal); });
+                    shape.head_dim, shape.head_dim_v, causal, 0, 0, window_left, window_right,
+                    softcap > 0.0, sink};
+  const auto entry = plan_for(key, false, q, shape, sink, [&] {
+    return py::make_tuple(q, k, v, causal, window_left, window_right, softcap, sink);
+  });
   const double softmax_scale =
       scale ? *scale : 1.0 / std::sqrt(static_cast<double>(shape.head_dim));
   std::vector<at::Tensor> buffers{tma_ready(q), tma_ready(k), tma_ready(v)};
   buffers.reserve(CUTE_FA_PLAN_MAX_BUFFERS);
-  auto out = execute(*entry, buffers, softmax_scale);
+  if (sink) buffers.push_back(sink_input(*learnable_sink));
+  auto out = execute(*entry, buffers, softmax_scale, softcap);
   return {out[0], out[1]};
 }
 
@@ -357,26 +375,34 @@ Grads bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor
                int64_t window_left, int64_t window_right, double softcap,
                const std::optional<at::Tensor>& learnable_sink) {
   if (!backward_inputs_ok(grad_out, q, k, v, out, lse, scale, grad_lse) ||
-      !plain_scores(window_left, window_right, softcap, learnable_sink))
+      !score_args_ok(window_left, window_right, softcap, learnable_sink, q))
     return fall_back<Grads>(state().fallback_bwd, [&] {
       return py::make_tuple(grad_out, q, k, v, out, lse, scale, causal, grad_lse,
                             deterministic, window_left, window_right, softcap, learnable_sink);
     });
   const CuteFaShape shape = shape_of(q, k, v);
+  const bool sink = learnable_sink.has_value();
   const PlanKey key{q.device().index(), static_cast<int64_t>(q.scalar_type()), shape.batch,
                     shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads_kv,
                     shape.head_dim, shape.head_dim_v, causal, deterministic,
-                    1 + grad_lse.has_value()};
-  const auto entry = plan_for(key, true, q, shape, [&] {
-    return py::make_tuple(q, k, v, causal, deterministic, grad_lse.has_value());
+                    1 + grad_lse.has_value(), window_left, window_right, softcap > 0.0, sink};
+  const auto entry = plan_for(key, true, q, shape, sink, [&] {
+    return py::make_tuple(q, k, v, causal, deterministic, grad_lse.has_value(), window_left,
+                          window_right, softcap, sink);
   });
   const at::Tensor lse_c = lse.contiguous();
   std::vector<at::Tensor> buffers{tma_ready(grad_out), tma_ready(q),   tma_ready(k),
                                   tma_ready(v),        tma_ready(out), lse_c,
                                   grad_lse ? grad_lse->to(at::kFloat).contiguous() : lse_c};
   buffers.reserve(CUTE_FA_PLAN_MAX_BUFFERS);
-  auto grads = execute(*entry, buffers, scale);
-  return {grads[0], grads[1], grads[2], at::empty({0}, lse.options())};
+  if (sink) buffers.push_back(sink_input(*learnable_sink));
+  auto grads = execute(*entry, buffers, scale, softcap);
+  // d(sink): the preprocess's partials summed in a fixed order (ops.sink_grad)
+  const std::array<int64_t, 2> batch_and_parts{0, 2};
+  at::Tensor dsink = sink ? grads[3].sum(at::IntArrayRef(batch_and_parts))
+                                .to(learnable_sink->scalar_type())
+                          : at::empty({0}, lse.options());
+  return {grads[0], grads[1], grads[2], dsink};
 }
 
 // Registered on demand (register_cuda_kernels), not at load time, so that the

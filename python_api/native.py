@@ -5,8 +5,9 @@ Python CUDA kernels of cute_fa::fwd / cute_fa::bwd cost more host time per
 call than ATen's attention ops (docs/findings.md, "Host path"). The extension does the
 same per-call work in C++; what runs once per new problem stays here:
 
-- the planners: device check, config choice and DSL compilation
-  (variants.py) and the NVTX range name, handed to C++ as a NativeVariant:
+- the planners: the score variant (scores.resolve: window, softcap,
+  sinks), device check, config choice and DSL compilation (variants.py)
+  and the NVTX range name, handed to C++ as a NativeVariant:
   TVM-FFI function handles and the variant's numbers, from which C++ makes
   the problem's launch plan (csrc/launch_plan.h) and caches it;
 - the fallbacks (set by ops.py): a call that fails the C++ fast check goes
@@ -133,28 +134,38 @@ class NativeVariant:
     variant: bytes  # a CuteFaFwdVariant / CuteFaBwdVariant
     num_sms: int
     nvtx_name: str
+    window: tuple  # (left, right) the kernels get (scores.resolve; -1: unbounded)
 
 
-def _fwd_plan(q, v, causal) -> NativeVariant:
+def _fwd_plan(q, k, v, causal, window_left, window_right, softcap, sink) -> NativeVariant:
     from . import launch_plan, variants
     from . import nvtx as nvtx_ranges
+    from .scores import resolve
 
-    kernel, config, device_index = variants.fwd_kernel_for(q, v, causal)
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
+                     sink=sink)
+    kernel, config, device_index = variants.fwd_kernel_for(q, v, scores.causal,
+                                                           features=scores.features)
     return NativeVariant(kernel, (_ffi_handle(kernel.fn),),
                          bytes(launch_plan.fwd_variant(config, v.shape[3])),
-                         variants.num_sms(device_index), nvtx_ranges.range_name("fwd", q, v, causal))
+                         variants.num_sms(device_index),
+                         nvtx_ranges.range_name("fwd", q, v, causal, scores), scores.window)
 
 
-def _bwd_plan(q, k, v, causal, deterministic, has_grad_lse) -> NativeVariant:
+def _bwd_plan(q, k, v, causal, deterministic, has_grad_lse, window_left, window_right, softcap,
+              sink) -> NativeVariant:
     from . import launch_plan, variants
     from . import nvtx as nvtx_ranges
+    from .scores import resolve
 
-    kernels, config, device_index = variants.bwd_kernels_for(q, k, causal, deterministic,
-                                                             has_grad_lse,
+    scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
+                     sink=sink)
+    kernels, config, device_index = variants.bwd_kernels_for(q, k, scores.causal, deterministic,
+                                                             has_grad_lse, None, scores.features,
                                                              head_dim_v=v.shape[3])
     return NativeVariant(kernels, tuple(_ffi_handle(f) for f in kernels.launch_list),
                          bytes(launch_plan.bwd_variant(config)), variants.num_sms(device_index),
-                         nvtx_ranges.range_name("bwd", q, v, causal))
+                         nvtx_ranges.range_name("bwd", q, v, causal, scores), scores.window)
 
 
 @functools.lru_cache(maxsize=None)

@@ -271,9 +271,9 @@ def test_aot_command_line(tmp_path):
                      "cute_fa_kernels_registry.c"]
     assert not out.exists()  # --list builds nothing
     default = aot.selected(parser.parse_args(["--out", "x"]))
-    # fwd: 2 dtypes x 5 head dims x causal; plain bwd: 2 x 3 (64 to 128) x causal
-    assert len(default) == 32 and not any(v.deterministic or v.split_gqa for v in default)
-    assert not any(v.direction == "bwd" and v.head_dim > 128 for v in default)
+    # fwd and plain bwd: 2 dtypes x 5 head dims x causal each
+    assert len(default) == 40 and not any(v.deterministic or v.split_gqa for v in default)
+    assert {v.head_dim for v in default if v.direction == "bwd"} == {64, 96, 128, 192, 256}
     for args, option in ((["--out", "x", "--backward-modes", "fast"], "--backward-modes"),
                          (["--out", "x", "--head-dims", "80"], "--head-dims"),
                          (["--list"], "--out")):

@@ -58,6 +58,38 @@ def test_native_matches_python_bitwise(shape, deterministic):
             torch.testing.assert_close(grads[0], grads_py[0], rtol=1e-2, atol=1e-2)
 
 
+# (causal, window_left, window_right, softcap, sinks): a local kernel, a
+# window that resolves to causal, a cap, sinks, and all of them at once
+SCORES = [(False, 200, 64, 0.0, False), (False, -1, 0, 0.0, False), (True, -1, -1, 20.0, False),
+          (False, -1, -1, 0.0, True), (True, 300, -1, 15.0, True)]
+
+
+@pytest.mark.parametrize("scores", SCORES, ids=str)
+def test_native_serves_windows_caps_and_sinks(scores):
+    """The C++ path plans windows, caps and sinks itself (a new plan each, no
+    fallback) and launches what the Python path does: the same bits."""
+    native = _native()
+    causal, left, right, softcap, with_sink = scores
+    q, k, v = _inputs(2, 700, 900, 8, 2, 128, torch.bfloat16, seed=left + 7)
+    sink = torch.randn(8, device="cuda") if with_sink else None
+    scale = default_scale(128)
+    before = native.cached_plans()
+    out, lse = native.fwd(q, k, v, None, causal, False, left, right, softcap, sink)
+    out_py, lse_py = ops.forward_cuda(q, k, v, scale, causal, window_left=left,
+                                      window_right=right, softcap=softcap, learnable_sink=sink)
+    assert native.cached_plans() == before + 1
+    assert torch.equal(out, out_py) and torch.equal(lse, lse_py)
+    grad_out = torch.randn_like(out)
+    grads = native.bwd(grad_out, q, k, v, out, lse, scale, causal, None, True, left, right,
+                       softcap, sink)
+    grads_py = ops.backward_cuda(grad_out, q, k, v, out, lse, scale, causal, None, True,
+                                 left, right, softcap, sink)
+    assert native.cached_plans() == before + 2
+    for g, g_py in zip(grads, grads_py):
+        assert torch.equal(g, g_py)
+    assert grads[3].shape == ((8,) if with_sink else (0,))
+
+
 def test_native_serves_the_ops_and_the_public_function():
     native = _native()
     from cute_fa import flash_attn_func
@@ -143,11 +175,20 @@ def test_native_runs_on_the_current_stream():
     (dict(q=lambda q: q[:, :, :3]), ValueError, r"k: expected nheads_kv to divide"),
     (dict(v=lambda v: v.transpose(-1, -2).contiguous().transpose(-1, -2)), ValueError,
      r"v: expected the last dimension"),
+    (dict(window_left=-2), ValueError, r"window_left: expected -1"),
+    (dict(softcap=-1.0), ValueError, r"softcap: expected a finite value >= 0"),
+    (dict(learnable_sink=lambda: torch.zeros(3, device="cuda")), ValueError,
+     r"learnable_sink: expected shape \(4,\)"),
 ])
 def test_native_raises_the_named_errors(change, error, pattern):
     _native()
     args = dict(zip("qkv", _inputs(1, 64, 64, 4, 2, 64, torch.bfloat16)))
+    scores = dict(window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None)
     for name, fn in change.items():
-        args[name] = fn(args[name])
+        if name in scores:  # a value, or for a tensor its maker
+            scores[name] = fn() if callable(fn) else fn
+        else:
+            args[name] = fn(args[name])
     with pytest.raises(error, match=pattern):
-        torch.ops.cute_fa.fwd(args["q"], args["k"], args["v"], None, True)
+        torch.ops.cute_fa.fwd(args["q"], args["k"], args["v"], None, True, False,
+                              **scores)
