@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
-from .bwd_sm90 import dq_gemm_shape, dq_tiled_mma
+from .bwd_partition import dq_gemm_shape, dq_tiled_mma
 from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
 from .kernel_base import SMEM_ALIGN, permute, store_rows, tma_store_tile
 from .varlen import Seqlens
