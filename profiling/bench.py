@@ -33,8 +33,9 @@ from .backends import (BACKENDS, OURS, BackendUnavailable, add_backends_option,
 from .cli import INSTALL_BENCH, command_parser, positive_int, progress, require_cuda, require_module
 from .flops import attention_flops, batch_for, tflops
 from .problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
-                      add_head_dim_option, add_head_dim_v_option, add_size_options, check_gqa,
-                      heads_for, make_qkv)
+                      add_head_dim_option, add_head_dim_v_option, add_score_options,
+                      add_size_options, check_gqa, check_score_options, heads_for, make_qkv,
+                      make_sinks)
 from . import report
 from .report import (add_ratios, environment, format_table, head_dims_text, write_json,
                      write_markdown, write_plots)
@@ -54,16 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_direction_option(p, ["fwd"], multiple=True)
     # FlexAttention compiles per problem shape: a peer to ask for (--backends ...,flex)
     add_backends_option(p, [b for b in BACKENDS if b != "flex"])
-    p.add_argument("--window", type=_window, default=(-1, -1), metavar="LEFT,RIGHT",
-                   help="sliding window of every problem, flash_attn_func's window_size "
-                        "(-1: unbounded side); TFLOP/s count the pairs it lets through "
-                        "(default: -1,-1, none)")
-    p.add_argument("--softcap", type=float, default=0.0, metavar="C",
-                   help="soft-cap every problem's scores at C (default: 0, none)")
-    p.add_argument("--sink", action="store_true",
-                   help="learnable sinks in every problem (one fp32 logit per query head, "
-                        "flash_attn_func's learnable_sink; the backward computes their "
-                        "gradient too) (default: none)")
+    add_score_options(p, "TFLOP/s count the pairs it lets through")
     p.add_argument("--math-max-seqlen", type=positive_int, default=4096,
                    help="skip sdpa_math above this sequence length: its memory and time are "
                         "quadratic in it (default: 4096)")
@@ -85,23 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _window(text: str) -> tuple[int, int]:
-    try:
-        left, right = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (ints, -1: unbounded), "
-                                         f"got {text!r}") from None
-    if min(left, right) < -1:
-        raise argparse.ArgumentTypeError(f"expected sizes >= -1, got {text!r}")
-    return left, right
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, args.head_dims)
-    if not (args.softcap >= 0):
-        p.error(f"--softcap: expected a value >= 0, got {args.softcap}")
+    check_score_options(p, args)
     if args.report is not None and os.path.exists(args.report) \
             and not os.path.isdir(args.report):
         p.error(f"--report: expected a folder, got {args.report!r}, an existing file")
@@ -142,10 +122,7 @@ def run_problem(problem: dict, backends: list[str], args) -> list[dict]:
                        head_dim_v=dv)
     flops = attention_flops(b, h, s, problem["seqlen_k"], d, problem["causal"],
                             problem["direction"], head_dim_v=dv, window=problem["window"])
-    sinks = None
-    if problem.get("sink"):
-        gen = torch.Generator(device=q.device).manual_seed(1)
-        sinks = torch.randn(h, device=q.device, generator=gen)
+    sinks = make_sinks(h, q.device) if problem.get("sink") else None
     rows, runnable = {}, {}
     for name in backends:
         rows[name] = dict(problem, backend=name, status="ok", median_ms=None, tflops=None,

@@ -2,6 +2,7 @@
 
     python -m cute_fa.profiling.host                        # the default model's attention
     python -m cute_fa.profiling.host --seqlen 8192 --heads 16 --heads-kv 16 --head-dim 64
+    python -m cute_fa.profiling.host --modes fwd --window 1024,0 --softcap 30   # score mods
 
 A training step that is not captured in a CUDA graph is paced by its host (the
 default model's compiled step on an H100 took ~51 ms of wall time for ~30 ms
@@ -33,7 +34,8 @@ from .backends import (BACKENDS, OURS, BackendUnavailable, add_backends_option,
                        make_callable)
 from .cli import choice_list, command_parser, positive_int, require_cuda
 from .problem import (DTYPES, add_causal_option, add_dense_shape_options, add_dtype_option,
-                      add_head_dim_option, check_heads_kv, make_qkv)
+                      add_head_dim_option, add_score_options, check_heads_kv,
+                      check_score_options, make_qkv, make_sinks)
 
 MODES = ("fwd", "fwd_bwd", "compiled_fwd_bwd")
 # ~0.5 s at H100 clocks: longer than any batch of timed calls below.
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_head_dim_option(p)
     add_causal_option(p, "yes")
     add_dtype_option(p)
+    add_score_options(p)
     p.add_argument("--calls", type=positive_int, default=20,
                    help="timed calls per round, all queued behind one GPU spin (default: 20)")
     p.add_argument("--rounds", type=positive_int, default=7,
@@ -64,14 +67,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_heads_kv(p, args)
+    check_score_options(p, args)
     return args
 
 
-def make_call(backend: str, mode: str, q, k, v, causal: bool):
+def make_call(backend: str, mode: str, q, k, v, causal: bool, window_size=(-1, -1),
+              softcap: float = 0.0, learnable_sink=None):
     """A zero-argument callable running one call of `mode` with `backend`."""
     direction = "fwd" if mode == "fwd" else "fwd_bwd"
     return make_callable(backend, q, k, v, causal, q.shape[-1] ** -0.5, direction,
-                         compiled=mode == "compiled_fwd_bwd")
+                         compiled=mode == "compiled_fwd_bwd", window_size=window_size,
+                         softcap=softcap, learnable_sink=learnable_sink)
 
 
 def host_us_per_call(fn, calls: int) -> float:
@@ -93,12 +99,14 @@ def measure(args) -> list[dict]:
     q, k, v = make_qkv(args.batch, args.seqlen, args.seqlen, args.heads, args.heads_kv,
                        args.head_dim, DTYPES[args.dtype], seed=0)
     causal = args.causal == "yes"
+    sinks = make_sinks(args.heads, q.device) if args.sink else None
     rows = []
     for mode in args.modes:
         calls, status = {}, {}
         for backend in args.backends:
             try:
-                fn = make_call(backend, mode, q, k, v, causal)
+                fn = make_call(backend, mode, q, k, v, causal, args.window, args.softcap,
+                               sinks)
                 for _ in range(3):  # JIT compile, torch.compile, allocator warm-up
                     fn()
                 torch.cuda.synchronize()

@@ -4,6 +4,8 @@ every command that takes them)."""
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from cute_fa.kernels.config import HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS
@@ -164,3 +166,40 @@ def check_gqa(parser, args, head_dims) -> None:
         if heads % args.gqa:
             parser.error(f"--gqa: expected a divisor of the {heads} query heads at head dim "
                          f"{head_dim}, got {args.gqa}")
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (ints, -1: unbounded), "
+                                         f"got {text!r}") from None
+    if min(left, right) < -1:
+        raise argparse.ArgumentTypeError(f"expected sizes >= -1, got {text!r}")
+    return left, right
+
+
+def add_score_options(p, window_note: str | None = None) -> None:
+    """--window, --softcap, --sink: the score modifications of every problem,
+    as flash_attn_func takes them (check_score_options after parsing)."""
+    note = f"; {window_note}" if window_note else ""
+    p.add_argument("--window", type=_window, default=(-1, -1), metavar="LEFT,RIGHT",
+                   help=f"sliding window of every problem, flash_attn_func's window_size "
+                        f"(-1: unbounded side){note} (default: -1,-1, none)")
+    p.add_argument("--softcap", type=float, default=0.0, metavar="C",
+                   help="soft-cap every problem's scores at C (default: 0, none)")
+    p.add_argument("--sink", action="store_true",
+                   help="learnable sinks in every problem (one fp32 logit per query head, "
+                        "flash_attn_func's learnable_sink; the backward computes their "
+                        "gradient too) (default: none)")
+
+
+def check_score_options(parser, args) -> None:
+    if not (args.softcap >= 0):
+        parser.error(f"--softcap: expected a value >= 0, got {args.softcap}")
+
+
+def make_sinks(heads: int, device) -> torch.Tensor:
+    """The learnable sinks of a problem with --sink: fp32 normal, seed 1."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    return torch.randn(heads, device=device, generator=gen)

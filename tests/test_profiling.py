@@ -251,8 +251,12 @@ def test_host_arguments_and_table():
 
     args = host.parse_args([])
     assert args.backends[0] == "cute" and args.modes == list(host.MODES)
+    assert (args.window, args.softcap, args.sink) == ((-1, -1), 0.0, False)
+    mods = host.parse_args(["--window", "1024,0", "--softcap", "30", "--sink"])
+    assert (mods.window, mods.softcap, mods.sink) == ((1024, 0), 30.0, True)
     for bad, match in ((["--modes", "sideways"], "--modes"), (["--backends", "nope"], "--backends"),
-                       (["--heads", "8", "--heads-kv", "3"], "--heads-kv")):
+                       (["--heads", "8", "--heads-kv", "3"], "--heads-kv"),
+                       (["--window", "-2,0"], "--window"), (["--softcap", "-1"], "--softcap")):
         with pytest.raises(SystemExit):
             host.parse_args(bad)
     rows = [dict(mode="fwd", backend="cute", host_us=40.0, status="ok"),
@@ -268,6 +272,8 @@ def test_host_calls_run_on_cpu_through_sdpa_math():
     q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
     for mode in ("fwd", "fwd_bwd"):
         host.make_call("sdpa_math", mode, q, k, v, causal=True)()
+        # ours on the CPU is the reference math, with the score modifications
+        host.make_call("cute", mode, q, k, v, True, (8, 0), 20.0, torch.zeros(2))()
 
 
 def test_step_arguments():
