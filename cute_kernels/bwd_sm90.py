@@ -336,9 +336,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             sD: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
             sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)],
                                     SMEM_ALIGN]
-            # the dQ slabs (dq_direct: none, four floats for a well-formed struct)
-            sdQ: cute.struct.Align[cute.struct.MemRange[
-                Float32, 4 if self.cfg.dq_direct else tile_m * d], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._dq_slab_floats()], 128]
 
         if cutlass.const_expr(self.features.varlen):
             max_tiles = VarlenScheduler.max_tiles(mK.shape[0], seqlens.num_batch(mK.shape[3]),
@@ -400,8 +398,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sLSE2.get_tensor(sStat_layout),
             storage.sD.get_tensor(sStat_layout),
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
-            storage.sdQ.get_tensor(cute.make_layout(
-                4 if self.cfg.dq_direct else self.tile_m * self.head_dim)),
+            storage.sdQ.get_tensor(cute.make_layout(self._dq_slab_floats())),
         )
         tiles = _Tiles(TileSequence(self._scheduler(mQ, mK, seqlens),
                                     TileQueue(mSemaphore, storage.tile_slots.get_tensor(
@@ -423,6 +420,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                          softmax_scale_log2,
                          softmax_scale, limits, score_pre_tanh, smem, pipes, mma_sdp, mma_dk,
                          mma_dv, mma_dq, tiles)
+
+    def _dq_slab_floats(self) -> int:
+        """The dQ slabs' floats: every warpgroup's partial of a query block,
+        or with dq_direct none (four, for a well-formed struct)."""
+        return 4 if self.cfg.dq_direct else self.tile_m * self.head_dim
 
     def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor, seqlens: Seqlens):
         """One CTA per (key block, KV head or with split_gqa query head, batch),

@@ -164,7 +164,6 @@ def get_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConfig,
 def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
             has_grad_lse: bool, features: Features = PLAIN_FEATURES,
             head_dim_v: int | None = None) -> CompiledBackward:
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse, features, head_dim_v),
                    CompiledBackward, compile_bwd, dtype, head_dim, causal, config,
                    has_grad_lse, None, features, head_dim_v)

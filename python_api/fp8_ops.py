@@ -24,8 +24,8 @@ import torch
 from . import launch_plan
 from . import nvtx as nvtx_ranges
 from .kernels.config import FP8_HEAD_DIMS
-from .ops import _lib, tma_ready
-from .reference import attention_reference
+from .ops import _lib, keyless_lse, tma_ready
+from .reference import attention_reference, resolve_scale
 from .scores import resolve
 from .validate import (check_argument_types, check_kv_shapes, check_one_device,
                        check_tensor_layout, describe)
@@ -79,10 +79,6 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
         raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
 
 
-def _scale(q, softmax_scale):
-    return 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-
-
 def _descales(q, k, q_descale, k_descale, v_descale) -> torch.Tensor:
     """The kernel's descales, fp32 (3, batch, nheads_kv): q's, k's, v's (1 where None)."""
     ones = None
@@ -109,7 +105,7 @@ def _fwd_fp8_cpu(q, k, v, q_descale=None, k_descale=None, v_descale=None, softma
     check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale, out_dtype)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("fwd", q, v, causal)):
         out, lse = attention_reference(_dequantized(q, q_descale), _dequantized(k, k_descale),
-                                       _dequantized(v, v_descale), _scale(q, softmax_scale),
+                                       _dequantized(v, v_descale), resolve_scale(q, softmax_scale),
                                        causal)
     return out.to(out_dtype or torch.bfloat16).contiguous(), lse.contiguous()
 
@@ -123,7 +119,7 @@ def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     batch, seqlen_q, heads, _ = q.shape
     if q.numel() == 0 or k.shape[1] == 0:
         out = torch.zeros((batch, seqlen_q, heads, v.shape[3]), dtype=out_dtype, device=q.device)
-        return out, torch.full((batch, heads, seqlen_q), float("-inf"), device=q.device)
+        return out, keyless_lse((batch, heads, seqlen_q), 1, None, q.device)
     scores = resolve(causal, -1, -1, 0.0, seqlen_q, k.shape[1])
     name = nvtx_ranges.range_name("fwd", q, v, causal, scores)
     kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.features,
@@ -134,7 +130,7 @@ def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
               _descales(q, k, q_descale, k_descale, v_descale)]
     nvtx_ranges.push(name)
     try:
-        return launch_plan.execute(plan, [kernel.fn], inputs, _scale(q, softmax_scale),
+        return launch_plan.execute(plan, [kernel.fn], inputs, resolve_scale(q, softmax_scale),
                                    out_dtype=out_dtype)
     finally:
         nvtx_ranges.pop()

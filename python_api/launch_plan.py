@@ -299,9 +299,9 @@ def execute(plan: Plan, launches: list, inputs: list, softmax_scale: float,
     first = inputs[0]
     device = first.device
     buffers = list(inputs)
-    dtypes = {INPUT_DTYPE: first.dtype, OUTPUT_DTYPE: out_dtype, **_TORCH_DTYPE}
     for w in plan.workspaces:
-        dtype = dtypes[w.dtype]
+        dtype = (first.dtype if w.dtype == INPUT_DTYPE else out_dtype if w.dtype == OUTPUT_DTYPE
+                 else _TORCH_DTYPE[w.dtype])
         if w.init == UNUSED:
             buffers.append(_stand_in(device, dtype))
         elif w.init == ZERO:

@@ -142,6 +142,26 @@ def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
 
 
+def pad_backward_tensors(grad_out, q, k, v, out):
+    """The backward's tensors at the kernels' head dims: q and k padded to
+    q's kernel head dim, grad_out, v and out to v's (zero columns, whose
+    gradients are zero: unpad_grads drops them). Returns (grad_out, q, k, v,
+    out), the caller's head dims of q, k, v and the kernel's."""
+    head_dims = (q.shape[-1], k.shape[-1], v.shape[-1])
+    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[-1]), kernel_head_dim(v.shape[-1])
+    kernel_dims = (kernel_dim, kernel_dim, kernel_dim_v)
+    if head_dims != kernel_dims:
+        q, k = pad_head_dim(q, kernel_dim), pad_head_dim(k, kernel_dim)
+        grad_out, v, out = (pad_head_dim(t, kernel_dim_v) for t in (grad_out, v, out))
+    return (grad_out, q, k, v, out), head_dims, kernel_dims
+
+
+def unpad_grads(grads, head_dims: tuple, kernel_dims: tuple) -> tuple:
+    """dq, dk, dv at the caller's head dims (pad_backward_tensors)."""
+    return tuple(g[..., :d].contiguous() if d != kd else g
+                 for g, d, kd in zip(grads, head_dims, kernel_dims))
+
+
 def _check_forced_tail(config: FwdConfig, q: torch.Tensor, tail: tail_plan.TailPlan) -> None:
     batch, seqlen_q, heads, _ = q.shape
     num_tiles = -(-seqlen_q // config.tile_m) * heads * batch
@@ -172,15 +192,11 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
                      sink=sink)
     name = nvtx_ranges.range_name("bwd", q, v, causal, scores)  # the caller's head dim
-    head_dims = (q.shape[3], k.shape[3], v.shape[3])
-    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[3]), kernel_head_dim(v.shape[3])
-    kernel_dims = (kernel_dim, kernel_dim, kernel_dim_v)
-    if head_dims != kernel_dims:  # the padded columns' gradients are zero: dropped
-        q, k = pad_head_dim(q, kernel_dim), pad_head_dim(k, kernel_dim)
-        grad_out, v, out = (pad_head_dim(t, kernel_dim_v) for t in (grad_out, v, out))
+    (grad_out, q, k, v, out), head_dims, kernel_dims = pad_backward_tensors(grad_out, q, k, v,
+                                                                            out)
     kernels, config, device_index = bwd_kernels_for(q, k, scores.causal, deterministic,
                                                     grad_lse is not None, config, scores.features,
-                                                    head_dim_v=kernel_dim_v)
+                                                    head_dim_v=kernel_dims[2])
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
                                 scores.window, sink=sink)
     lse = lse.contiguous()
@@ -198,8 +214,7 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if sink:
         grads = grads[:3] + (sink_grad(grads[3], learnable_sink),)
     if head_dims != kernel_dims:
-        grads = tuple(g[..., :d].contiguous() if d != kd else g
-                      for g, d, kd in zip(grads, head_dims, kernel_dims)) + grads[3:]
+        grads = unpad_grads(grads, head_dims, kernel_dims) + grads[3:]
     return grads
 
 

@@ -201,15 +201,12 @@ def varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
                      varlen=True, sink=sink)
     name = nvtx_ranges.varlen_range_name("varlen_bwd", q, v, batch, max_seqlen_q, max_seqlen_k,
                                          causal, scores)
-    head_dims = (q.shape[2], k.shape[2], v.shape[2])
-    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[2]), kernel_head_dim(v.shape[2])
-    kernel_dims = (kernel_dim, kernel_dim, kernel_dim_v)
-    q, k = ops.pad_head_dim(q, kernel_dim), ops.pad_head_dim(k, kernel_dim)
-    grad_out, v, out = (ops.pad_head_dim(t, kernel_dim_v) for t in (grad_out, v, out))
+    (grad_out, q, k, v, out), head_dims, kernel_dims = ops.pad_backward_tensors(
+        grad_out, q, k, v, out)
     packed = [_batch_of_one(t) for t in (grad_out, q, k, v, out)]
     kernels, config, device_index = bwd_kernels_for(
         packed[1], packed[2], scores.causal, deterministic, grad_lse is not None, config,
-        scores.features, head_dim_v=kernel_dim_v)
+        scores.features, head_dim_v=kernel_dims[2])
     plan = launch_plan.plan_bwd(
         config, launch_plan.varlen_shape(q, k, v, batch, max_seqlen_q, max_seqlen_k),
         num_sms(device_index), scores.window,
@@ -224,8 +221,7 @@ def varlen_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
         grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,
                                     scores.softcap)
     dsink = (ops.sink_grad(grads[3], learnable_sink),) if sink else ()
-    return tuple(g[0][..., :d].contiguous() if d != kd else g[0]
-                 for g, d, kd in zip(grads, head_dims, kernel_dims)) + dsink
+    return ops.unpad_grads([g[0] for g in grads[:3]], head_dims, kernel_dims) + dsink
 
 
 _lib = ops._lib
