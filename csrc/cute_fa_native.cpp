@@ -183,10 +183,11 @@ std::shared_ptr<PlanEntry> make_plan(PyObject* planner, py::tuple args, bool bac
   int status;
   if (backward) {
     const auto v = read_variant<CuteFaBwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_bwd(&v, &shape, &window, nullptr, sink, num_sms, &entry->plan);
+    status = cute_fa_plan_bwd(&v, &shape, &window, nullptr, sink, nullptr, num_sms,
+                              &entry->plan);
   } else {
     const auto v = read_variant<CuteFaFwdVariant>(r.attr("variant"));
-    status = cute_fa_plan_fwd(&v, &shape, &window, nullptr, sink, 0, num_sms, 0, 0,
+    status = cute_fa_plan_fwd(&v, &shape, &window, nullptr, sink, nullptr, 0, num_sms, 0, 0,
                               &entry->plan);
   }
   TORCH_CHECK(status == 0, "cute_fa native: no launch plan for this problem");

@@ -217,8 +217,10 @@ Problem prepare(const CuteFaKernelVariant* v, const CuteFaShape& shape, int64_t 
   // (dense batches: a packed one goes through the Python path)
   const CuteFaWindow* full = &cute_fa::kNoWindow;
   const int status =
-      v->backward ? cute_fa_plan_bwd(&v->bwd, &shape, full, nullptr, 0, num_sms, &p.plan)
-                  : cute_fa_plan_fwd(&v->fwd, &shape, full, nullptr, 0, 0, num_sms, 0, 0, &p.plan);
+      v->backward
+          ? cute_fa_plan_bwd(&v->bwd, &shape, full, nullptr, 0, nullptr, num_sms, &p.plan)
+          : cute_fa_plan_fwd(&v->fwd, &shape, full, nullptr, 0, nullptr, 0, num_sms, 0, 0,
+                             &p.plan);
   if (status != 0) fail(std::string("no launch plan for this shape with ") + v->name);
   p.buffers.resize(p.plan.num_buffers);
   p.views.resize(p.plan.num_buffers);
@@ -302,8 +304,9 @@ int main(int argc, char** argv) {
     const CuteFaWindow* full = &cute_fa::kNoWindow;
     const int status =
         variant->backward
-            ? cute_fa_plan_bwd(&variant->bwd, &shape, full, nullptr, 0, o.plan_sms, &plan)
-            : cute_fa_plan_fwd(&variant->fwd, &shape, full, nullptr, 0, 0, o.plan_sms, 0, 0, &plan);
+            ? cute_fa_plan_bwd(&variant->bwd, &shape, full, nullptr, 0, nullptr, o.plan_sms, &plan)
+            : cute_fa_plan_fwd(&variant->fwd, &shape, full, nullptr, 0, nullptr, 0, o.plan_sms,
+                               0, 0, &plan);
     if (status != 0) fail(std::string("no launch plan for this shape with ") + variant->name);
     std::printf("(planned for %lld SMs)\n", static_cast<long long>(o.plan_sms));
     print_plan(*variant, plan);

@@ -158,6 +158,18 @@ int f32_stand_in(Builder& b, int index) {
   return index >= 0 ? index : b.buffer3(CUTE_FA_F32, CUTE_FA_UNUSED, 1, 1, 1);
 }
 
+// The tile lists of a block mask: an input where the call has one, or one
+// stand-in the kernels never read (after the other buffers).
+int block_sparse_input(Builder& b, const CuteFaBlockSparse* sparse) {
+  if (sparse == nullptr) return -1;
+  const int64_t shape[3] = {sparse->batch, sparse->rows, sparse->words};
+  return b.input(CUTE_FA_I32, 3, shape, false);
+}
+
+int i32_stand_in(Builder& b, int index) {
+  return index >= 0 ? index : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
+}
+
 // The preprocess's warps per CTA and rows per CTA (cute_kernels/bwd_pre_post.py).
 constexpr int64_t kPreprocessWarps = 4, kPreprocessRows = 16;
 
@@ -183,11 +195,14 @@ extern "C" int64_t cute_fa_tail_parts(int64_t num_tiles, int64_t num_sms, int64_
 
 extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
                                 const CuteFaWindow* window, const CuteFaVarlen* varlen,
-                                int32_t sink, int32_t fp8, int64_t num_sms,
+                                int32_t sink, const CuteFaBlockSparse* block_sparse,
+                                int32_t fp8, int64_t num_sms,
                                 int64_t forced_full_tiles, int64_t forced_parts,
                                 CuteFaPlan* plan) {
   if (!shape_ok(s, varlen) || v->tile_m <= 0 || v->tile_n <= 0 || num_sms <= 0) return -1;
   if (fp8 && varlen) return -1;  // the e4m3 kernels take dense batches
+  // a block mask: a dense batch, tiles claimed in turn
+  if (block_sparse && (varlen || fp8 || v->split_tail || forced_parts > 1)) return -1;
   // a packed batch's tiles are claimed in turn: no fixed last round to split
   if (varlen && (v->split_tail || forced_parts > 1)) return -1;
   Builder b(plan);
@@ -200,6 +215,7 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   const int vv = b.input(CUTE_FA_INPUT_DTYPE, 4, bshd_v, true);
   SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
   int sinks = sink_input(b, s, sink);
+  int sparse = block_sparse_input(b, block_sparse);
   int descales = -1;
   if (fp8) {
     const int64_t shape[3] = {3, s->batch, s->heads_kv};
@@ -242,11 +258,12 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   dense_stand_in(b, seqs);
   sinks = f32_stand_in(b, sinks);
   descales = f32_stand_in(b, descales);
+  sparse = i32_stand_in(b, sparse);
   // the page table of a paged KV cache (python_api/decode.py's kernels only)
   const int no_pages = b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
   CuteFaLaunch* fwd = b.launch(0);
   b.tensors(fwd, {q, k, vv, out, lse, counters, partials, seqs.cu_q, seqs.cu_k, seqs.used_q,
-                  seqs.used_k, sinks, no_pages, descales});
+                  seqs.used_k, sinks, no_pages, descales, sparse});
   b.arg(fwd, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);
@@ -260,11 +277,13 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
 
 extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
                                 const CuteFaWindow* window, const CuteFaVarlen* varlen,
-                                int32_t sink, int64_t num_sms, CuteFaPlan* plan) {
+                                int32_t sink, const CuteFaBlockSparse* block_sparse,
+                                int64_t num_sms, CuteFaPlan* plan) {
   // The backward kernels take v's head dim (v, the output, dO, dV) at most
   // q's; a packed batch's dK and dV leave per KV head (no split_gqa partials).
   if (!shape_ok(s, varlen) || s->head_dim_v > s->head_dim || v->tile_m <= 0 ||
-      num_sms <= 0 || (varlen && v->split_gqa))
+      num_sms <= 0 || (varlen && v->split_gqa) ||
+      (block_sparse && (varlen || v->deterministic)))
     return -1;
   Builder b(plan);
   plan->tail_parts = 1;
@@ -286,6 +305,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const int grad_lse = b.input(CUTE_FA_F32, 3, rows, false);
   SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
   int sinks = sink_input(b, s, sink);
+  int sparse = block_sparse_input(b, block_sparse);
 
   // whole query tiles per sequence (a packed batch's: cute_kernels/varlen.py)
   const int64_t padded_q = ceil_div(varlen ? SQ + s->batch * v->tile_m : SQ, v->tile_m) *
@@ -322,6 +342,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
 
   dense_stand_in(b, seqs);
   sinks = f32_stand_in(b, sinks);
+  sparse = i32_stand_in(b, sparse);
   CuteFaLaunch* pre = b.launch(0);
   b.tensors(pre, {out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore, seqs.cu_q,
                   seqs.used_q, sinks, sink_partials >= 0 ? sink_partials : sinks});
@@ -329,7 +350,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   b.arg(pre, CUTE_FA_ARG_INT, 0, s->seqlen_q);
   CuteFaLaunch* main = b.launch(1);
   b.tensors(main, {q, k, vv, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore,
-                   seqs.cu_q, seqs.cu_k, seqs.used_q, seqs.used_k});
+                   seqs.cu_q, seqs.cu_k, seqs.used_q, seqs.used_k, sparse});
   b.arg(main, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(main, CUTE_FA_ARG_SCALE);
   b.arg(main, CUTE_FA_ARG_INT, 0, num_sms);
@@ -355,7 +376,8 @@ extern "C" void cute_fa_plan_layout(int64_t* version, int64_t* sizes, int32_t nu
   *version = CUTE_FA_PLAN_LAYOUT_VERSION;
   const int64_t all[] = {sizeof(CuteFaShape), sizeof(CuteFaFwdVariant), sizeof(CuteFaBwdVariant),
                          sizeof(CuteFaBuffer), sizeof(CuteFaArg), sizeof(CuteFaLaunch),
-                         sizeof(CuteFaPlan), sizeof(CuteFaWindow), sizeof(CuteFaVarlen)};
+                         sizeof(CuteFaPlan), sizeof(CuteFaWindow), sizeof(CuteFaVarlen),
+                         sizeof(CuteFaBlockSparse)};
   for (int32_t i = 0; i < num_sizes && i < static_cast<int32_t>(sizeof(all) / sizeof(all[0]));
        ++i)
     sizes[i] = all[i];

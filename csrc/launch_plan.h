@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 6
+#define CUTE_FA_PLAN_LAYOUT_VERSION 7
 #define CUTE_FA_PLAN_MAX_BUFFERS 24
 #define CUTE_FA_PLAN_MAX_ARGS 24
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
@@ -43,6 +43,15 @@ typedef struct {
   int64_t total_q, total_k;
   int32_t seqused_q, seqused_k;
 } CuteFaVarlen;
+
+/* A block-sparse call's tile lists, int32 (batch, heads * tiles, words):
+ * batch and heads 1 where the mask is the same for every batch or head, one
+ * row of `words` per (batch, head, outer tile) of the kernel (a query tile
+ * of the forward, a key tile of the backward). NULL in the plan functions:
+ * no block mask. The kernels' side: cute_kernels/block_sparse.py. */
+typedef struct {
+  int64_t batch, rows, words;
+} CuteFaBlockSparse;
 
 /* A sliding window around each query's (bottom-right aligned) diagonal, in
  * keys; -1: unbounded on that side. Read by local kernels only; the plan
@@ -126,7 +135,8 @@ typedef struct {
 /* Forward. Inputs: q, k, v (dense (b, s, h, d); packed (1, total, h, d),
  * then cu_seqlens_q, cu_seqlens_k (1, 1, b + 1) and seqused_q, seqused_k
  * (1, 1, b), int32, those not in use bound to any int32 tensor); sink != 0:
- * then the learnable sinks, fp32 (1, 1, h); fp8 != 0 (e4m3 q, k, v, a dense
+ * then the learnable sinks, fp32 (1, 1, h); block_sparse: then the tile
+ * lists (CuteFaBlockSparse); fp8 != 0 (e4m3 q, k, v, a dense
  * batch): then their descales, fp32 (3, b, h_kv), and out is OUTPUT_DTYPE.
  * Launches: fwd. Outputs: out, lse ((b, h, s_q); packed (1, h, total_q)).
  * forced_parts 0: the split of the tail from the cost model (launch_plan.cpp);
@@ -134,18 +144,18 @@ typedef struct {
  * caller). Returns 0, or -1 for a shape or variant it cannot plan. */
 int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
                      const CuteFaWindow* window, const CuteFaVarlen* varlen, int32_t sink,
-                     int32_t fp8, int64_t num_sms, int64_t forced_full_tiles,
+                     const CuteFaBlockSparse* block_sparse, int32_t fp8, int64_t num_sms, int64_t forced_full_tiles,
                      int64_t forced_parts, CuteFaPlan* plan);
 
 /* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
  * the call has none); packed: then the forward's four int32 tensors; sink:
- * then the sinks. Launches: preprocess, main, postprocess[, group_sum].
+ * then the sinks; block_sparse: then the backward's tile lists. Launches: preprocess, main, postprocess[, group_sum].
  * Outputs: grad_q, grad_k, grad_v; sink: then the sink gradient's partials,
  * fp32 (b, h, n), whose sum over b and n is d(sink) (the preprocess,
  * cute_kernels/bwd_pre_post.py). */
 int cute_fa_plan_bwd(const CuteFaBwdVariant* variant, const CuteFaShape* shape,
                      const CuteFaWindow* window, const CuteFaVarlen* varlen, int32_t sink,
-                     int64_t num_sms, CuteFaPlan* plan);
+                     const CuteFaBlockSparse* block_sparse, int64_t num_sms, CuteFaPlan* plan);
 
 /* The key ranges per tile of the forward's split tail for `num_tiles` tiles of
  * `n_blocks` K/V blocks on `num_sms` persistent CTAs (1: no split). */

@@ -64,6 +64,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
+from .block_sparse import SparseRow, apply_bits, static_coords
 from .bwd_partition import (dkv_tiled_mma, dq_gemm_shape, dq_tiled_mma, ds_buffers, pt_buffer,
                             sdp_tiled_mma)
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
@@ -115,6 +116,7 @@ class _Tiles(DslStruct):
     seqlens: Seqlens
     q_per_kv: Int32
     split_gqa: bool  # scheduler heads are query heads, else KV heads
+    block_sparse: cute.Tensor  # the tile lists (block_sparse kernels read it)
 
     def first(self) -> Int32:
         return Int32(cute.arch.block_idx()[0])
@@ -147,6 +149,22 @@ class _Tiles(DslStruct):
                            Int32(1), seqlen_q, seqlen_k)
         return KeyTile(n_block, cta_head, batch, cta_head, cta_head * self.q_per_kv,
                        self.q_per_kv, seqlen_q, seqlen_k)
+
+
+@dataclass
+class QueryWalk:
+    """The query blocks one query head walks for a key block: count of them
+    from m_min on, or under block sparsity the entries of its list (the
+    partial ones, which need the bit mask, first)."""
+
+    m_min: Int32
+    count: Int32
+    sparse: SparseRow | None
+
+    def m_block(self, i: Int32) -> Int32:
+        if cutlass.const_expr(self.sparse is not None):
+            return self.sparse.inner(i)
+        return self.m_min + i
 
 
 @dataclass
@@ -250,6 +268,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             raise ValueError(f"features.rows_per_query: expected 1 for the backward (only "
                              f"the KV-cache forward packs a token's heads), got "
                              f"{features.rows_per_query}")
+        if features.block_sparse and (causal or features.local or features.varlen
+                                      or config.deterministic):
+            raise ValueError(f"features.block_sparse: expected a dense, non-causal, "
+                             f"non-deterministic kernel without a window (the block mask holds "
+                             f"every limit; no order of the dQ adds is kept), got "
+                             f"causal={causal}, {features}, "
+                             f"deterministic={config.deterministic}")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -257,8 +282,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
-                 mSeqUsedK: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
-                 num_sms: Int32, window_left: Int32, window_right: Int32,
+                 mSeqUsedK: cute.Tensor, mBlockSparse: cute.Tensor, softmax_scale_log2: Float32,
+                 softmax_scale: Float32, num_sms: Int32, window_left: Int32, window_right: Int32,
                  score_pre_tanh: Float32, seqused: Int32, stream: cuda.CUstream):
         """Torch order: Q (b, s_q, h, d), dO (b, s_q, h, dv); K (b, s_k, h_kv,
         d), V (b, s_k, h_kv, dv); dK, dV (b, s_k, h_kv, d / dv), or with
@@ -270,7 +295,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         and scale / softcap as in the forward (local and softcap kernels). A
         varlen kernel's tensors are packed batches of one as in the forward,
         its per-row buffers laid out as varlen.py says, and the cu_seqlens and
-        seqused tensors and bits as the forward's."""
+        seqused tensors and bits as the forward's. A block_sparse kernel's
+        tile lists, int32 (b or 1, (h or 1) · n_blocks, words), one per key
+        block and query head (block_sparse.py; others never read it)."""
         mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum, mSemaphore = [permute(t, [2, 1, 0])
@@ -345,7 +372,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             max_tiles = self._scheduler(mQ, mK, seqlens).num_tiles()
         grid = (TileScheduler.grid(max_tiles, num_sms, self.cfg.dynamic_tiles), 1, 1)
         self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, tdK, tdV, mdK, mdV,
-                    mSemaphore, seqlens,
+                    mSemaphore, mBlockSparse, seqlens,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
                     softmax_scale_log2, softmax_scale, Window(window_left, window_right),
                     score_pre_tanh, sQ_layout, sK_layout, sV_layout, sdO_layout, sdSt_layout,
@@ -358,7 +385,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,
-               mSemaphore: cute.Tensor, seqlens: Seqlens, tma_q: cute.CopyAtom,
+               mSemaphore: cute.Tensor, mBlockSparse: cute.Tensor, seqlens: Seqlens,
+               tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, tma_dk, tma_dv,
                softmax_scale_log2: Float32, softmax_scale: Float32, window: Window,
@@ -404,7 +432,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                                     TileQueue(mSemaphore, storage.tile_slots.get_tensor(
                                         cute.make_layout(2))),
                                     self.cfg.dynamic_tiles),
-                       seqlens, mQ.shape[2] // mK.shape[2], self.cfg.split_gqa)
+                       seqlens, mQ.shape[2] // mK.shape[2], self.cfg.split_gqa, mBlockSparse)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
         limits = Limits(self.causal, self.features.local, window)
 
@@ -445,6 +473,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             mK.shape[3], query_rows, 1, row_bytes, self.cfg.l2_section_mb * 1024 * 1024,
             longest_first=self.causal, first_block_longest=True)
 
+    @cute.jit
+    def _query_walk(self, tiles: _Tiles, tile: KeyTile, head: Int32, m_min: Int32,
+                    m_count: Int32) -> QueryWalk:
+        """The walk of one query head over the query blocks that see the key
+        block: [m_min, m_min + m_count) (_query_blocks), or under block
+        sparsity its list."""
+        sparse = None
+        if cutlass.const_expr(self.features.block_sparse):
+            sparse = SparseRow.load(tiles.block_sparse, tile.batch, head, tile.n_block,
+                                    cute.ceil_div(tile.seqlen_k, self.tile_n))
+            m_count = sparse.count
+        return QueryWalk(m_min, m_count, sparse)
+
     def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, limits: Limits):
         """(first query block, count) that see this key block: the walk that the
         producer, the consumers and the dQ writer all take, in step."""
@@ -473,21 +514,21 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 tiles.sequence.queue.publish(round_idx, tile)
                 q_state, do_state = self._produce_tile(
                     mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles.decode(tile),
-                    q_state, do_state, kv_state, limits, tiles.seqlens)
+                    q_state, do_state, kv_state, limits, tiles)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.claimed(round_idx)
             tiles.sequence.queue.finish(round_idx, tile, pipes.kv, kv_state)
         else:
             self._produce_tile(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes,
-                               tiles.own(num_tiles), q_state, do_state, kv_state, limits,
-                               tiles.seqlens)
+                               tiles.own(num_tiles), q_state, do_state, kv_state, limits, tiles)
 
     @cute.jit
     def _produce_tile(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers,
                       pipes: Pipes, tile: KeyTile, q_state, do_state, kv_state,
-                      limits: Limits, seqlens: Seqlens):
+                      limits: Limits, tiles: _Tiles):
         d = self.head_dim
+        seqlens = tiles.seqlens
         n_block, batch = tile.n_block, tile.batch
 
         tKs, tKg = tma_views(copies.k, smem.k, cute.local_tile(
@@ -517,8 +558,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             tDs, tDg = tma_views(copies.d, smem.d, cute.local_tile(
                 seqlens.row_stats(mD, stats_start, head, batch), (self.tile_m,), (None,)),
                 staged=True)
-            for i in cutlass.range(m_count, unroll=1):
-                m_block = m_min + i
+            walk = self._query_walk(tiles, tile, head, m_min, m_count)
+            for i in cutlass.range(walk.count, unroll=1):
+                m_block = walk.m_block(i)
                 pipes.q.producer_acquire(q_state)
                 q_bar = pipes.q.producer_get_barrier(q_state)
                 cute.copy(copies.q, tQg[None, m_block], tQs[None, q_state.index],
@@ -568,7 +610,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             # the tile comes with its K and V
             tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
             while tile < num_tiles:
-                q_state, do_state, step = self._consume_tile(me, tiles.decode(tile),
+                q_state, do_state, step = self._consume_tile(me, tiles, tiles.decode(tile),
                                                              q_state, do_state, step)
                 # K and V are read (the dK/dV stores' reads of them waited for
                 # in store_dkv_via_smem): the next tile may load over them.
@@ -578,7 +620,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
         else:
             wait_full(pipes.kv, consumer_state(1))
-            self._consume_tile(me, tiles.own(num_tiles), q_state, do_state, step)
+            self._consume_tile(me, tiles, tiles.own(num_tiles), q_state, do_state, step)
 
     def _operands(self, smem: Buffers, mma_sdp, mma_dk, mma_dv, mma_dq, wg: Int32) -> Operands:
         """WGMMA operands are per warpgroup (descriptors / register A)."""
@@ -610,7 +652,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         return Operands(k, q, v, do, pt, dst, dot, qt, ds, kt)
 
     @cute.jit
-    def _consume_tile(self, me: Consumer, tile: KeyTile, q_state, do_state, step: Int32):
+    def _consume_tile(self, me: Consumer, tiles: _Tiles, tile: KeyTile, q_state, do_state,
+                      step: Int32):
         """One key block: every query block that sees it, then dK and dV out.
         Returns the Q/dO ring states and the step count (dSᵀ buffer parity)."""
         tile_m, tile_n = self.tile_m, self.tile_n
@@ -625,14 +668,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         seqlen_edge = (n_block + 1) * tile_n > seqlen_k
         for h in cutlass.range(tile.head_count, unroll=1):
             dq_head = self.dq_head_start(me, tile, tile.first_head + h)
-            for i in cutlass.range(m_count, unroll=1):
-                m_block = m_min + i
-                needs_mask = seqlen_edge
-                if cutlass.const_expr(me.limits.has_right):
-                    needs_mask = needs_mask or m_block < m_unmasked
-                if cutlass.const_expr(me.limits.local):
-                    needs_mask = needs_mask or m_block >= m_left_masked
-                self.step(me, q_state, do_state, step % 2, needs_mask, tile, dq_head, m_block)
+            walk = self._query_walk(tiles, tile, tile.first_head + h, m_min, m_count)
+            for i in cutlass.range(walk.count, unroll=1):
+                m_block = walk.m_block(i)
+                if cutlass.const_expr(self.features.block_sparse):
+                    needs_mask = i < walk.sparse.n_partial  # the seqlen edge in its bits
+                else:
+                    needs_mask = seqlen_edge
+                    if cutlass.const_expr(me.limits.has_right):
+                        needs_mask = needs_mask or m_block < m_unmasked
+                    if cutlass.const_expr(me.limits.local):
+                        needs_mask = needs_mask or m_block >= m_left_masked
+                self.step(me, q_state, do_state, step % 2, needs_mask, tile, dq_head, m_block,
+                          walk, i)
                 q_state.advance()
                 do_state.advance()
                 step += 1
@@ -660,7 +708,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def step(self, me: Consumer, q_state, do_state, ds_buffer: Int32, needs_mask,
-             tile: KeyTile, dq_head, m_block: Int32):
+             tile: KeyTile, dq_head, m_block: Int32, walk: QueryWalk, entry: Int32):
         """One query block: all five GEMMs retired and the dQ partial handed to
         the writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
@@ -688,8 +736,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             slope = cute.make_rmem_tensor_like(acc_s, self.dtype)  # 1 − t², dS's factor
             cap_scores_with_slope(acc_s, me.pre_tanh, slope)
         if needs_mask:
-            apply_mask_transposed(acc_s, me.st_coords, tile.n_block, m_block, tile.seqlen_q,
-                                  tile.seqlen_k, tile_n, tile_m, me.limits)
+            if cutlass.const_expr(self.features.block_sparse):
+                apply_bits(acc_s, me.st_coords, static_coords(me.mma_sdp, (tile_n, tile_m)),
+                           walk.sparse, entry, tile_n, tile_m)
+            else:
+                apply_mask_transposed(acc_s, me.st_coords, tile.n_block, m_block,
+                                      tile.seqlen_q, tile.seqlen_k, tile_n, tile_m, me.limits)
         p = wgmma.acc_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
             lse2_j = lse2[j]
@@ -832,19 +884,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     cute.arch.mbarrier_arrive(pipe_kv.sync_object_empty.get_barrier(
                         kv_state.index))
                 if cutlass.const_expr(not direct):
-                    self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile),
-                                        tiles.seqlens, limits)
+                    self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile), tiles,
+                                        limits)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
         elif cutlass.const_expr(not direct):
-            self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.own(num_tiles), tiles.seqlens,
-                                limits)
+            self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.own(num_tiles), tiles, limits)
 
     @cute.jit
     def _write_dq_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                       tile: KeyTile, seqlens: Seqlens, limits: Limits):
+                       tile: KeyTile, tiles: _Tiles, limits: Limits):
         tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
+        seqlens = tiles.seqlens
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
         region = dq_accum.warpgroup_region(tile_m, d, wgs)
         lane = cute.arch.lane_idx()
@@ -858,8 +910,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         key_blocks = BlockRange(tile_m, self.tile_n, limits)
         for h in cutlass.range(tile.head_count, unroll=1):
             head = tile.first_head + h
-            for i in cutlass.range(m_count, unroll=1):
-                m_block = m_min + i
+            walk = self._query_walk(tiles, tile, head, m_min, m_count)
+            for i in cutlass.range(walk.count, unroll=1):
+                m_block = walk.m_block(i)
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + w,
                                       number_of_threads=DQ_HANDOFF_THREADS)

@@ -69,6 +69,10 @@ class Features:
         position in the causal/local mask: a KV-cache step with several new
         tokens packs each token's g query heads of one KV head into g rows
         (decode.py), row r being token r // g.
+    block_sparse: the tiles each query tile (forward) or key tile
+        (backward) visits come from a list per (batch, head, tile), and the
+        tiles that are partly visible from a bit mask (block_sparse.py): a
+        FlexAttention BlockMask, without causal or window limits of its own.
     """
 
     local: bool = False
@@ -78,6 +82,7 @@ class Features:
     split_kv: bool = False
     paged_kv: bool = False
     rows_per_query: int = 1
+    block_sparse: bool = False
 
 
 PLAIN_FEATURES = Features()
@@ -310,6 +315,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       is partly empty, half a tile on average).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if features.block_sparse:
+        return block_sparse_fwd_config(head_dim, head_dim_v)
     local = features.local or features.varlen
     claimed = causal or local
     if head_dim > 128:
@@ -330,6 +337,34 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          dynamic_tiles=claimed, split_tail=not claimed, pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, split_tail=True,
                      pv_wait_after_exp2=8)
+
+
+# The block size of a block-sparse mask as the kernels take it (queries x
+# keys): FlexAttention's default. Block-sparse kernels' tiles divide it, so
+# that each tile lies in one block (python_api/block_sparse.py).
+SPARSE_BLOCK = 128
+
+
+def block_sparse_fwd_config(head_dim: int, head_dim_v: int) -> FwdConfig:
+    """The forward config under a block mask: the causal choices (tiles that
+    differ in length, claimed; 128 keys a step, which divides the mask's
+    blocks), and at head dims above 128 64 keys a step with O staged in the
+    V ring."""
+    if head_dim > 128:
+        return FwdConfig(tile_m=128, tile_n=64, kv_stages=2, persistent=True,
+                         dynamic_tiles=True, pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
+                         rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
+    return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True, dynamic_tiles=True,
+                     pv_wait_after_exp2=8)
+
+
+def block_sparse_tiles(head_dim: int, head_dim_v: int) -> tuple:
+    """The tiles a block mask's lists are packed for (python_api/block_mask.py)
+    at these kernel head dims: ((rows, cols) of the forward: query tile, key
+    tile), ((rows, cols) of the backward: key tile, query tile)."""
+    fwd = block_sparse_fwd_config(head_dim, head_dim_v)
+    bwd = default_bwd_config(head_dim, True)
+    return (fwd.tile_m, fwd.tile_n), (bwd.tile_n, bwd.tile_m)
 
 
 # The head dims of the e4m3 forward: multiples of 32 (the e4m3 WGMMA's K) among
@@ -549,9 +584,10 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
     """The op's backward config for one problem: default_bwd_config, with
     split_gqa where split_gqa_pays for the grid that config would launch. A
     window or a cap takes the causal choices: the wider query tile of the
-    full mask spills their bounds or the cap's slope. A packed batch (varlen)
+    full mask spills their bounds or the cap's slope; a block mask too (its
+    key blocks differ in length, and 64 queries a step divide its blocks). A packed batch (varlen)
     claims its key blocks and never splits GQA groups."""
-    causal = causal or features.local or features.softcap
+    causal = causal or features.local or features.softcap or features.block_sparse
     config = default_bwd_config(head_dim, causal, deterministic)
     if features.varlen:
         # key blocks differ with their sequences: claimed, unless deterministic

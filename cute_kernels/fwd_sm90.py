@@ -51,6 +51,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import fp8_operands, wgmma
+from .block_sparse import SparseRow, SparseScoreMask, static_coords
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
                           store_rows, tma_store_tile, tma_views)
@@ -113,6 +114,7 @@ class Work:
     parts: Int32
     seqlen_q: Int32
     seqlen_k: Int32
+    sparse: SparseRow | None = None  # block_sparse: the tile's list of key blocks
 
 
 @dataclass
@@ -166,6 +168,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if features.rows_per_query < 1:
             raise ValueError(f"features.rows_per_query: expected at least 1, got "
                              f"{features.rows_per_query}")
+        if features.block_sparse and (causal or features.local or features.varlen
+                                      or features.split_kv or features.paged_kv
+                                      or features.rows_per_query != 1 or config.split_tail):
+            raise ValueError(f"features.block_sparse: expected a dense, non-causal kernel "
+                             f"without a window, split_kv, paged_kv or split_tail (the block "
+                             f"mask holds every limit), got causal={causal}, {features}, "
+                             f"split_tail={config.split_tail}")
 
     def _check_fp8(self):
         """What the e4m3 kernel builds on: a 16-bit O, K steps of 32 (the
@@ -191,7 +200,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                  mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
                  mSeqUsedK: cute.Tensor, mSink: cute.Tensor, mPageTable: cute.Tensor,
-                 mDescale: cute.Tensor, softmax_scale_log2: Float32,
+                 mDescale: cute.Tensor, mBlockSparse: cute.Tensor, softmax_scale_log2: Float32,
                  num_sms: Int32,
                  full_tiles: Int32, tail_parts: Int32, window_left: Int32,
                  window_right: Int32, score_pre_tanh: Float32, seqused: Int32,
@@ -206,7 +215,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         h_kv, d) and mPageTable its pages per sequence, int32 (1, b,
         max_pages); its cu_seqlens_k are 0 (others never read the table).
         An e4m3 kernel's descales, fp32 (3, b, h_kv): Q's, K's and V's
-        (others never read it); O is then bf16 or fp16 (out_dtype).
+        (others never read it); O is then bf16 or fp16 (out_dtype). A
+        block_sparse kernel's tile lists, int32 (b or 1, (h or 1) · m_blocks,
+        words) (block_sparse.py; others never read it).
         Read only by some configs: the counters, int32
         (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
         0; split_tail: the split tiles' counters after it), and with
@@ -267,7 +278,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
         grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
                                   self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, mDescale, tail, seqlens,
+        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, mDescale, mBlockSparse, tail,
+                    seqlens,
                     kv_blocks, tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
                     Window(window_left, window_right), score_pre_tanh,
                     sQ_layout, sK_layout, sV_layout, sVt_layout, sO_layout,
@@ -332,7 +344,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, mCounters: cute.Tensor,
-               mSink: cute.Tensor, mDescale: cute.Tensor, tail: TailSplit, seqlens: Seqlens,
+               mSink: cute.Tensor, mDescale: cute.Tensor, mBlockSparse: cute.Tensor,
+               tail: TailSplit, seqlens: Seqlens,
                kv_blocks: KvBlocks, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale_log2: Float32, window: Window, score_pre_tanh: Float32,
@@ -401,7 +414,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, seqlens, kv_blocks,
-                             o_read, limits, done)
+                             o_read, limits, done, mBlockSparse)
             if cutlass.const_expr(self.fp8):
                 if warp_idx >= 1 and warp_idx <= self.cfg.transpose_warps:
                     fp8_operands.transpose_v_stream(
@@ -421,8 +434,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 consumer_pipes = pipes
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
                                mma_operand_view(storage.sK, sK_layout, self.dtype), mma_v, smem.o)
-            self.consume(mO, mO_rows, mLSE, mSink, mDescale, copies, seqlens, softmax_scale_log2,
-                         score_pre_tanh,
+            self.consume(mO, mO_rows, mLSE, mSink, mDescale, mBlockSparse, copies, seqlens,
+                         softmax_scale_log2, score_pre_tanh,
                          limits, mma_smem, consumer_pipes, tiles, tail,
                          storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
                          tiled_mma_qk, tiled_mma_pv)
@@ -432,7 +445,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
                 smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
                 seqlens: Seqlens, kv: KvBlocks, o_read: cute.Pointer, limits: Limits,
-                done: Int32 | None):
+                done: Int32 | None, mBlockSparse: cute.Tensor):
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
         q_per_kv = mQ.shape[2] // mK.shape[2]
         q_state = producer_state(1)
@@ -444,7 +457,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         while tile < num_units:
             if dynamic:
                 tiles.queue.publish(round_idx, tile)
-            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens)
+            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens, mBlockSparse)
             head_kv = work.head // q_per_kv
             gQ = cute.local_tile(seqlens.q_rows(mQ, work.head, work.batch),
                                  (self.tile_m, self.head_dim), (work.m_block, 0))
@@ -460,7 +473,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
             n_lo, n_max = work.n_lo, work.n_max
             if n_max > n_lo:
-                kv_state = k_blocks.load(copies.k, pipes.k, kv_state, n_max - 1, kv)
+                kv_state = k_blocks.load(copies.k, pipes.k, kv_state,
+                                         self._key_block(work, n_max - 1), kv)
                 if cutlass.const_expr(self.cfg.o_in_v_smem):
                     # The previous round's O, staged in the V ring, has been stored.
                     cute.arch.mbarrier_wait(o_read, (round_idx + 1) % 2)
@@ -469,16 +483,21 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
                         v_state = kv_state.clone()
                         kv_state.advance()
-                        kv_state = k_blocks.load(copies.k, pipes.k, kv_state, n_max - 2 - i, kv)
-                        v_state = v_blocks.load(copies.v, pipes.v, v_state, n_max - 1 - i, kv)
-                    kv_state = v_blocks.load(copies.v, pipes.v, kv_state, n_lo, kv)
+                        kv_state = k_blocks.load(copies.k, pipes.k, kv_state,
+                                                 self._key_block(work, n_max - 2 - i), kv)
+                        v_state = v_blocks.load(copies.v, pipes.v, v_state,
+                                                self._key_block(work, n_max - 1 - i), kv)
+                    kv_state = v_blocks.load(copies.v, pipes.v, kv_state,
+                                             self._key_block(work, n_lo), kv)
                     kv_state.advance()
                 else:
-                    kv_state = v_blocks.load(copies.v, pipes.v, kv_state, n_max - 1, kv)
+                    kv_state = v_blocks.load(copies.v, pipes.v, kv_state,
+                                             self._key_block(work, n_max - 1), kv)
                     kv_state.advance()
                     for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
-                        kv_state = k_blocks.load(copies.k, pipes.k, kv_state, n_max - 2 - i, kv)
-                        kv_state = v_blocks.load(copies.v, pipes.v, kv_state, n_max - 2 - i, kv)
+                        n_block = self._key_block(work, n_max - 2 - i)
+                        kv_state = k_blocks.load(copies.k, pipes.k, kv_state, n_block, kv)
+                        kv_state = v_blocks.load(copies.v, pipes.v, kv_state, n_block, kv)
                         kv_state.advance()
             round_idx += 1
             tile = tiles.claimed(round_idx)
@@ -502,16 +521,23 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def _locate(self, scheduler, tail: TailSplit, blocks: BlockRange, unit: Int32,
-                seqlens: Seqlens) -> Work:
+                seqlens: Seqlens, mBlockSparse: cute.Tensor) -> Work:
         """A unit of work -> its Work. Without split_tail a unit is a tile, and
         the first block and the parts are Python constants (the loops' bounds
-        stay as they were)."""
+        stay as they were). A block_sparse tile walks its list's entries as
+        blocks [0, count) (_key_block)."""
         tile, part, parts = unit, 0, 1
         if cutlass.const_expr(self.splits_tiles):
             tile, part, parts = tail.locate(unit)
         m_block, head, batch = scheduler.decode(tile)
         seqlen_q, seqlen_k = seqlens.len_q(batch), seqlens.len_k(batch)
-        n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
+        sparse = None
+        if cutlass.const_expr(self.features.block_sparse):
+            sparse = SparseRow.load(mBlockSparse, batch, head, m_block,
+                                    cute.ceil_div(seqlen_q, self.tile_m))
+            n_lo, n_max = 0, sparse.count
+        else:
+            n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.features.local):
             n_lo = blocks.n_block_min(m_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.splits_tiles):
@@ -520,7 +546,14 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             # only split_kv's epilogue reads it: a constant keeps it out of
             # the registers the main loop carries
             part = 0
-        return Work(m_block, head, batch, n_lo, n_max, part, parts, seqlen_q, seqlen_k)
+        return Work(m_block, head, batch, n_lo, n_max, part, parts, seqlen_q, seqlen_k, sparse)
+
+    def _key_block(self, work: Work, n_block: Int32) -> Int32:
+        """The K/V block that the walk's block n_block loads: itself, or under
+        block sparsity its list's entry count - 1 - n_block (SparseScoreMask)."""
+        if cutlass.const_expr(self.features.block_sparse):
+            return work.sparse.inner(work.sparse.count - 1 - n_block)
+        return n_block
 
     @cute.jit
     def _sink(self, mSink: cute.Tensor, work: Work) -> Float32:
@@ -554,7 +587,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(self, mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor,
-                mSink: cute.Tensor, mDescale: cute.Tensor, copies: Copies,
+                mSink: cute.Tensor, mDescale: cute.Tensor, mBlockSparse: cute.Tensor,
+                copies: Copies,
                 seqlens: Seqlens, softmax_scale_log2: Float32, score_pre_tanh: Float32,
                 limits: Limits,
                 smem: Buffers, pipes: Pipes,
@@ -593,7 +627,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         round_idx = Int32(0)
         tile = tiles.received(round_idx, pipes.q, q_state)  # with its Q (TileQueue)
         while tile < num_units:
-            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens)
+            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens, mBlockSparse)
             # the sink's load is issued here, its latency hidden by the main loop
             sink = self._sink(mSink, work)
             o_factor = None
@@ -609,8 +643,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             if not dynamic:  # a claimed tile's Q was waited for with the tile
                 wait_full(pipes.q, q_state)
             if work.n_max > work.n_lo:
-                mask = ScoreMask(s_coords, work.m_block, work.seqlen_q, work.seqlen_k,
-                                 self.tile_m, self.tile_n, limits)
+                if cutlass.const_expr(self.features.block_sparse):
+                    mask = SparseScoreMask(s_coords, static_coords(
+                        tiled_mma_qk, (self.tile_m, self.tile_n)), work.sparse, self.tile_m,
+                        self.tile_n)
+                else:
+                    mask = ScoreMask(s_coords, work.m_block, work.seqlen_q, work.seqlen_k,
+                                     self.tile_m, self.tile_n, limits)
                 kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks, work.n_lo,
                                          work.n_max)
             else:
@@ -625,7 +664,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 # from an opaque copy of the index, so that the main loop's
                 # coordinates need not stay live through it
                 out = self._locate(tiles.scheduler, tail, blocks,
-                                   cute.arch.make_warp_uniform(tile), seqlens)
+                                   cute.arch.make_warp_uniform(tile), seqlens, mBlockSparse)
             if cutlass.const_expr(self.features.split_kv):
                 self._o_staging_free()
                 self._store_partial(acc_o, lse, tiled_mma_pv, tail.partials, mLSE, tid, out,
@@ -659,21 +698,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         """K/V blocks [n_lo, n_max) of one tile, last block first. Releases Q as soon as the
         last Q·Kᵀ is done, so the next tile's Q loads under the last P·V and the
         epilogue. Returns the K/V ring state."""
-        # Blocks [n_masked_end, n_max - 1) are cut by the right limit (the
-        # causal diagonal or the window's right edge), blocks [n_lo,
-        # n_unmasked_lo) by the window's left edge; those between see no mask.
-        # Warp-uniform bounds, or ptxas recomputes them in vector registers
-        # at every step of the loops below.
-        n_masked_end = n_max - 1
-        if cutlass.const_expr(mask.limits.has_right):
-            n_masked_end = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
-                blocks.n_block_min_unmasked(mask.m_block, mask.seqlen_q, mask.seqlen_k),
-                n_max - 1), n_lo))
-        n_unmasked_lo = n_lo
-        if cutlass.const_expr(mask.limits.local):
-            n_unmasked_lo = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
-                blocks.n_block_left_masked_end(mask.m_block, mask.seqlen_q, mask.seqlen_k),
-                n_masked_end), n_lo))
+        n_masked_end, n_unmasked_lo = mask.masked_bounds(blocks, n_lo, n_max)
         if cutlass.const_expr(self.cfg.intra_wg_overlap):
             # First block: S, mask (seqlen edge and diagonal), softmax; its P·V
             # is issued together with the next block's S.
@@ -693,7 +718,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             for n_block in cutlass.range(n_masked_end - 1, n_unmasked_lo - 1, -1, unroll=1):
                 kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_block,
                                                  apply_mask=False)
-            if cutlass.const_expr(mask.limits.local):
+            if cutlass.const_expr(mask.left_masked):
                 for n_block in cutlass.range(n_unmasked_lo - 1, n_lo - 1, -1, unroll=1):
                     kv_state = self._overlapped_step(me, pipes, kv_state, mask, n_block,
                                                      apply_mask=True)
@@ -712,11 +737,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                          apply_mask=True, is_first=True)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
                 kv_state = self._serial_step(me, pipes, kv_state, mask, n_max - 2 - i,
-                                             apply_mask=mask.limits.has_right, is_first=False)
+                                             apply_mask=mask.right_masked, is_first=False)
             for i in cutlass.range(n_masked_end - n_unmasked_lo, unroll=1):
                 kv_state = self._serial_step(me, pipes, kv_state, mask, n_masked_end - 1 - i,
                                              apply_mask=False, is_first=False)
-            if cutlass.const_expr(mask.limits.local):
+            if cutlass.const_expr(mask.left_masked):
                 for i in cutlass.range(n_unmasked_lo - n_lo, unroll=1):
                     kv_state = self._serial_step(me, pipes, kv_state, mask,
                                                  n_unmasked_lo - 1 - i, apply_mask=True,

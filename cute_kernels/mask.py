@@ -153,9 +153,37 @@ class ScoreMask:
     tile_n: int
     limits: Limits
 
+    @property
+    def right_masked(self) -> bool:
+        """The blocks after the first may need the mask (compile time)."""
+        return self.limits.has_right
+
+    @property
+    def left_masked(self) -> bool:
+        """The last blocks of the walk may need the mask (compile time)."""
+        return self.limits.local
+
     def apply(self, acc_s: cute.Tensor, n_block: Int32):
         apply_mask(acc_s, self.coords, self.m_block, n_block, self.seqlen_q, self.seqlen_k,
                    self.tile_m, self.tile_n, self.limits)
+
+    def masked_bounds(self, blocks: "BlockRange", n_lo: Int32, n_max: Int32):
+        """(n_masked_end, n_unmasked_lo): blocks [n_masked_end, n_max - 1) are
+        cut by the right limit (the causal diagonal or the window's right
+        edge), blocks [n_lo, n_unmasked_lo) by the window's left edge; those
+        between see no mask. Warp-uniform, or ptxas recomputes them in
+        vector registers at every step of the main loop."""
+        n_masked_end = n_max - 1
+        if cutlass.const_expr(self.limits.has_right):
+            n_masked_end = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
+                blocks.n_block_min_unmasked(self.m_block, self.seqlen_q, self.seqlen_k),
+                n_max - 1), n_lo))
+        n_unmasked_lo = n_lo
+        if cutlass.const_expr(self.limits.local):
+            n_unmasked_lo = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
+                blocks.n_block_left_masked_end(self.m_block, self.seqlen_q, self.seqlen_k),
+                n_masked_end), n_lo))
+        return n_masked_end, n_unmasked_lo
 
 
 @dataclass

@@ -3,10 +3,12 @@
     from . import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)      # (batch, seqlen, nheads, headdim)
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k)  # packed batches
+    out = flash_attn_func(q, k, v, block_mask=create_block_mask(...))  # block-sparse
 
 The work is done by `torch.ops.cute_fa.fwd` and `torch.ops.cute_fa.bwd`
 (ops.py) and their packed-batch twins `varlen_fwd` and `varlen_bwd`
-(varlen.py): the DSL kernels on an sm_90 GPU, the reference math on the CPU.
+(varlen.py), and block_sparse_fwd / block_sparse_bwd (block_sparse_ops.py):
+the DSL kernels on an sm_90 GPU, the reference math on the CPU.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import torch
 from . import ops  # noqa: F401  (registers torch.ops.cute_fa.*)
 from . import fp8_ops  # noqa: F401  (registers torch.ops.cute_fa.fwd_fp8)
 from . import varlen  # noqa: F401  (registers torch.ops.cute_fa.varlen_*)
+from . import block_sparse_ops  # noqa: F401  (registers torch.ops.cute_fa.block_sparse_*)
+from .block_mask import BlockSparseMask
 from .kvcache import flash_attn_with_kvcache  # (registers torch.ops.cute_fa.fwd_kvcache)
 from .reference import attention_reference
 from .scores import check_score_args, check_sink, check_sink_type, window_from_size
 from .validate import check_argument_types, check_attention_tensors, describe
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "attention_reference"]
+           "attention_reference", "BlockSparseMask"]
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -34,7 +38,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     deterministic: bool = False, q_descale: torch.Tensor | None = None,
                     k_descale: torch.Tensor | None = None,
                     v_descale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None):
+                    out_dtype: torch.dtype | None = None, block_mask=None):
     """Exact attention softmax(q·kᵀ·scale)·v.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
@@ -63,11 +67,25 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out bf16 (out_dtype: bf16 or fp16), through torch.ops.cute_fa.fwd_fp8.
         Full or causal; no window, softcap or sinks; no backward (a gradient
         through it raises NotImplementedError).
+    block_mask: block-sparse attention (torch.ops.cute_fa.block_sparse_fwd):
+        a FlexAttention BlockMask (torch.nn.attention.flex_attention.
+        create_block_mask, for this batch, nheads or 1 and the sequence
+        lengths; block sizes dividing 128 or multiples of it), or a
+        BlockSparseMask made from one (BlockSparseMask.from_block_mask: convert
+        once and reuse it, as the conversion evaluates the mask_mod and waits
+        for the GPU). Key blocks the mask leaves out are never loaded; partial
+        blocks are masked element by element from the mask_mod's bits. The
+        mask holds every limit: no causal or window_size with it; softcap and
+        learnable_sink combine with it; not deterministic, no FP8.
     Returns out (batch, seqlen_q, nheads, headdim_v), and with return_lse the
     fp32 log-sum-exp (batch, nheads, seqlen_q).
     Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd)
     on CUDA, at every head dim of the forward.
     """
+    if block_mask is not None:
+        return _block_sparse_call(q, k, v, block_mask, softmax_scale, causal, window_size,
+                                  softcap, learnable_sink, return_lse, deterministic,
+                                  (q_descale, k_descale, v_descale, out_dtype))
     check_argument_types(q, k, v, softmax_scale)
     fp8 = fp8_ops.FP8_DTYPES
     if q.dtype in fp8 or k.dtype in fp8 or v.dtype in fp8:
@@ -94,6 +112,37 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out, lse = torch.ops.cute_fa.fwd(q, k, v, softmax_scale, bool(causal),
                                          bool(deterministic), window_left, window_right,
                                          softcap, learnable_sink)
+    return (out, lse) if return_lse else out
+
+
+def _block_sparse_call(q, k, v, block_mask, softmax_scale, causal, window_size, softcap,
+                       learnable_sink, return_lse, deterministic, fp8_arguments):
+    """flash_attn_func under a block mask: what it does not combine with
+    named, the mask converted (a BlockMask) and checked, the op called."""
+    check_argument_types(q, k, v, softmax_scale)
+    if causal or tuple(window_size) != (-1, -1):
+        raise ValueError(f"causal, window_size: expected False and (-1, -1) with a block_mask "
+                         f"(put the limits in its mask_mod), got {causal} and {window_size}")
+    if deterministic:
+        raise ValueError("deterministic: expected False with a block_mask (the block-sparse "
+                         "backward adds dQ in the order its key tiles finish)")
+    if any(a is not None for a in fp8_arguments) or q.dtype not in (torch.bfloat16,
+                                                                   torch.float16):
+        raise ValueError(f"block_mask: expected bf16 or fp16 q, k, v without descales or "
+                         f"out_dtype (no FP8 block-sparse forward), got q {q.dtype}")
+    check_score_args(-1, -1, softcap)
+    check_attention_tensors(q, k, v, softmax_scale)
+    check_sink(learnable_sink, q.shape[2], q.device)
+    mask = block_mask
+    if not isinstance(mask, BlockSparseMask):
+        if not hasattr(mask, "kv_num_blocks"):
+            raise TypeError(f"block_mask: expected a FlexAttention BlockMask or a "
+                            f"BlockSparseMask, got {type(mask).__name__}")
+        mask = BlockSparseMask.from_block_mask(mask)
+    block_sparse_ops.check_mask_shape(mask, q, k)
+    fwd_lists, bwd_lists = block_sparse_ops.lists_for(mask, q, v)
+    out, lse = torch.ops.cute_fa.block_sparse_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale,
+                                                  float(softcap), learnable_sink)
     return (out, lse) if return_lse else out
 
 

@@ -160,8 +160,9 @@ class _Constants:
     cu_k: torch.Tensor  # for caches in batch order: row b · capacity; paged: 0
     full: torch.Tensor  # every sequence's cache full: (sequences,) int32
     stand_in: torch.Tensor  # fp32 (1, 1, 1): the sinks, unsplit partials
-    no_pages: torch.Tensor  # int32 (1, 1, 1): the page table of a contiguous cache, and
-    # the tile counter, which the static tile order (decode_fwd_config) never reads
+    no_pages: torch.Tensor  # int32 (1, 1, 1): the page table of a contiguous cache, the
+    # tile counter, which the static tile order (decode_fwd_config) never reads, and the
+    # block mask's tile lists
 
 
 _constants: dict = {}
@@ -282,7 +283,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     pages = c.no_pages if not paged else page_table.unsqueeze(0)
     kernel.fn(q_rows, keys, values, _rows_view(out.unsqueeze(0), p), lse_kernel, c.no_pages,
               partials, c.cu_q, cu_k, c.used_q, used_k, c.stand_in, pages, c.stand_in,
-              softmax_scale * LOG2_E, sms, 0, parts, 0, 0, 0.0, SEQUSED_Q | SEQUSED_K)
+              c.no_pages, softmax_scale * LOG2_E, sms, 0, parts, 0, 0, 0.0, SEQUSED_Q | SEQUSED_K)
     if split:
         lse = torch.empty((batch, out_heads, out_rows), dtype=torch.float32, device=q.device)
         kernel.combine(o_part, lse_combine, out, lse)

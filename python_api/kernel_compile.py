@@ -100,6 +100,13 @@ def _descale_tensor():
     return _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())
 
 
+def _block_sparse_tensor():
+    """A block-sparse kernel's tile lists, int32 (b or 1, (h or 1) · tiles,
+    words), rows of 16-byte multiples (kernels/block_sparse.py), which every
+    forward and backward main kernel takes and only block_sparse kernels read."""
+    return _fake_rows(cutlass.Int32, _sym(), _sym(), _sym(), divisibility=4, align=16)
+
+
 def _compile(kernel, *args, dump_dir: str | None = None):
     options = "--enable-tvm-ffi" + _target_option()
     if dump_dir:
@@ -143,7 +150,8 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
         k = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim)
         v = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim_v)
     fn = _compile(kernel, q, k, v, o, lse, counters, partials, *_seqlen_tensors(),
-                  _sink_tensor(), page_table, _descale_tensor(), cutlass.Float32(1.0),
+                  _sink_tensor(), page_table, _descale_tensor(), _block_sparse_tensor(),
+                  cutlass.Float32(1.0),
                   cutlass.Int32(1),
                   cutlass.Int32(0),
                   cutlass.Int32(1),
@@ -208,7 +216,7 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
                  cutlass.Int32(1),
                  dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
         _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, *seqlen_tensors,
-                 f32(1.0), f32(1.0), cutlass.Int32(1), *_score_args(), cutlass.Int32(0),
+                 _block_sparse_tensor(), f32(1.0), f32(1.0), cutlass.Int32(1), *_score_args(), cutlass.Int32(0),
                  dump_dir=dump_dir and os.path.join(dump_dir, "main")),
         _compile(BackwardPostprocess(cute_dtype, head_dim, config, features.varlen), dq_accum,
                  dq, seqlen_tensors[0], seqlen_tensors[2], f32(1.0), cutlass.Int32(0),

@@ -32,7 +32,7 @@ from . import user_cache
 from .kernels import tail_plan
 from .kernels.config import WARPGROUP_THREADS, BwdConfig, FwdConfig
 
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 24, 24, 4, 4
 LOG2_E = 1.4426950408889634
 
@@ -49,6 +49,10 @@ class Window(ctypes.Structure):
 class Varlen(ctypes.Structure):
     _fields_ = [("total_q", ctypes.c_int64), ("total_k", ctypes.c_int64),
                 ("seqused_q", ctypes.c_int32), ("seqused_k", ctypes.c_int32)]
+
+
+class BlockSparse(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("batch", "rows", "words")]
 
 
 class FwdVariant(ctypes.Structure):
@@ -84,7 +88,8 @@ class _Plan(ctypes.Structure):
                 ("full_tiles", ctypes.c_int64), ("tail_parts", ctypes.c_int64)]
 
 
-_LAYOUT = (Shape, FwdVariant, BwdVariant, _Buffer, _Arg, _Launch, _Plan, Window, Varlen)
+_LAYOUT = (Shape, FwdVariant, BwdVariant, _Buffer, _Arg, _Launch, _Plan, Window, Varlen,
+           BlockSparse)
 
 # CuteFaDtype, CuteFaInit, CuteFaArgKind
 INPUT_DTYPE, F32, I32, OUTPUT_DTYPE = 0, 1, 2, 3
@@ -142,12 +147,14 @@ def library() -> ctypes.CDLL:
     lib.cute_fa_plan_fwd.restype = ctypes.c_int
     lib.cute_fa_plan_fwd.argtypes = [ctypes.POINTER(FwdVariant), ctypes.POINTER(Shape),
                                      ctypes.POINTER(Window), ctypes.POINTER(Varlen),
-                                     ctypes.c_int32, ctypes.c_int32, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Plan)]
+                                     ctypes.c_int32, ctypes.POINTER(BlockSparse),
+                                     ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
     lib.cute_fa_plan_bwd.restype = ctypes.c_int
     lib.cute_fa_plan_bwd.argtypes = [ctypes.POINTER(BwdVariant), ctypes.POINTER(Shape),
                                      ctypes.POINTER(Window), ctypes.POINTER(Varlen),
-                                     ctypes.c_int32, ctypes.c_int64, ctypes.POINTER(_Plan)]
+                                     ctypes.c_int32, ctypes.POINTER(BlockSparse),
+                                     ctypes.c_int64, ctypes.POINTER(_Plan)]
     lib.cute_fa_tail_parts.restype = ctypes.c_int64
     lib.cute_fa_tail_parts.argtypes = [ctypes.c_int64] * 4
     version = ctypes.c_int64()
@@ -235,23 +242,33 @@ def _varlen_arg(varlen: tuple | None):
     return None if varlen is None else ctypes.byref(Varlen(*varlen))
 
 
+def _block_sparse_arg(block_sparse: tuple | None):
+    """The tile lists' shape (batch, rows, words) as the planner's
+    CuteFaBlockSparse; None (no block mask) as NULL."""
+    return None if block_sparse is None else ctypes.byref(BlockSparse(*block_sparse))
+
+
 @functools.lru_cache(maxsize=1024)  # the Python op path asks it on every call
 def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
              tail: tail_plan.TailPlan | None = None, window: tuple = (-1, -1),
-             varlen: tuple | None = None, sink: bool = False, fp8: bool = False) -> Plan:
+             varlen: tuple | None = None, sink: bool = False, fp8: bool = False,
+             block_sparse: tuple | None = None) -> Plan:
     """The forward's plan for `shape` (shape_of, or for a packed batch
     varlen_shape); `tail` forces the split of the last round
     (profiling.sweep's A/B), else the planner's cost model; `window` (left,
     right; -1 unbounded) is a local kernel's; `varlen` (total_q, total_k,
     seqused_q given, seqused_k given) a packed batch's; `sink`: the call
     hands learnable sinks (an input after the others); `fp8`: e4m3 inputs,
-    their descales (3, b, h_kv) the last input, out of execute's out_dtype."""
+    their descales (3, b, h_kv) the last input, out of execute's out_dtype;
+    `block_sparse`: the shape of a block mask's tile lists (an input after
+    the sinks)."""
     plan = _Plan()
     forced_full, forced_parts = (tail.full_tiles, tail.parts) if tail is not None else (0, 0)
     status = library().cute_fa_plan_fwd(ctypes.byref(fwd_variant(config, shape[6])),
                                         ctypes.byref(Shape(*shape)),
                                         ctypes.byref(Window(*window)), _varlen_arg(varlen),
-                                        int(sink), int(fp8), num_sms, forced_full,
+                                        int(sink), _block_sparse_arg(block_sparse),
+                                        int(fp8), num_sms, forced_full,
                                         forced_parts, ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no forward launch plan for shape {shape} on {num_sms} SMs with "
@@ -261,14 +278,17 @@ def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
 
 @functools.lru_cache(maxsize=1024)
 def plan_bwd(config: BwdConfig, shape: tuple, num_sms: int,
-             window: tuple = (-1, -1), varlen: tuple | None = None, sink: bool = False) -> Plan:
-    """The backward's plan for `shape`, `window`, `varlen` and `sink` as
-    plan_fwd's; with a sink its fourth output holds d(sink)'s partials."""
+             window: tuple = (-1, -1), varlen: tuple | None = None, sink: bool = False,
+             block_sparse: tuple | None = None) -> Plan:
+    """The backward's plan for `shape`, `window`, `varlen`, `sink` and
+    `block_sparse` as plan_fwd's; with a sink its fourth output holds
+    d(sink)'s partials."""
     plan = _Plan()
     status = library().cute_fa_plan_bwd(ctypes.byref(bwd_variant(config)),
                                         ctypes.byref(Shape(*shape)),
                                         ctypes.byref(Window(*window)), _varlen_arg(varlen),
-                                        int(sink), num_sms, ctypes.byref(plan))
+                                        int(sink), _block_sparse_arg(block_sparse), num_sms,
+                                        ctypes.byref(plan))
     if status != 0:
         raise ValueError(f"no backward launch plan for shape {shape} on {num_sms} SMs "
                          f"with config {config}")

@@ -61,10 +61,11 @@ def _expanded_kv(q, k, v):
     return k, v
 
 
-def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0):
+def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0, visible=None):
     """The scores the softmax takes, (batch, heads, seqlen_q, seqlen_k): scale ·
-    Q·Kᵀ, soft-capped, -inf where the mask hides the key; and the cap's
-    slope 1 − tanh² (None without a cap)."""
+    Q·Kᵀ, soft-capped, -inf where the mask (or `visible`, boolean and
+    broadcastable to the scores) hides the key; and the cap's slope 1 − tanh²
+    (None without a cap)."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     slope = None
     if softcap:
@@ -74,8 +75,10 @@ def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0):
     if causal:
         right = 0
     if left >= 0 or right >= 0:
-        visible = visible_mask(q.shape[1], k.shape[1], (left, right), device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        limits = visible_mask(q.shape[1], k.shape[1], (left, right), device=q.device)
+        scores = scores.masked_fill(~limits, float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     return scores, slope
 
 
@@ -86,15 +89,17 @@ def _with_sink(scores, sink):
 
 
 def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch.float32,
-                        window=(-1, -1), softcap=0.0, sink=None):
+                        window=(-1, -1), softcap=0.0, sink=None, visible=None):
     """Returns (out in q.dtype, lse fp32). compute_dtype=None computes in the input dtype,
-    which is PyTorch's own low-precision math path."""
+    which is PyTorch's own low-precision math path. visible: a boolean mask
+    (batch or 1, nheads or 1, seqlen_q, seqlen_k), True where the key is
+    visible (a block-sparse call's)."""
     out_dtype = q.dtype
     if compute_dtype is not None:
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     scale = resolve_scale(q, softmax_scale)
     k, v = _expanded_kv(q, k, v)
-    scores, _ = _scores(q, k, scale, causal, window, softcap)
+    scores, _ = _scores(q, k, scale, causal, window, softcap, visible)
     normalised = scores if sink is None else _with_sink(scores, sink)
     lse = torch.logsumexp(normalised.to(torch.promote_types(scores.dtype, torch.float32)),
                           dim=-1)
@@ -106,7 +111,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
 
 def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, causal,
                                  grad_lse=None, compute_dtype=torch.float32, window=(-1, -1),
-                                 softcap=0.0, sink=None):
+                                 softcap=0.0, sink=None, visible=None):
     """Closed-form gradients (dq, dk, dv) of attention_reference, in the form the
     backward kernel computes them:
         P  = exp(scale·QKᵀ − LSE)            (0 where masked or the row sees no key)
@@ -118,14 +123,14 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
     GQA: dK and dV are summed over the query heads that share a K/V head.
     grad_lse: gradient flowing into the LSE output (None = 0).
     With sinks, also d(sink) = −Σ_rows exp(sink − LSE)·D (in the sinks'
-    dtype), returned fourth."""
+    dtype), returned fourth. visible: as attention_reference's."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     f = (lambda t: t.to(compute_dtype)) if compute_dtype is not None else (lambda t: t)
     q, k, v, out, grad_out = f(q), f(k), f(v), f(out), f(grad_out)
     heads_kv = k.shape[2]
     group = q.shape[2] // heads_kv
     k_rep, v_rep = _expanded_kv(q, k, v)
-    scores, slope = _scores(q, k_rep, softmax_scale, causal, window, softcap)
+    scores, slope = _scores(q, k_rep, softmax_scale, causal, window, softcap, visible)
     probs = torch.nan_to_num(torch.exp(scores - lse[..., None].to(scores.dtype)), nan=0.0)
     grad_v = torch.einsum("bhqk,bqhd->bkhd", probs, grad_out)
     grad_p = torch.einsum("bqhd,bkhd->bhqk", grad_out, v_rep)

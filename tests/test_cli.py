@@ -14,7 +14,8 @@ import pytest
 import cute_fa.profiling
 
 COMMANDS = ("bench", "breakdown", "host", "ncu", "main", "kernel_info", "sass_loop", "sweep",
-            "data", "train", "step", "infer", "decode_bench", "fp8_error", "varlen_bench", "fp8_bench")
+            "data", "train", "step", "infer", "decode_bench", "fp8_error", "varlen_bench", "fp8_bench",
+            "sparse_bench")
 
 
 def _module(command):
@@ -106,6 +107,9 @@ BAD_ARGUMENTS = [
     ("varlen_bench", ["--out", "x", "--directions", "bwd"], "--directions"),
     ("varlen_bench", ["--out", "x", "--min-len", "100", "--max-len", "50"], "--max-len"),
     ("varlen_bench", ["--out", "x", "--head-dims", "96"], "--head-dims"),
+    ("sparse_bench", ["--out", "x", "--masks", "random10,nope"], "--masks"),
+    ("sparse_bench", ["--out", "x", "--seqlens", "8192,0"], "--seqlens"),
+    ("sparse_bench", ["--out", "x", "--head-dims", "96"], "--head-dims"),
 ]
 
 

@@ -475,3 +475,46 @@ def test_decode_kernels(tmp_path, head_dim, features, load_rows):
         boxes = config.tile_n // load_rows * (head_dim // 64)  # per K or V block
         loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\d+d\.shared::\w+\.global", ptx))
         assert loads >= 2 * boxes
+
+
+# ------------------------------------------------------------ block sparse
+
+@pytest.mark.parametrize("head_dim,features", [
+    (64, Features(block_sparse=True)), (128, Features(block_sparse=True)),
+    (128, Features(block_sparse=True, softcap=True, sink=True)),
+    (256, Features(block_sparse=True))])
+def test_block_sparse_kernels(tmp_path, head_dim, features):
+    """Under a block mask the forward and backward stay warp-specialised,
+    spill-free HGMMA kernels fed by TMA (the bit words of a partial tile
+    stay in registers: no local-memory array)."""
+    config = default_fwd_config(head_dim, False, features=features)
+    compile_fwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path / "fwd"),
+                features=features)
+    info = dumped_kernel_info(str(tmp_path / "fwd"))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+    ptx = _ptx(tmp_path / "fwd")
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    bwd = bwd_config_for_problem(head_dim, False, False, 2, 4096, 8, 8, 132, features)
+    compile_bwd(torch.bfloat16, head_dim, False, bwd, dump_dir=str(tmp_path / "bwd"),
+                features=features)
+    info = dumped_kernel_info(str(tmp_path / "bwd" / "main"))
+    _assert_warp_specialised(info, bwd)
+    if not features.softcap:  # the cap's slope spills a few values (test_backward_score_mods)
+        _assert_no_spills(info)
+    assert "wgmma.mma_async" in _ptx(tmp_path / "bwd" / "main")
+
+
+def test_block_sparse_kernels_reject_limits_of_their_own():
+    from cute_fa.kernels.bwd_sm90 import FlashAttentionBackwardSm90
+    from cute_fa.kernels.fwd_sm90 import FlashAttentionForwardSm90
+    import cutlass
+
+    features = Features(block_sparse=True)
+    with pytest.raises(ValueError, match="features.block_sparse"):
+        FlashAttentionForwardSm90(cutlass.BFloat16, 128, True, default_fwd_config(128, True),
+                                  features=features)
+    with pytest.raises(ValueError, match="features.block_sparse"):
+        FlashAttentionBackwardSm90(cutlass.BFloat16, 128, False,
+                                   default_bwd_config(128, True, deterministic=True),
+                                   features=features)

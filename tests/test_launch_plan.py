@@ -65,10 +65,34 @@ def test_fp8_forward_plan_takes_descales_and_gives_the_output_dtype():
     assert plan.num_inputs == 4  # q, k, v, then the descales
     _, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    assert buffers[-1] == 3  # the kernel's last tensor: the descales input
+    assert buffers[-2] == 3  # the descales input, before the block mask's stand-in
     assert _workspace(plan, plan.outputs[0]).dtype == launch_plan.OUTPUT_DTYPE
     with pytest.raises(ValueError, match="no forward launch plan"):  # dense batches only
         launch_plan.plan_fwd(config, shape, 132, varlen=(2000, 2000, 0, 0), fp8=True)
+
+
+def test_block_sparse_plans_take_the_tile_lists():
+    from cute_fa.kernels.config import Features, block_sparse_fwd_config, bwd_config_for_problem
+
+    shape = (2, 1000, 1000, 8, 2, 128, 128)
+    fwd = launch_plan.plan_fwd(block_sparse_fwd_config(128, 128), shape, 132,
+                               block_sparse=(1, 8 * 8, 132))
+    assert fwd.num_inputs == 4  # q, k, v, then the lists
+    _, args = fwd.launches[0]
+    buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
+    assert buffers[-1] == 3  # the kernel's last tensor: the lists
+    config = bwd_config_for_problem(128, False, False, 2, 1000, 8, 2, 132,
+                                    Features(block_sparse=True))
+    bwd = launch_plan.plan_bwd(config, shape, 132, sink=True, block_sparse=(2, 8 * 8, 132))
+    assert bwd.num_inputs == 9  # grad_out, q, k, v, out, lse, grad_lse, sinks, lists
+    _, main_args = bwd.launches[1]
+    assert [index for kind, index, _ in main_args if kind == launch_plan.ARG_BUFFER][-1] == 8
+    with pytest.raises(ValueError, match="no forward launch plan"):  # dense batches only
+        launch_plan.plan_fwd(block_sparse_fwd_config(128, 128), shape, 132,
+                             varlen=(2000, 2000, 0, 0), block_sparse=(1, 64, 132))
+    with pytest.raises(ValueError, match="no backward launch plan"):  # no kept order
+        launch_plan.plan_bwd(config.replace(deterministic=True, dynamic_tiles=False), shape,
+                             132, block_sparse=(1, 64, 132))
 
 
 def test_forward_plan():
@@ -81,16 +105,18 @@ def test_forward_plan():
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
     # q, k, v, out, lse, counters, partials, the four sequence-length tensors
     # (a dense batch: one stand-in), the sinks (none: a stand-in), the page
-    # table (a stand-in), the e4m3 descales (a stand-in), then scale·log2(e),
-    # SMs, the tail, the window (unbounded: every key on the left, every
-    # query on the right), scale / softcap and the seqused bits
-    assert buffers == list(range(7)) + [7] * 4 + [8, 10, 9] and plan.outputs == (3, 4)
-    assert {_workspace(plan, i).init for i in (7, 8, 9, 10)} == {launch_plan.UNUSED}
+    # table (a stand-in), the e4m3 descales (a stand-in), a block mask's tile
+    # lists (a stand-in), then scale·log2(e), SMs, the tail, the window
+    # (unbounded: every key on the left, every query on the right), scale /
+    # softcap and the seqused bits
+    assert buffers == list(range(7)) + [7] * 4 + [8, 11, 9, 10] and plan.outputs == (3, 4)
+    assert {_workspace(plan, i).init for i in (7, 8, 9, 10, 11)} == {launch_plan.UNUSED}
     assert _workspace(plan, 8).dtype == launch_plan.F32
     assert _workspace(plan, 9).dtype == launch_plan.F32
     assert _workspace(plan, 10).dtype == launch_plan.I32
+    assert _workspace(plan, 11).dtype == launch_plan.I32
     assert _workspace(plan, 3).dtype == launch_plan.INPUT_DTYPE
-    assert [(kind, value) for kind, _, value in args[14:]] == [
+    assert [(kind, value) for kind, _, value in args[15:]] == [
         (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
         (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3), (launch_plan.ARG_INT, 8192),
         (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0), (launch_plan.ARG_INT, 0)]
@@ -252,9 +278,9 @@ def test_window_arguments_are_clamped_to_the_shape(window, expected):
     """A side wider than any row reaches is the unbounded one, in int32 range."""
     shape = (1, 100, 300, 4, 4, 64, 64)
     for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
-                                              window=window), 0, 18),
+                                              window=window), 0, 19),
                         (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
-                                              window=window), 1, 17)):
+                                              window=window), 1, 18)):
         args = dict(enumerate(plan.launches[launch][1]))
         assert (args[first][2], args[first + 1][2]) == expected
         assert args[first + 2][0] == launch_plan.ARG_PRE_TANH
@@ -283,8 +309,8 @@ def test_packed_forward_plan():
     assert plan.num_inputs == 7 and plan.tail == tail_plan.NO_SPLIT
     _, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    # then the sinks, the page table and the descales (stand-ins)
-    assert buffers[7:] == [3, 4, 5, 6, 11, 13, 12]
+    # then the sinks, the page table, the descales and the tile lists (stand-ins)
+    assert buffers[7:] == [3, 4, 5, 6, 11, 14, 12, 13]
     assert [value for _, _, value in args[-4:-1]] == [900, 1000, 0]  # window, pre-tanh
     assert args[-1] == (launch_plan.ARG_INT, 0, 1)  # seqused_q read, seqused_k not
     assert _workspace(plan, plan.outputs[0]).shape == (1, 3000, 8, 128)

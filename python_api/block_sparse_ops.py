@@ -1,0 +1,259 @@
+"""Block-sparse attention: the ops `torch.ops.cute_fa.block_sparse_fwd` and
+`block_sparse_bwd`, their checks, and their CPU, fake and CUDA kernels.
+
+`cute_fa::block_sparse_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale=None,
+ softcap=0.0, learnable_sink=None) -> (out, lse)`: attention of dense
+(batch, seqlen, nheads, d) q, k, v under a block mask, given as the tile
+lists that block_mask.BlockSparseMask packs for the kernels' tiles at q's
+and v's kernel head dims (`lists_for`): fwd_lists for the forward, bwd_lists
+for the backward (the op saves them for it). The mask holds every limit, so
+there is no causal flag or window; softcap and learnable sinks combine with
+it. A row that sees no key gives 0 and LSE -inf (or the sink).
+`cute_fa::block_sparse_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists,
+ softmax_scale, grad_lse=None, softcap=0.0, learnable_sink=None)`: its
+gradients (dq, dk, dv, dsink), as cute_fa::bwd's. Not deterministic: the
+key tiles' dQ partials add in whatever order they finish.
+- CUDA (sm_90): the forward and backward kernels with Features.block_sparse,
+  launched by their launch plans from Python;
+- CPU: the reference math on the mask the lists describe;
+- fake: shapes only (torch.compile(fullgraph=True)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from . import launch_plan, ops
+from . import nvtx as nvtx_ranges
+from .block_mask import BlockSparseMask, lists_dense
+from .kernels.config import block_sparse_tiles, kernel_head_dim
+from .reference import attention_backward_reference, attention_reference, resolve_scale
+from .scores import check_score_args, check_sink, resolve
+from .validate import check_attention_inputs, check_backward_inputs, describe
+from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
+
+
+def lists_for(mask: BlockSparseMask, q: torch.Tensor, v: torch.Tensor) -> tuple:
+    """(fwd_lists, bwd_lists) of `mask` for the kernels that serve q and v's
+    head dims (kept in the mask: made once per tile size)."""
+    (fwd_rows, fwd_cols), (bwd_rows, bwd_cols) = _tiles(q.shape[-1], v.shape[-1])
+    return (mask.tile_lists(fwd_rows, fwd_cols, transposed=False),
+            mask.tile_lists(bwd_rows, bwd_cols, transposed=True))
+
+
+def check_mask_shape(mask: BlockSparseMask, q: torch.Tensor, k: torch.Tensor) -> None:
+    """A clear error for a mask made for another problem."""
+    batch, seqlen_q, heads, _ = q.shape
+    if (mask.seqlen_q, mask.seqlen_k) != (seqlen_q, k.shape[1]) \
+            or mask.batch not in (1, batch) or mask.heads not in (1, heads) \
+            or mask.device != q.device:
+        raise ValueError(f"block_mask: expected a mask for batch {batch} (or 1), nheads {heads} "
+                         f"(or 1), seqlen_q {seqlen_q}, seqlen_k {k.shape[1]} on {q.device}, "
+                         f"got batch {mask.batch}, nheads {mask.heads}, seqlen_q "
+                         f"{mask.seqlen_q}, seqlen_k {mask.seqlen_k} on {mask.device}")
+
+
+def _tiles(head_dim: int, head_dim_v: int) -> tuple:
+    return block_sparse_tiles(kernel_head_dim(head_dim), kernel_head_dim(head_dim_v))
+
+
+def _check_lists(name: str, lists, q: torch.Tensor, rows: int, length: int) -> None:
+    """The packed lists of one direction: int32 (batch or 1, (nheads or 1) ·
+    ceil(length / rows), words) on q's device, rows of 16-byte multiples."""
+    batch, heads = q.shape[0], q.shape[2]
+    tiles = -(-length // rows)
+    ok = (isinstance(lists, torch.Tensor) and lists.dim() == 3 and lists.dtype == torch.int32
+          and lists.device == q.device and lists.shape[0] in (1, batch)
+          and lists.shape[1] in (tiles, heads * tiles) and lists.shape[2] % 4 == 0
+          and lists.shape[2] >= 4 and lists.stride(2) == 1 and lists.stride(1) % 4 == 0
+          and lists.stride(0) % 4 == 0)
+    if not ok:
+        raise ValueError(f"{name}: expected the int32 tile lists of a BlockSparseMask "
+                         f"(block_sparse_ops.lists_for) for this problem, (batch or 1, (nheads "
+                         f"or 1) * {tiles}, words), words a multiple of 4, contiguous, on "
+                         f"{q.device}, got {describe(lists)}")
+
+
+def _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink):
+    check_attention_inputs(q, k, v, softmax_scale)
+    check_score_args(-1, -1, softcap)
+    check_sink(learnable_sink, q.shape[2], q.device)
+    (fwd_rows, _), (bwd_rows, _) = _tiles(q.shape[3], v.shape[3])
+    _check_lists("fwd_lists", fwd_lists, q, fwd_rows, q.shape[1])
+    _check_lists("bwd_lists", bwd_lists, q, bwd_rows, k.shape[1])
+
+
+def _variant(softcap: float, seqlen_q: int, seqlen_k: int, sink: bool):
+    scores = resolve(False, -1, -1, softcap, seqlen_q, seqlen_k, sink=sink)
+    return replace(scores, features=replace(scores.features, block_sparse=True))
+
+
+def _visible(lists: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The boolean mask the forward lists describe (for the reference)."""
+    (rows, cols), _ = _tiles(q.shape[3], v.shape[3])
+    return lists_dense(lists, rows, cols, False, q.shape[1], k.shape[1])
+
+
+def _aligned(lists: torch.Tensor) -> torch.Tensor:
+    """The lists on a 16-byte boundary, as the kernels read them."""
+    return lists if lists.data_ptr() % 16 == 0 else lists.clone()
+
+
+def block_sparse_forward_cuda(q, k, v, fwd_lists, softmax_scale: float, softcap: float = 0.0,
+                              learnable_sink=None, config=None):
+    """The forward kernel under the block mask of fwd_lists, by its launch
+    plan; `config` overrides the default (profiling.sweep: its tiles must be
+    those the lists were packed for)."""
+    if q.numel() == 0 or k.shape[1] == 0:
+        return ops.empty_forward(q, v, learnable_sink)
+    sink = learnable_sink is not None
+    scores = _variant(softcap, q.shape[1], k.shape[1], sink)
+    name = nvtx_ranges.range_name("block_sparse_fwd", q, v, False, scores)
+    head_dim_v = v.shape[3]
+    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[3]), kernel_head_dim(head_dim_v)
+    q, k = ops.pad_head_dim(q, kernel_dim), ops.pad_head_dim(k, kernel_dim)
+    v = ops.pad_head_dim(v, kernel_dim_v)
+    kernel, config, device_index = fwd_kernel_for(q, v, False, config, scores.features)
+    plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
+                                None, scores.window, sink=sink,
+                                block_sparse=tuple(fwd_lists.shape))
+    inputs = [ops.tma_ready(q), ops.tma_ready(k), ops.tma_ready(v)]
+    if sink:
+        inputs.append(ops.sink_input(learnable_sink))
+    inputs.append(_aligned(fwd_lists))
+    with nvtx_ranges.op_range(name):
+        out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale, scores.softcap)
+    if kernel_dim_v != head_dim_v:
+        out = out[..., :head_dim_v].contiguous()
+    return out, lse
+
+
+def block_sparse_backward_cuda(grad_out, q, k, v, out, lse, bwd_lists, softmax_scale: float,
+                               grad_lse=None, softcap: float = 0.0, learnable_sink=None,
+                               config=None):
+    """The backward kernels under the block mask of bwd_lists; (dq, dk, dv),
+    with sinks (dq, dk, dv, dsink)."""
+    if q.numel() == 0 or k.shape[1] == 0:
+        return ops.empty_backward(q, k, v, grad_lse, learnable_sink)
+    sink = learnable_sink is not None
+    scores = _variant(softcap, q.shape[1], k.shape[1], sink)
+    name = nvtx_ranges.range_name("block_sparse_bwd", q, v, False, scores)
+    (grad_out, q, k, v, out), head_dims, kernel_dims = ops.pad_backward_tensors(grad_out, q, k,
+                                                                                v, out)
+    kernels, config, device_index = bwd_kernels_for(q, k, False, False, grad_lse is not None,
+                                                    config, scores.features,
+                                                    head_dim_v=kernel_dims[2])
+    plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
+                                scores.window, sink=sink, block_sparse=tuple(bwd_lists.shape))
+    lse = lse.contiguous()
+    grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
+    inputs = [ops.tma_ready(t) for t in (grad_out, q, k, v, out)] + [lse, grad_lse]
+    if sink:
+        inputs.append(ops.sink_input(learnable_sink))
+    inputs.append(_aligned(bwd_lists))
+    with nvtx_ranges.op_range(name):
+        grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,
+                                    scores.softcap)
+    dsink = (ops.sink_grad(grads[3], learnable_sink),) if sink else ()
+    return ops.unpad_grads(grads[:3], head_dims, kernel_dims) + dsink
+
+
+_lib = ops._lib
+_SCORE_ARGS = "float softcap=0.0, Tensor? learnable_sink=None"
+_lib.define("block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor fwd_lists, Tensor bwd_lists, "
+            f"float? softmax_scale=None, {_SCORE_ARGS}) -> (Tensor, Tensor)")
+_lib.define("block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+            "Tensor lse, Tensor fwd_lists, Tensor bwd_lists, float softmax_scale, "
+            f"Tensor? grad_lse=None, {_SCORE_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _check_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse,
+               softcap, learnable_sink):
+    check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse)
+    _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink)
+
+
+def _fwd_cpu(q, k, v, fwd_lists, bwd_lists, softmax_scale=None, softcap=0.0,
+             learnable_sink=None):
+    _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink)
+    scores = _variant(softcap, q.shape[1], k.shape[1], learnable_sink is not None)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("block_sparse_fwd", q, v, False, scores)):
+        out, lse = attention_reference(q, k, v, resolve_scale(q, softmax_scale), softcap=softcap,
+                                       sink=learnable_sink,
+                                       visible=_visible(fwd_lists, q, k, v))
+    return out.contiguous(), lse.contiguous()
+
+
+def _fwd_cuda(q, k, v, fwd_lists, bwd_lists, softmax_scale=None, softcap=0.0,
+              learnable_sink=None):
+    _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink)
+    return block_sparse_forward_cuda(q, k, v, fwd_lists, resolve_scale(q, softmax_scale),
+                                     softcap, learnable_sink)
+
+
+def _fwd_fake(q, k, v, fwd_lists, bwd_lists, softmax_scale=None, softcap=0.0,
+              learnable_sink=None):
+    _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink)
+    batch, seqlen_q, heads, _ = q.shape
+    return (q.new_empty((batch, seqlen_q, heads, v.shape[3])),
+            torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device))
+
+
+def _bwd_cpu(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse=None,
+             softcap=0.0, learnable_sink=None):
+    _check_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse,
+               softcap, learnable_sink)
+    scores = _variant(softcap, q.shape[1], k.shape[1], learnable_sink is not None)
+    with nvtx_ranges.op_range(nvtx_ranges.range_name("block_sparse_bwd", q, v, False, scores)):
+        grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, False,
+                                             grad_lse, softcap=softcap, sink=learnable_sink,
+                                             visible=_visible(fwd_lists, q, k, v))
+    return ops.op_grads(tuple(g.contiguous() for g in grads), q)
+
+
+def _bwd_cuda(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse=None,
+              softcap=0.0, learnable_sink=None):
+    _check_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse,
+               softcap, learnable_sink)
+    return ops.op_grads(block_sparse_backward_cuda(grad_out, q, k, v, out, lse, bwd_lists,
+                                                   softmax_scale, grad_lse, softcap,
+                                                   learnable_sink), q)
+
+
+def _bwd_fake(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse=None,
+              softcap=0.0, learnable_sink=None):
+    _check_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse,
+               softcap, learnable_sink)
+    return ops.fake_grads(q, k, v, learnable_sink)
+
+
+for _name, _cpu, _cuda, _fake in (("block_sparse_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
+                                  ("block_sparse_bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)):
+    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name, _cuda, "CUDA")
+    torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, fwd_lists, bwd_lists, learnable_sink)
+    ctx.softmax_scale, ctx.softcap = resolve_scale(q, softmax_scale), softcap
+    ctx.set_materialize_grads(False)  # an unused LSE output gives grad_lse None
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, fwd_lists, bwd_lists, learnable_sink = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dsink = torch.ops.cute_fa.block_sparse_bwd(
+        grad_out.contiguous(), q, k, v, out, lse, fwd_lists, bwd_lists, ctx.softmax_scale,
+        grad_lse, ctx.softcap, learnable_sink)
+    return (dq, dk, dv, None, None, None, None,
+            dsink if learnable_sink is not None else None)
+
+
+torch.library.register_autograd("cute_fa::block_sparse_fwd", _backward,
+                                setup_context=_setup_context, lib=_lib)

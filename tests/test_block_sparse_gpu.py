@@ -1,0 +1,134 @@
+"""Block-sparse attention on the H100: FlexAttention BlockMasks through
+flash_attn_func, forward and every gradient against the fp32 reference on the
+dense mask of the same mask_mod, with the bound the dense tests use (2x
+PyTorch's own low-precision error on the same inputs)."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+from cute_fa import BlockSparseMask, flash_attn_func
+from cute_fa.reference import attention_reference
+
+from bounds import assert_lse_matches, assert_within_low_precision
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, seed, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+
+    return (randn(batch, seqlen_q, heads, head_dim), randn(batch, seqlen_k, heads_kv, head_dim),
+            randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_q, heads, head_dim))
+
+
+def _masks(seqlen_q, seqlen_k):
+    """mask_mods of the patterns models use, aligned bottom-right where causal."""
+    shift = seqlen_k - seqlen_q
+    gen = torch.Generator().manual_seed(seqlen_q + seqlen_k)
+    doc_q = torch.randint(0, 5, (seqlen_q,), generator=gen).sort().values.cuda()
+    doc_k = torch.randint(0, 5, (seqlen_k,), generator=gen).sort().values.cuda()
+    blocks = (torch.rand((-(-seqlen_q // 128), -(-seqlen_k // 128)), generator=gen) < 0.3).cuda()
+
+    def causal(b, h, q, k):
+        return q + shift >= k
+
+    def sliding(b, h, q, k):
+        return (q + shift >= k) & (q + shift - k < 300)
+
+    def document(b, h, q, k):
+        return (doc_q[q] == doc_k[k]) & (q + shift >= k)
+
+    def random_blocks(b, h, q, k):
+        return blocks[q // 128, k // 128]
+
+    def per_head(b, h, q, k):
+        return ((q + shift - k) % (h + 2) != 1) | (b == 1)
+
+    return {"causal": causal, "sliding": sliding, "document": document,
+            "random_blocks": random_blocks, "per_head": per_head}
+
+
+def _run(q, k, v, g, mask, visible, softcap=0.0, sink=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = None if sink is None else sink.detach().clone().requires_grad_()
+    out, lse = flash_attn_func(*leaves, block_mask=mask, softcap=softcap,
+                               learnable_sink=sink_leaf, return_lse=True)
+    (out.float() * g.float()).sum().backward()
+    grads = [t.grad for t in leaves] + ([sink_leaf.grad] if sink is not None else [])
+    return out.detach(), lse.detach(), grads
+
+
+def _reference(q, k, v, g, visible, compute_dtype, softcap=0.0, sink=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = None if sink is None else sink.detach().clone().requires_grad_()
+    out, lse = attention_reference(*leaves, compute_dtype=compute_dtype, softcap=softcap,
+                                   sink=sink_leaf, visible=visible)
+    (out.float() * g.float()).sum().backward()
+    grads = [t.grad for t in leaves] + ([sink_leaf.grad] if sink is not None else [])
+    return out.detach(), lse.detach(), grads
+
+
+def _check(q, k, v, g, mask_mod, batch_m, heads_m, softcap=0.0, sink=None, convert=False):
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    block_mask = create_block_mask(mask_mod, batch_m, heads_m, seqlen_q, seqlen_k, device="cuda")
+    visible = create_mask(mask_mod, batch_m or 1, heads_m or 1, seqlen_q, seqlen_k,
+                          device="cuda")
+    mask = BlockSparseMask.from_block_mask(block_mask) if convert else block_mask
+    out, lse, grads = _run(q, k, v, g, mask, visible, softcap, sink)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, g, visible, torch.float32, softcap, sink)
+    low_out, _, low_grads = _reference(q, k, v, g, visible, None, softcap, sink)
+    names = ("dq", "dk", "dv", "dsink")
+    assert_lse_matches(lse, ref_lse)
+    assert_within_low_precision([("out", out, ref_out, low_out)] + list(
+        zip(names, grads, ref_grads, low_grads)))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("name", ["causal", "sliding", "document", "random_blocks"])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (777, 1300), (1300, 777)])
+def test_block_mask_forward_backward(head_dim, name, seqlens):
+    q, k, v, g = _inputs(2, *seqlens, 4, 2, head_dim, seed=head_dim + seqlens[0])
+    _check(q, k, v, g, _masks(*seqlens)[name], None, None)
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("name", ["causal", "document"])
+def test_large_head_dims(head_dim, name):
+    q, k, v, g = _inputs(1, 1000, 1000, 4, 2, head_dim, seed=head_dim)
+    _check(q, k, v, g, _masks(1000, 1000)[name], None, None, convert=True)
+
+
+def test_mask_per_batch_and_head_with_softcap_and_sink():
+    q, k, v, g = _inputs(2, 900, 900, 4, 4, 128, seed=3)
+    q = q * 2
+    sink = torch.randn(4, device="cuda")
+    _check(q, k, v, g, _masks(900, 900)["per_head"], 2, 4, softcap=20.0, sink=sink)
+
+
+def test_rows_that_see_nothing():
+    """Query tiles with no block and rows inside partial blocks with no key:
+    output 0, LSE -inf, zero gradients, no NaN."""
+    q, k, v, g = _inputs(1, 600, 600, 2, 2, 128, seed=9)
+
+    def late_keys(b, h, q_idx, k_idx):
+        return (q_idx >= 300) & (k_idx >= q_idx - 50) & (k_idx < q_idx)
+
+    _check(q, k, v, g, late_keys, None, None)
+
+
+def test_fp16_and_block_size_64():
+    q, k, v, g = _inputs(1, 1024, 1024, 4, 4, 64, seed=4, dtype=torch.float16)
+    mask_mod = _masks(1024, 1024)["sliding"]
+    block_mask = create_block_mask(mask_mod, None, None, 1024, 1024, device="cuda",
+                                   BLOCK_SIZE=64)
+    visible = create_mask(mask_mod, 1, 1, 1024, 1024, device="cuda")
+    out, lse, grads = _run(q, k, v, g, block_mask, visible)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, g, visible, torch.float32)
+    low_out, _, low_grads = _reference(q, k, v, g, visible, None)
+    assert_lse_matches(lse, ref_lse)
+    assert_within_low_precision([("out", out, ref_out, low_out)] + list(
+        zip(("dq", "dk", "dv"), grads, ref_grads, low_grads)))
