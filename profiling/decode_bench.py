@@ -197,10 +197,7 @@ def main(argv=None) -> int:
             rows.append(row)
         del fns
         torch.cuda.empty_cache()
-    env = report.environment()
-    command = report.command_line("decode_bench", sys.argv[1:] if argv is None else argv)
-    report.write_table_report(args.out, rows, env, vars(args),
-                              format_markdown(rows, env, command))
+    report.write_command_report("decode_bench", argv, args, rows, format_markdown)
     return 0
 
 

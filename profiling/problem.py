@@ -203,3 +203,27 @@ def make_sinks(heads: int, device) -> torch.Tensor:
     """The learnable sinks of a problem with --sink: fp32 normal, seed 1."""
     gen = torch.Generator(device=device).manual_seed(1)
     return torch.randn(heads, device=device, generator=gen)
+
+
+THROUGHPUT_DIRECTIONS = ("fwd", "fwd_bwd")
+
+
+def add_throughput_options(p) -> None:
+    """The options of the commands that report useful TFLOP/s of one
+    implementation against another (varlen_bench, sparse_bench): the heads
+    per head dim, the directions, the repeats."""
+    p.add_argument("--heads-dim-total", type=positive_int, default=2048,
+                   help="heads x head dim, the heads of each head dim (default: 2048)")
+    p.add_argument("--directions", type=choice_list(THROUGHPUT_DIRECTIONS),
+                   default=list(THROUGHPUT_DIRECTIONS),
+                   help="fwd and/or fwd_bwd, comma-separated (default: both)")
+    p.add_argument("--repeats", type=positive_int, default=20,
+                   help="timed calls per implementation, the median reported (default: 20)")
+
+
+def check_heads_dim_total(parser, args) -> None:
+    """Every --head-dims value divides --heads-dim-total."""
+    for d in args.head_dims:
+        if d <= 0 or args.heads_dim_total % d:
+            parser.error(f"--head-dims: expected divisors of --heads-dim-total "
+                         f"{args.heads_dim_total}, got {d}")

@@ -13,6 +13,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 from collections import defaultdict
 
 from cute_fa.user_cache import installed_version
@@ -163,6 +164,14 @@ def write_table_report(prefix: str, rows: list[dict], env: dict, args: dict,
     write_json(prefix + ".json", rows, env, args)
     with open(prefix + ".md", "w") as f:
         f.write(markdown)
+
+
+def write_command_report(command: str, argv, args, rows: list[dict], markdown) -> None:
+    """A table command's report at args.out (write_table_report): the rows,
+    the machine, the arguments, and markdown(rows, env, the command line)."""
+    env = environment()
+    line = command_line(command, sys.argv[1:] if argv is None else argv)
+    write_table_report(args.out, rows, env, vars(args), markdown(rows, env, line))
 
 
 def write_plots(prefix: str, rows: list[dict]) -> list[str]:

@@ -31,10 +31,9 @@ import torch
 
 from . import report
 from .cli import choice_list, command_parser, csv_list, positive_int, require_cuda
-from .problem import add_head_dim_option
+from .problem import add_head_dim_option, add_throughput_options, check_heads_dim_total
 from .timing import time_interleaved
 
-DIRECTIONS = ("fwd", "fwd_bwd")
 MASKS = ("random10", "random30", "document", "sliding2048")
 BACKENDS = ("cute", "flex", "cute_dense")
 
@@ -107,17 +106,12 @@ def build_parser():
                    help="sequence lengths, comma-separated (default: 8192,16384)")
     p.add_argument("--tokens", type=positive_int, default=16384,
                    help="tokens per batch: batch = tokens / seqlen, at least 1 (default: 16384)")
-    p.add_argument("--heads-dim-total", type=positive_int, default=2048,
-                   help="heads x head dim, the heads of each head dim (default: 2048)")
     p.add_argument("--masks", type=choice_list(MASKS), default=list(MASKS),
                    help=f"masks, comma-separated, from {', '.join(MASKS)} (default: all)")
-    p.add_argument("--directions", type=choice_list(DIRECTIONS), default=list(DIRECTIONS),
-                   help="fwd and/or fwd_bwd, comma-separated (default: both)")
+    add_throughput_options(p)
     p.add_argument("--backends", type=choice_list(BACKENDS), default=list(BACKENDS),
                    help="cute (ours, block-sparse), flex (FlexAttention, torch.compile'd, the "
                         "same BlockMask), cute_dense (ours without a mask) (default: all)")
-    p.add_argument("--repeats", type=positive_int, default=20,
-                   help="timed calls per implementation, the median reported (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the masks (default: 0)")
     report.add_out_option(p)
     return p
@@ -128,10 +122,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if any(n < 1 for n in args.seqlens):
         p.error(f"--seqlens: expected positive integers, got {args.seqlens}")
-    for d in args.head_dims:
-        if args.heads_dim_total % d:
-            p.error(f"--head-dims: expected divisors of --heads-dim-total "
-                    f"{args.heads_dim_total}, got {d}")
+    check_heads_dim_total(p, args)
     require_cuda("sparse_bench")
     rows = []
     for head_dim, seqlen, name, direction in itertools.product(
@@ -150,10 +141,7 @@ def main(argv=None) -> int:
                              repeats=repeats, tflops=scale * work / ms / 1e9))
         line = "  ".join(f"{r['backend']} {r['ms']:.3f} ms" for r in rows[-len(times):])
         print(f"d={head_dim} s={seqlen} {name} (blocks {density:.3f}) {direction}: {line}")
-    env = report.environment()
-    command = report.command_line("sparse_bench", sys.argv[1:] if argv is None else argv)
-    report.write_table_report(args.out, rows, env, vars(args),
-                              format_markdown(rows, env, command))
+    report.write_command_report("sparse_bench", argv, args, rows, format_markdown)
     return 0
 
 

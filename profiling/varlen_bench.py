@@ -23,10 +23,8 @@ import torch
 
 from . import report
 from .cli import choice_list, command_parser, csv_list, positive_int, require_cuda
-from .problem import add_head_dim_option
+from .problem import add_head_dim_option, add_throughput_options, check_heads_dim_total
 from .timing import time_interleaved
-
-DIRECTIONS = ("fwd", "fwd_bwd")
 
 
 def packed_lengths(tokens: int, min_len: int, max_len: int, seed: int) -> list[int]:
@@ -94,20 +92,15 @@ def build_parser():
     add_head_dim_option(p, [64, 128], multiple=True)
     p.add_argument("--tokens", type=csv_list(int), default=[16384, 65536],
                    help="tokens per packed batch, comma-separated (default: 16384,65536)")
-    p.add_argument("--heads-dim-total", type=positive_int, default=2048,
-                   help="heads x head dim, the heads of each head dim (default: 2048)")
     p.add_argument("--min-len", type=positive_int, default=64,
                    help="shortest sequence drawn (default: 64)")
     p.add_argument("--max-len", type=positive_int, default=8192,
                    help="longest sequence drawn (default: 8192)")
     p.add_argument("--causal", action="store_true", help="causal masks (default: full)")
-    p.add_argument("--directions", type=choice_list(DIRECTIONS), default=list(DIRECTIONS),
-                   help="fwd and/or fwd_bwd, comma-separated (default: both)")
+    add_throughput_options(p)
     p.add_argument("--backends", type=choice_list(BACKENDS), default=list(BACKENDS),
                    help="cute (ours, packed), fa4 (flash-attn-4's varlen), cute_dense (ours "
                         "on a dense batch at the mean length) (default: all)")
-    p.add_argument("--repeats", type=positive_int, default=20,
-                   help="timed calls per implementation, the median reported (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths (default: 0)")
     report.add_out_option(p)
     return p
@@ -118,10 +111,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.min_len > args.max_len:
         p.error(f"--max-len: expected at least --min-len {args.min_len}, got {args.max_len}")
-    for d in args.head_dims:
-        if d <= 0 or args.heads_dim_total % d:
-            p.error(f"--head-dims: expected divisors of --heads-dim-total "
-                    f"{args.heads_dim_total}, got {d}")
+    check_heads_dim_total(p, args)
     require_cuda("varlen_bench")
     backends = args.backends
     rows = []
@@ -141,10 +131,9 @@ def main(argv=None) -> int:
                              tflops=flops / ms / 1e9))
         line = "  ".join(f"{r['backend']} {r['tflops']:.1f}" for r in rows[-len(times):])
         print(f"d={head_dim} tokens={tokens} seqs={len(lengths)} {direction}: {line} TFLOP/s")
-    env = report.environment()
-    command = report.command_line("varlen_bench", sys.argv[1:] if argv is None else argv)
-    report.write_table_report(args.out, rows, env, vars(args),
-                              format_markdown(rows, env, command, vars(args)))
+    report.write_command_report(
+        "varlen_bench", argv, args, rows,
+        lambda rows, env, command: format_markdown(rows, env, command, vars(args)))
     return 0
 
 

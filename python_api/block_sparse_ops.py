@@ -229,11 +229,8 @@ def _bwd_fake(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, 
     return ops.fake_grads(q, k, v, learnable_sink)
 
 
-for _name, _cpu, _cuda, _fake in (("block_sparse_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
-                                  ("block_sparse_bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)):
-    _lib.impl(_name, _cpu, "CPU")
-    _lib.impl(_name, _cuda, "CUDA")
-    torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
+ops.register_kernels("block_sparse_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake)
+ops.register_kernels("block_sparse_bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):

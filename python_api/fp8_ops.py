@@ -24,7 +24,7 @@ import torch
 from . import launch_plan
 from . import nvtx as nvtx_ranges
 from .kernels.config import FP8_HEAD_DIMS
-from .ops import _lib, keyless_lse, tma_ready
+from .ops import _lib, keyless_lse, register_kernels, tma_ready
 from .reference import attention_reference, resolve_scale
 from .scores import resolve
 from .validate import (check_argument_types, check_kv_shapes, check_one_device,
@@ -159,7 +159,5 @@ def _no_backward(ctx, grad_out, grad_lse):
         "compute gradients with bf16 or fp16 q, k, v")
 
 
-_lib.impl("fwd_fp8", _fwd_fp8_cpu, "CPU")
-_lib.impl("fwd_fp8", _fwd_fp8_cuda, "CUDA")
-torch.library.register_fake("cute_fa::fwd_fp8", _fwd_fp8_fake, lib=_lib)
+register_kernels("fwd_fp8", _fwd_fp8_cpu, _fwd_fp8_cuda, _fwd_fp8_fake)
 torch.library.register_autograd("cute_fa::fwd_fp8", _no_backward, lib=_lib)

@@ -227,9 +227,7 @@ def _fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=No
             torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device))
 
 
-for _key in ("CPU", "CUDA"):
-    _lib.impl("fwd_kvcache", _forward, _key)
-torch.library.register_fake("cute_fa::fwd_kvcache", _fake, lib=_lib)
+ops.register_kernels("fwd_kvcache", _forward, _forward, _fake)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,

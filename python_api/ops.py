@@ -234,6 +234,14 @@ _lib.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tens
             f"bool deterministic=False, {SCORE_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
+def register_kernels(name: str, cpu, cuda, fake) -> None:
+    """An op's CPU, CUDA (None: registered elsewhere) and fake kernels."""
+    _lib.impl(name, cpu, "CPU")
+    if cuda is not None:
+        _lib.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"cute_fa::{name}", fake, lib=_lib)
+
+
 def no_sink_grad(q: torch.Tensor) -> torch.Tensor:
     """The fourth output of a backward op called without sinks."""
     return q.new_empty((0,), dtype=torch.float32)
@@ -336,10 +344,7 @@ if _native is not None:
     _native.register_cuda_kernels()
 for _name, _cpu, _cuda, _fake in (("fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
                                   ("bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)):
-    _lib.impl(_name, _cpu, "CPU")
-    if _native is None:
-        _lib.impl(_name, _cuda, "CUDA")
-    torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
+    register_kernels(_name, _cpu, _cuda if _native is None else None, _fake)
 # The eager path's kernels, with the arguments and outputs of cute_fa::fwd / cute_fa::bwd.
 def _backward_outputs(*args):
     return op_grads(backward_cuda(*args), args[1])

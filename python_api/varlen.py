@@ -340,11 +340,8 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, use
     return ops.fake_grads(q, k, v, learnable_sink)
 
 
-for _name, _cpu, _cuda, _fake in (("varlen_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake),
-                                  ("varlen_bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)):
-    _lib.impl(_name, _cpu, "CPU")
-    _lib.impl(_name, _cuda, "CUDA")
-    torch.library.register_fake(f"cute_fa::{_name}", _fake, lib=_lib)
+ops.register_kernels("varlen_fwd", _fwd_cpu, _fwd_cuda, _fwd_fake)
+ops.register_kernels("varlen_bwd", _bwd_cpu, _bwd_cuda, _bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):

@@ -16,3 +16,14 @@ def random_problem(rng, group: int | None = None) -> dict:
     dtype = rng.choice([torch.bfloat16, torch.float16])
     return dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads=heads_kv * group,
                 heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, causal=causal)
+
+
+def cuda_qkv_grad(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed):
+    """Random normal q, k, v and an output gradient on the GPU, from `seed`."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+
+    return (randn(batch, seqlen_q, heads, head_dim), randn(batch, seqlen_k, heads_kv, head_dim),
+            randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_q, heads, head_dim))

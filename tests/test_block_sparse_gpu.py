@@ -11,18 +11,13 @@ from cute_fa import BlockSparseMask, flash_attn_func
 from cute_fa.reference import attention_reference
 
 from bounds import assert_lse_matches, assert_within_low_precision
+from shapes import cuda_qkv_grad
 
 pytestmark = pytest.mark.gpu
 
 
 def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, seed, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-
-    return (randn(batch, seqlen_q, heads, head_dim), randn(batch, seqlen_k, heads_kv, head_dim),
-            randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_q, heads, head_dim))
+    return cuda_qkv_grad(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed)
 
 
 def _masks(seqlen_q, seqlen_k):
@@ -52,24 +47,27 @@ def _masks(seqlen_q, seqlen_k):
             "random_blocks": random_blocks, "per_head": per_head}
 
 
-def _run(q, k, v, g, mask, visible, softcap=0.0, sink=None):
+def _grads(fn, q, k, v, g, sink):
+    """(out, lse, [dq, dk, dv (, dsink)]) of fn(q, k, v, sink) -> (out, lse)."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     sink_leaf = None if sink is None else sink.detach().clone().requires_grad_()
-    out, lse = flash_attn_func(*leaves, block_mask=mask, softcap=softcap,
-                               learnable_sink=sink_leaf, return_lse=True)
+    out, lse = fn(*leaves, sink_leaf)
     (out.float() * g.float()).sum().backward()
     grads = [t.grad for t in leaves] + ([sink_leaf.grad] if sink is not None else [])
     return out.detach(), lse.detach(), grads
+
+
+def _run(q, k, v, g, mask, softcap=0.0, sink=None):
+    return _grads(lambda q, k, v, s: flash_attn_func(q, k, v, block_mask=mask, softcap=softcap,
+                                                     learnable_sink=s, return_lse=True),
+                  q, k, v, g, sink)
 
 
 def _reference(q, k, v, g, visible, compute_dtype, softcap=0.0, sink=None):
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    sink_leaf = None if sink is None else sink.detach().clone().requires_grad_()
-    out, lse = attention_reference(*leaves, compute_dtype=compute_dtype, softcap=softcap,
-                                   sink=sink_leaf, visible=visible)
-    (out.float() * g.float()).sum().backward()
-    grads = [t.grad for t in leaves] + ([sink_leaf.grad] if sink is not None else [])
-    return out.detach(), lse.detach(), grads
+    return _grads(lambda q, k, v, s: attention_reference(q, k, v, compute_dtype=compute_dtype,
+                                                         softcap=softcap, sink=s,
+                                                         visible=visible),
+                  q, k, v, g, sink)
 
 
 def _check(q, k, v, g, mask_mod, batch_m, heads_m, softcap=0.0, sink=None, convert=False):
@@ -78,7 +76,7 @@ def _check(q, k, v, g, mask_mod, batch_m, heads_m, softcap=0.0, sink=None, conve
     visible = create_mask(mask_mod, batch_m or 1, heads_m or 1, seqlen_q, seqlen_k,
                           device="cuda")
     mask = BlockSparseMask.from_block_mask(block_mask) if convert else block_mask
-    out, lse, grads = _run(q, k, v, g, mask, visible, softcap, sink)
+    out, lse, grads = _run(q, k, v, g, mask, softcap, sink)
     ref_out, ref_lse, ref_grads = _reference(q, k, v, g, visible, torch.float32, softcap, sink)
     low_out, _, low_grads = _reference(q, k, v, g, visible, None, softcap, sink)
     names = ("dq", "dk", "dv", "dsink")
@@ -126,7 +124,7 @@ def test_fp16_and_block_size_64():
     block_mask = create_block_mask(mask_mod, None, None, 1024, 1024, device="cuda",
                                    BLOCK_SIZE=64)
     visible = create_mask(mask_mod, 1, 1, 1024, 1024, device="cuda")
-    out, lse, grads = _run(q, k, v, g, block_mask, visible)
+    out, lse, grads = _run(q, k, v, g, block_mask)
     ref_out, ref_lse, ref_grads = _reference(q, k, v, g, visible, torch.float32)
     low_out, _, low_grads = _reference(q, k, v, g, visible, None)
     assert_lse_matches(lse, ref_lse)

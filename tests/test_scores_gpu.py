@@ -9,18 +9,12 @@ from cute_fa import flash_attn_func
 from cute_fa.reference import attention_reference
 
 from bounds import assert_lse_matches, assert_within_low_precision
+from shapes import cuda_qkv_grad
 
 pytestmark = pytest.mark.gpu
 
 
-def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-
-    return (randn(batch, seqlen_q, heads, head_dim), randn(batch, seqlen_k, heads_kv, head_dim),
-            randn(batch, seqlen_k, heads_kv, head_dim), randn(batch, seqlen_q, heads, head_dim))
+_inputs = cuda_qkv_grad
 
 
 def _window(causal, window_size):
