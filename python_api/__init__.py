@@ -73,10 +73,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lengths; block sizes dividing 128 or multiples of it), or a
         BlockSparseMask made from one (BlockSparseMask.from_block_mask: convert
         once and reuse it, as the conversion evaluates the mask_mod and waits
-        for the GPU). Key blocks the mask leaves out are never loaded; partial
-        blocks are masked element by element from the mask_mod's bits. The
-        mask holds every limit: no causal or window_size with it; softcap and
-        learnable_sink combine with it; not deterministic, no FP8.
+        for the GPU; under torch.compile(fullgraph=True) pass a
+        BlockSparseMask made outside). Key blocks the mask leaves out are
+        never loaded; partial blocks are masked element by element from the
+        mask_mod's bits. The mask holds every limit: no causal or window_size
+        with it; softcap and learnable_sink combine with it; not
+        deterministic, no FP8.
     Returns out (batch, seqlen_q, nheads, headdim_v), and with return_lse the
     fp32 log-sum-exp (batch, nheads, seqlen_q).
     Differentiable: the backward runs the DSL backward kernel (torch.ops.cute_fa.bwd)

@@ -334,12 +334,12 @@ def lists_dense(table: torch.Tensor, rows: int, cols: int, transposed: bool, seq
     batch = table.shape[0]
     outer_len, inner_len = (seqlen_k, seqlen_q) if transposed else (seqlen_q, seqlen_k)
     outer_tiles = -(-outer_len // rows)
-    mask_heads = table.shape[1] // outer_tiles
+    mask_heads = table.shape[1] // outer_tiles if outer_tiles else 1
     inner_tiles = -(-inner_len // cols)
     dense = torch.zeros((batch, mask_heads, outer_tiles * rows, inner_tiles * cols),
                         dtype=torch.bool)
     words = cols // WORD_BITS
-    cpu = table.cpu().view(batch, mask_heads, outer_tiles, -1)
+    cpu = table.cpu().view(batch, mask_heads, outer_tiles, table.shape[2])
     shifts = torch.arange(cols) % WORD_BITS
     for b in range(batch):
         for h in range(mask_heads):

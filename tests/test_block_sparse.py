@@ -169,3 +169,18 @@ def test_bad_calls_name_the_argument():
 
 def test_public_names():
     assert "BlockSparseMask" in cute_fa.__all__
+
+
+@pytest.mark.parametrize("seqlens", [(0, 100), (100, 0), (0, 0)])
+def test_empty_sequences(seqlens):
+    """No query or no key: output 0 and LSE -inf (as the dense op), gradients 0."""
+    seqlen_q, seqlen_k = seqlens
+    q = torch.randn(1, seqlen_q, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, seqlen_k, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    mask = BlockSparseMask.from_dense(torch.ones(1, 1, seqlen_q, seqlen_k, dtype=torch.bool))
+    out, lse = flash_attn_func(q, k, v, block_mask=mask, return_lse=True)
+    assert out.shape == (1, seqlen_q, 2, 64) and lse.shape == (1, 2, seqlen_q)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    out.float().sum().backward()
+    assert all((t.grad == 0).all() for t in (q, k, v))

@@ -130,3 +130,26 @@ def test_fp16_and_block_size_64():
     assert_lse_matches(lse, ref_lse)
     assert_within_low_precision([("out", out, ref_out, low_out)] + list(
         zip(("dq", "dk", "dv"), grads, ref_grads, low_grads)))
+
+
+def test_gqa_groups_walked_by_one_cta():
+    """Enough key tiles that the backward keeps one CTA per (key tile, KV
+    head) and walks each query head of the group with its own list."""
+    from cute_fa.kernels.config import Features, bwd_config_for_problem
+
+    batch, seqlen, heads, heads_kv = 3, 4096, 8, 4
+    config = bwd_config_for_problem(64, False, False, batch, seqlen, heads, heads_kv,
+                                    torch.cuda.get_device_properties(0).multi_processor_count,
+                                    Features(block_sparse=True))
+    assert not config.split_gqa
+    q, k, v, g = _inputs(batch, seqlen, seqlen, heads, heads_kv, 64, seed=11)
+    _check(q, k, v, g, _masks(seqlen, seqlen)["per_head"], batch, heads)
+
+
+@pytest.mark.parametrize("seqlens", [(0, 300), (300, 0)])
+def test_empty_sequences(seqlens):
+    q, k, v, _ = _inputs(2, *seqlens, 2, 2, 128, seed=1)
+    mask = BlockSparseMask.from_dense(torch.ones(1, 1, *seqlens, dtype=torch.bool,
+                                                 device="cuda"))
+    out, lse = flash_attn_func(q, k, v, block_mask=mask, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
