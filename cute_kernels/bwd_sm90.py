@@ -71,7 +71,8 @@ from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .dsl_struct import DslStruct
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, store_rows,
                           tma_store_tile, tma_views)
-from .mask import BlockRange, Limits, QueryBlockRange, Window, apply_mask_transposed
+from .mask import (BlockRange, Limits, QueryBlockRange, QueryWalk, Window,
+                   apply_mask_transposed)
 from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
                        producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
@@ -149,22 +150,6 @@ class _Tiles(DslStruct):
                            Int32(1), seqlen_q, seqlen_k)
         return KeyTile(n_block, cta_head, batch, cta_head, cta_head * self.q_per_kv,
                        self.q_per_kv, seqlen_q, seqlen_k)
-
-
-@dataclass
-class QueryWalk:
-    """The query blocks one query head walks for a key block: count of them
-    from m_min on, or under block sparsity the entries of its list (the
-    partial ones, which need the bit mask, first)."""
-
-    m_min: Int32
-    count: Int32
-    sparse: SparseRow | None
-
-    def m_block(self, i: Int32) -> Int32:
-        if cutlass.const_expr(self.sparse is not None):
-            return self.sparse.inner(i)
-        return self.m_min + i
 
 
 @dataclass

@@ -222,6 +222,22 @@ class QueryBlockRange(DslStruct):
         return cutlass.max(queries, 0) // self.tile_m
 
 
+@dataclass
+class QueryWalk:
+    """The query blocks one query head walks for a key block: count of them
+    from m_min on, or under block sparsity the entries of its list (the
+    partial ones, which need the bit mask, first)."""
+
+    m_min: Int32
+    count: Int32
+    sparse: object  # block_sparse.SparseRow, or None
+
+    def m_block(self, i: Int32) -> Int32:
+        if cutlass.const_expr(self.sparse is not None):
+            return self.sparse.inner(i)
+        return self.m_min + i
+
+
 @cute.jit
 def apply_mask_transposed(acc_st: cute.Tensor, coords: cute.Tensor, n_block: Int32,
                           m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
