@@ -47,21 +47,31 @@ class SparseRow(DslStruct):
     n_partial: Int32
     count: Int32  # partial + full
     bits_start: Int32
+    inner_tiles: Int32
 
     @staticmethod
-    def load(table: cute.Tensor, batch: Int32, head: Int32, tile: Int32,
-             tiles: Int32) -> "SparseRow":
-        """The row of (batch, head, tile) of a kernel with `tiles` outer tiles
-        per head; a mask shared by every batch or head has a single one
-        there (modulo its extent)."""
+    def load(table: cute.Tensor, batch: Int32, head: Int32, tile: Int32, tiles: Int32,
+             inner_tiles: Int32, bits_per_entry: int) -> "SparseRow":
+        """The row of (batch, head, tile) of a kernel with `tiles` outer and
+        `inner_tiles` inner tiles per head; a mask shared by every batch or
+        head has a single one there (modulo its extent). The host does not
+        read the lists' values (that would wait for the GPU): the counts, the
+        bits' start and each index are clamped to the row and to the inner
+        tiles, so that a corrupted list gives wrong scores, never an access
+        outside the table or the tensors."""
         heads = table.shape[1] // tiles
         row = table[batch % table.shape[0], (head % heads) * tiles + tile, None]
-        n_partial = row[0]
-        return SparseRow(row, n_partial, n_partial + row[1], row[2])
+        words = table.shape[2]
+        count = cutlass.min(cutlass.max(row[0] + row[1], 0), words - HEADER_WORDS)
+        n_partial = cutlass.min(cutlass.min(cutlass.max(row[0], 0), count),
+                                (words - HEADER_WORDS) // bits_per_entry)
+        bits_start = cutlass.min(cutlass.max(row[2], HEADER_WORDS),
+                                 words - n_partial * bits_per_entry)
+        return SparseRow(row, n_partial, count, bits_start, inner_tiles)
 
     def inner(self, i: Int32) -> Int32:
-        """The i-th inner tile of the list."""
-        return self.row[HEADER_WORDS + i]
+        """The i-th inner tile of the list (i < count)."""
+        return cutlass.min(cutlass.max(self.row[HEADER_WORDS + i], 0), self.inner_tiles - 1)
 
 
 def static_coords(tiled_mma: cute.TiledMma, shape) -> cute.Tensor:

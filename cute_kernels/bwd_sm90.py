@@ -467,7 +467,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         sparse = None
         if cutlass.const_expr(self.features.block_sparse):
             sparse = SparseRow.load(tiles.block_sparse, tile.batch, head, tile.n_block,
-                                    cute.ceil_div(tile.seqlen_k, self.tile_n))
+                                    cute.ceil_div(tile.seqlen_k, self.tile_n),
+                                    cute.ceil_div(tile.seqlen_q, self.tile_m),
+                                    self.tile_n * self.tile_m // 32)
             m_count = sparse.count
         return QueryWalk(m_min, m_count, sparse)
 

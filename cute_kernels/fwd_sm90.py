@@ -534,7 +534,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         sparse = None
         if cutlass.const_expr(self.features.block_sparse):
             sparse = SparseRow.load(mBlockSparse, batch, head, m_block,
-                                    cute.ceil_div(seqlen_q, self.tile_m))
+                                    cute.ceil_div(seqlen_q, self.tile_m),
+                                    cute.ceil_div(seqlen_k, self.tile_n),
+                                    self.tile_m * self.tile_n // 32)
             n_lo, n_max = 0, sparse.count
         else:
             n_lo, n_max = 0, blocks.n_block_max(m_block, seqlen_q, seqlen_k)

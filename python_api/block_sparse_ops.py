@@ -13,6 +13,10 @@ it. A row that sees no key gives 0 and LSE -inf (or the sink).
  softmax_scale, grad_lse=None, softcap=0.0, learnable_sink=None)`: its
 gradients (dq, dk, dv, dsink), as cute_fa::bwd's. Not deterministic: the
 key tiles' dQ partials add in whatever order they finish.
+The lists' shapes are checked here; their values are not read on the host
+(that would wait for the GPU): the kernels clamp counts and indices to the
+lists and the tiles, so lists made otherwise than by lists_for give wrong
+values, never an access outside the tensors.
 - CUDA (sm_90): the forward and backward kernels with Features.block_sparse,
   launched by their launch plans from Python;
 - CPU: the reference math on the mask the lists describe;

@@ -153,3 +153,23 @@ def test_empty_sequences(seqlens):
                                                  device="cuda"))
     out, lse = flash_attn_func(q, k, v, block_mask=mask, return_lse=True)
     assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+def test_corrupted_lists_stay_inside_the_tensors():
+    """The ops do not read the lists' values on the host: garbage lists give
+    wrong values, never an access outside the tensors (the kernels clamp)."""
+    from cute_fa.block_sparse_ops import lists_for
+
+    q, k, v, g = _inputs(2, 700, 900, 4, 2, 128, seed=21)
+    mask = BlockSparseMask.from_block_mask(create_block_mask(
+        _masks(700, 900)["document"], None, None, 700, 900, device="cuda"))
+    fwd_lists, bwd_lists = (t.clone() for t in lists_for(mask, q, v))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in (fwd_lists, bwd_lists):
+        t.copy_(torch.randint(-3000, 3000, t.shape, generator=gen, device="cuda",
+                              dtype=torch.int32))
+    out, lse = torch.ops.cute_fa.block_sparse_fwd(q, k, v, fwd_lists, bwd_lists)
+    grads = torch.ops.cute_fa.block_sparse_bwd(g, q, k, v, out, lse, fwd_lists, bwd_lists,
+                                               128 ** -0.5)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and grads[0].shape == q.shape
