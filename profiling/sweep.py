@@ -4,6 +4,7 @@
         --vary persistent=0,1 pingpong=0,1 intra_wg_overlap=0,1 kv_stages=2,3
     python -m cute_fa.profiling.sweep --kernel bwd --head-dim 64 --vary tile_m=64,128 --out sweep1
     python -m cute_fa.profiling.sweep --dtype e4m3 --head-dim 128 --vary transpose_warps=1,2,3
+    python -m cute_fa.profiling.sweep --block-mask random30 --head-dim 64 --vary kv_stages=2,3
 
 Every variant (the cartesian product of the --vary values over the op's
 default config for the problem) is first checked against the fp32 reference
@@ -12,7 +13,10 @@ seqlen_q/k cut to --check-seqlen and made ragged): the output (forward) or
 dQ, dK, dV (backward) within twice torch's low-precision error; an e4m3
 forward (--dtype e4m3: q, k, v quantized per (batch, KV head), the base
 config fp8_fwd_config) within 1.5x the RMSE of the emulation of its
-arithmetic (cute_fa.fp8), both against the dequantized inputs' attention. Only variants
+arithmetic (cute_fa.fp8), both against the dequantized inputs' attention; under
+--block-mask, the block-sparse kernels (base config: the op's for a block
+mask) on that mask of profiling.sparse_bench, checked against the reference
+on the mask_mod's dense mask. Only variants
 that pass are timed (the backward: preprocess + main kernel + postprocess, on
 a saved forward). Variants that fail validation (FwdConfig/BwdConfig.validate),
 compilation or the check are listed with the reason. One line per variant as
@@ -31,7 +35,8 @@ import os
 
 import torch
 
-from cute_fa.kernels.config import FP8_HEAD_DIMS, default_config, fp8_fwd_config
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, block_sparse_fwd_config, default_bwd_config,
+                                    default_config, fp8_fwd_config)
 
 from .cli import (Progress, add_kernel_option, command_parser, config_vary, positive_int,
                   require_cuda)
@@ -39,6 +44,7 @@ from .flops import attention_flops, tflops
 from .problem import (DTYPES, add_causal_option, add_head_dim_option,
                       add_head_dim_v_option, add_size_options, check_gqa, make_qkv,
                       problem_shape, resolve_head_dim_v)
+from .sparse_bench import MASKS, mask_mod
 
 # What a sweep without --vary compares, per kernel.
 DEFAULT_VARY = {"fwd": ["persistent=0,1"], "bwd": ["qdo_stages=1,2"]}
@@ -57,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="config fields and the values to try, e.g. kv_stages=2,3 pingpong=0,1 "
                         "(booleans: 0/1); every combination is a variant (default: "
                         + ", ".join(f"{k}: {' '.join(v)}" for k, v in DEFAULT_VARY.items()) + ")")
+    p.add_argument("--block-mask", choices=MASKS, default=None,
+                   help="sweep the block-sparse kernels under this mask of "
+                        "profiling.sparse_bench (default: no mask)")
     p.add_argument("--check-seqlen", type=positive_int, default=1000,
                    help="sequence length of the correctness check before timing (queries "
                         "+7, keys +29: ragged) (default: 1000)")
@@ -78,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--dtype e4m3: expected --kernel fwd and --head-dim one of {FP8_HEAD_DIMS} "
                 f"(v's the same), got --kernel {args.kernel}, --head-dim {args.head_dim}, "
                 f"--head-dim-v {args.head_dim_v}")
+    if args.block_mask and (args.causal != "no" or args.dtype == "e4m3"):
+        p.error(f"--block-mask: expected --causal no and a 16-bit --dtype (the mask holds "
+                f"every limit; no e4m3 block-sparse kernel), got --causal {args.causal}, "
+                f"--dtype {args.dtype}")
     defaulted = args.vary is None
     if defaulted:
         args.vary = DEFAULT_VARY[args.kernel]
@@ -112,11 +125,16 @@ def run_variants(args, configs: list) -> list[dict]:
 
     check_inputs = make(1, args.check_seqlen + 7, args.check_seqlen + 29)
     problem = make(batch, args.seqlen, args.seqlen)
-    make_case = (_fp8_forward_case if fp8 else
-                 _forward_case if args.kernel == "fwd" else _backward_case)
-    case = make_case(check_inputs, problem, scale, causal)
-    flops = attention_flops(batch, heads, args.seqlen, args.seqlen, args.head_dim, causal,
-                            args.kernel, head_dim_v=args.head_dim_v)
+    if args.block_mask:
+        case = _block_sparse_case(args.kernel, args.block_mask, check_inputs, problem, scale)
+    else:
+        make_case = (_fp8_forward_case if fp8 else
+                     _forward_case if args.kernel == "fwd" else _backward_case)
+        case = make_case(check_inputs, problem, scale, causal)
+    # a block mask's useful work: the pairs it leaves
+    flops = case.work_share * attention_flops(batch, heads, args.seqlen, args.seqlen,
+                                              args.head_dim, causal, args.kernel,
+                                              head_dim_v=args.head_dim_v)
     varied = list(args.vary_values)
     results = []
     with Progress(len(configs), "sweep", "variant") as bar:
@@ -158,13 +176,19 @@ def main(argv=None):
     args = parse_args(argv)
     require_cuda("sweep")
     causal = args.causal == "yes"
-    base = (fp8_fwd_config(args.head_dim, causal) if args.dtype == "e4m3"
-            else default_config(args.kernel, args.head_dim, causal, args.head_dim_v))
+    if args.block_mask:
+        base = (block_sparse_fwd_config(args.head_dim, args.head_dim_v) if args.kernel == "fwd"
+                else default_bwd_config(args.head_dim, True))  # what the op takes for a mask
+    elif args.dtype == "e4m3":
+        base = fp8_fwd_config(args.head_dim, causal)
+    else:
+        base = default_config(args.kernel, args.head_dim, causal, args.head_dim_v)
     results = run_variants(args, variants(base, args.vary_values))
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
+    mask = f" block mask {args.block_mask}" if args.block_mask else ""
     print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} dv={args.head_dim_v} "
           f"seqlen={args.seqlen} "
-          f"batch={batch} heads={heads} gqa={args.gqa} causal={causal}; base {base}")
+          f"batch={batch} heads={heads} gqa={args.gqa} causal={causal}{mask}; base {base}")
     print(format_ranking(results, list(args.vary_values)))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -176,10 +200,11 @@ def main(argv=None):
 
 
 class _Case:
-    """check(config) -> max error (raises past tolerance); run(config) -> one timed call."""
+    """check(config) -> max error (raises past tolerance); run(config) -> one timed call;
+    work_share: the share of (query, key) pairs the problem computes."""
 
-    def __init__(self, check, run):
-        self.check, self.run = check, run
+    def __init__(self, check, run, work_share: float = 1.0):
+        self.check, self.run, self.work_share = check, run, work_share
 
 
 def _errors_within(name_errs, tolerances) -> float:
@@ -253,6 +278,65 @@ def _backward_case(check_inputs, problem, scale, causal) -> _Case:
     p_grad_out, p_out, p_lse = saved(problem)
     return _Case(check, lambda config: backward_cuda(p_grad_out, *problem, p_out, p_lse, scale,
                                                      causal, config=config))
+
+
+def _block_sparse_case(kernel, name, check_inputs, problem, scale) -> _Case:
+    """The block-sparse forward or backward under mask `name` (sparse_bench's
+    mask_mods), checked on the short problem against the reference on the
+    mask_mod's dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from cute_fa import BlockSparseMask
+    from cute_fa.block_sparse_ops import (block_sparse_backward_cuda, block_sparse_forward_cuda,
+                                          lists_for)
+    from cute_fa.reference import attention_backward_reference, attention_reference
+
+    def masked(inputs):
+        """(fwd_lists, bwd_lists, dense mask) of the mask over these inputs."""
+        seqlen_q, seqlen_k = inputs[0].shape[1], inputs[1].shape[1]
+        mod = mask_mod(name, max(seqlen_q, seqlen_k), 0, "cuda")
+        mask = BlockSparseMask.from_block_mask(create_block_mask(mod, None, None, seqlen_q,
+                                                                 seqlen_k, device="cuda"))
+        return (*lists_for(mask, inputs[0], inputs[2]),
+                create_mask(mod, 1, 1, seqlen_q, seqlen_k, device="cuda"))
+
+    def saved(inputs, fwd_lists):
+        out, lse = block_sparse_forward_cuda(*inputs, fwd_lists, scale)
+        return torch.randn_like(out), out, lse
+
+    fwd_lists, bwd_lists, visible = masked(check_inputs)
+    p_fwd_lists, p_bwd_lists, p_visible = masked(problem)
+    share = p_visible.float().mean().item()
+    if kernel == "fwd":
+        ref, _ = attention_reference(*check_inputs, scale, visible=visible)
+        low, _ = attention_reference(*check_inputs, scale, compute_dtype=None, visible=visible)
+        tolerance = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
+
+        def check(config):
+            out, _ = block_sparse_forward_cuda(*check_inputs, fwd_lists, scale, config=config)
+            return _errors_within([("out", (out.float() - ref.float()).abs().max().item())],
+                                  [tolerance])
+
+        return _Case(check, lambda config: block_sparse_forward_cuda(
+            *problem, p_fwd_lists, scale, config=config), share)
+
+    grad_out, out, lse = saved(check_inputs, fwd_lists)
+    ref = attention_backward_reference(grad_out, *check_inputs, out, lse, scale, False,
+                                       visible=visible)
+    low = attention_backward_reference(grad_out, *check_inputs, out, lse, scale, False,
+                                       compute_dtype=None, visible=visible)
+    tolerances = [2 * (lo.float() - r.float()).abs().max().item() + 1e-4
+                  for lo, r in zip(low, ref)]
+
+    def check_bwd(config):
+        grads = block_sparse_backward_cuda(grad_out, *check_inputs, out, lse, bwd_lists, scale,
+                                           config=config)
+        return _errors_within([(n, (g.float() - r.float()).abs().max().item())
+                               for n, g, r in zip(("dq", "dk", "dv"), grads, ref)], tolerances)
+
+    p_grad_out, p_out, p_lse = saved(problem, p_fwd_lists)
+    return _Case(check_bwd, lambda config: block_sparse_backward_cuda(
+        p_grad_out, *problem, p_out, p_lse, p_bwd_lists, scale, config=config), share)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,8 @@ BAD_ARGUMENTS = [
     ("varlen_bench", ["--out", "x", "--directions", "bwd"], "--directions"),
     ("varlen_bench", ["--out", "x", "--min-len", "100", "--max-len", "50"], "--max-len"),
     ("varlen_bench", ["--out", "x", "--head-dims", "96"], "--head-dims"),
+    ("sweep", ["--block-mask", "random30", "--causal", "yes"], "--block-mask"),
+    ("sweep", ["--block-mask", "nope"], "--block-mask"),
     ("sparse_bench", ["--out", "x", "--masks", "random10,nope"], "--masks"),
     ("sparse_bench", ["--out", "x", "--seqlens", "8192,0"], "--seqlens"),
     ("sparse_bench", ["--out", "x", "--head-dims", "96"], "--head-dims"),
