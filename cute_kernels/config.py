@@ -345,6 +345,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
 SPARSE_BLOCK = 128
 
 
+@functools.lru_cache(maxsize=None)
 def block_sparse_fwd_config(head_dim: int, head_dim_v: int) -> FwdConfig:
     """The forward config under a block mask: the causal choices (tiles that
     differ in length, claimed; 128 keys a step, which divides the mask's
@@ -358,6 +359,7 @@ def block_sparse_fwd_config(head_dim: int, head_dim_v: int) -> FwdConfig:
                      pv_wait_after_exp2=8)
 
 
+@functools.lru_cache(maxsize=None)  # asked on every block-sparse call
 def block_sparse_tiles(head_dim: int, head_dim_v: int) -> tuple:
     """The tiles a block mask's lists are packed for (python_api/block_mask.py)
     at these kernel head dims: ((rows, cols) of the forward: query tile, key

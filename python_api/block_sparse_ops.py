@@ -25,6 +25,7 @@ values, never an access outside the tensors.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -89,6 +90,7 @@ def _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_
     _check_lists("bwd_lists", bwd_lists, q, bwd_rows, k.shape[1])
 
 
+@functools.lru_cache(maxsize=256)  # asked on every call
 def _variant(softcap: float, seqlen_q: int, seqlen_k: int, sink: bool):
     scores = resolve(False, -1, -1, softcap, seqlen_q, seqlen_k, sink=sink)
     return replace(scores, features=replace(scores.features, block_sparse=True))
