@@ -5,6 +5,7 @@
     python -m cute_fa.profiling.sweep --kernel bwd --head-dim 64 --vary tile_m=64,128 --out sweep1
     python -m cute_fa.profiling.sweep --dtype e4m3 --head-dim 128 --vary transpose_warps=1,2,3
     python -m cute_fa.profiling.sweep --block-mask random30 --head-dim 64 --vary kv_stages=2,3
+    python -m cute_fa.profiling.sweep --softcap 30 --vary pv_wait_after_exp2=0,8 tile_n=128,160
 
 Every variant (the cartesian product of the --vary values over the op's
 default config for the problem) is first checked against the fp32 reference
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="config fields and the values to try, e.g. kv_stages=2,3 pingpong=0,1 "
                         "(booleans: 0/1); every combination is a variant (default: "
                         + ", ".join(f"{k}: {' '.join(v)}" for k, v in DEFAULT_VARY.items()) + ")")
+    p.add_argument("--softcap", type=float, default=0.0, metavar="C",
+                   help="soft-cap the scores at C (16-bit kernels; default: 0, none)")
     p.add_argument("--block-mask", choices=MASKS, default=None,
                    help="sweep the block-sparse kernels under this mask of "
                         "profiling.sparse_bench (default: no mask)")
@@ -87,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--dtype e4m3: expected --kernel fwd and --head-dim one of {FP8_HEAD_DIMS} "
                 f"(v's the same), got --kernel {args.kernel}, --head-dim {args.head_dim}, "
                 f"--head-dim-v {args.head_dim_v}")
+    if not (args.softcap >= 0) or (args.softcap and args.dtype == "e4m3"):
+        p.error(f"--softcap: expected a value >= 0, and 0 with --dtype e4m3, got "
+                f"{args.softcap}")
     if args.block_mask and (args.causal != "no" or args.dtype == "e4m3"):
         p.error(f"--block-mask: expected --causal no and a 16-bit --dtype (the mask holds "
                 f"every limit; no e4m3 block-sparse kernel), got --causal {args.causal}, "
@@ -126,11 +132,12 @@ def run_variants(args, configs: list) -> list[dict]:
     check_inputs = make(1, args.check_seqlen + 7, args.check_seqlen + 29)
     problem = make(batch, args.seqlen, args.seqlen)
     if args.block_mask:
-        case = _block_sparse_case(args.kernel, args.block_mask, check_inputs, problem, scale)
+        case = _block_sparse_case(args.kernel, args.block_mask, check_inputs, problem, scale,
+                                  args.softcap)
     else:
         make_case = (_fp8_forward_case if fp8 else
                      _forward_case if args.kernel == "fwd" else _backward_case)
-        case = make_case(check_inputs, problem, scale, causal)
+        case = make_case(check_inputs, problem, scale, causal, args.softcap)
     # a block mask's useful work: the pairs it leaves
     flops = case.work_share * attention_flops(batch, heads, args.seqlen, args.seqlen,
                                               args.head_dim, causal, args.kernel,
@@ -214,23 +221,25 @@ def _errors_within(name_errs, tolerances) -> float:
     return max(err for _, err in name_errs)
 
 
-def _forward_case(check_inputs, problem, scale, causal) -> _Case:
+def _forward_case(check_inputs, problem, scale, causal, softcap) -> _Case:
     from cute_fa.ops import forward_cuda
     from cute_fa.reference import attention_reference
 
-    ref, _ = attention_reference(*check_inputs, scale, causal)
-    low, _ = attention_reference(*check_inputs, scale, causal, compute_dtype=None)
+    ref, _ = attention_reference(*check_inputs, scale, causal, softcap=softcap)
+    low, _ = attention_reference(*check_inputs, scale, causal, compute_dtype=None,
+                                 softcap=softcap)
     tolerance = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
 
     def check(config):
-        out, _ = forward_cuda(*check_inputs, scale, causal, config)
+        out, _ = forward_cuda(*check_inputs, scale, causal, config, softcap=softcap)
         return _errors_within([("out", (out.float() - ref.float()).abs().max().item())],
                               [tolerance])
 
-    return _Case(check, lambda config: forward_cuda(*problem, scale, causal, config))
+    return _Case(check, lambda config: forward_cuda(*problem, scale, causal, config,
+                                                    softcap=softcap))
 
 
-def _fp8_forward_case(check_inputs, problem, scale, causal) -> _Case:
+def _fp8_forward_case(check_inputs, problem, scale, causal, softcap) -> _Case:
     from cute_fa.fp8 import dequantize_fp8, fp8_attention_emulation, quantize_fp8
     from cute_fa.fp8_ops import forward_fp8_cuda
     from cute_fa.reference import attention_reference
@@ -255,32 +264,32 @@ def _fp8_forward_case(check_inputs, problem, scale, causal) -> _Case:
                                                         causal, None, config))
 
 
-def _backward_case(check_inputs, problem, scale, causal) -> _Case:
+def _backward_case(check_inputs, problem, scale, causal, softcap) -> _Case:
     from cute_fa.ops import backward_cuda, forward_cuda
     from cute_fa.reference import attention_backward_reference
 
     def saved(inputs):
-        out, lse = forward_cuda(*inputs, scale, causal)
+        out, lse = forward_cuda(*inputs, scale, causal, softcap=softcap)
         return torch.randn_like(inputs[0]), out, lse
 
     grad_out, out, lse = saved(check_inputs)
     args = (grad_out, *check_inputs, out, lse, scale, causal)
-    ref = attention_backward_reference(*args)
-    low = attention_backward_reference(*args, compute_dtype=None)
+    ref = attention_backward_reference(*args, softcap=softcap)
+    low = attention_backward_reference(*args, compute_dtype=None, softcap=softcap)
     tolerances = [2 * (lo.float() - r.float()).abs().max().item() + 1e-4
                   for lo, r in zip(low, ref)]
 
     def check(config):
-        grads = backward_cuda(*args, config=config)
+        grads = backward_cuda(*args, softcap=softcap, config=config)
         return _errors_within([(n, (g.float() - r.float()).abs().max().item())
                                for n, g, r in zip(("dq", "dk", "dv"), grads, ref)], tolerances)
 
     p_grad_out, p_out, p_lse = saved(problem)
     return _Case(check, lambda config: backward_cuda(p_grad_out, *problem, p_out, p_lse, scale,
-                                                     causal, config=config))
+                                                     causal, softcap=softcap, config=config))
 
 
-def _block_sparse_case(kernel, name, check_inputs, problem, scale) -> _Case:
+def _block_sparse_case(kernel, name, check_inputs, problem, scale, softcap) -> _Case:
     """The block-sparse forward or backward under mask `name` (sparse_bench's
     mask_mods), checked on the short problem against the reference on the
     mask_mod's dense mask."""
@@ -301,42 +310,45 @@ def _block_sparse_case(kernel, name, check_inputs, problem, scale) -> _Case:
                 create_mask(mod, 1, 1, seqlen_q, seqlen_k, device="cuda"))
 
     def saved(inputs, fwd_lists):
-        out, lse = block_sparse_forward_cuda(*inputs, fwd_lists, scale)
+        out, lse = block_sparse_forward_cuda(*inputs, fwd_lists, scale, softcap)
         return torch.randn_like(out), out, lse
 
     fwd_lists, bwd_lists, visible = masked(check_inputs)
     p_fwd_lists, p_bwd_lists, p_visible = masked(problem)
     share = p_visible.float().mean().item()
     if kernel == "fwd":
-        ref, _ = attention_reference(*check_inputs, scale, visible=visible)
-        low, _ = attention_reference(*check_inputs, scale, compute_dtype=None, visible=visible)
+        ref, _ = attention_reference(*check_inputs, scale, softcap=softcap, visible=visible)
+        low, _ = attention_reference(*check_inputs, scale, compute_dtype=None, softcap=softcap,
+                                     visible=visible)
         tolerance = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
 
         def check(config):
-            out, _ = block_sparse_forward_cuda(*check_inputs, fwd_lists, scale, config=config)
+            out, _ = block_sparse_forward_cuda(*check_inputs, fwd_lists, scale, softcap,
+                                               config=config)
             return _errors_within([("out", (out.float() - ref.float()).abs().max().item())],
                                   [tolerance])
 
         return _Case(check, lambda config: block_sparse_forward_cuda(
-            *problem, p_fwd_lists, scale, config=config), share)
+            *problem, p_fwd_lists, scale, softcap, config=config), share)
 
     grad_out, out, lse = saved(check_inputs, fwd_lists)
     ref = attention_backward_reference(grad_out, *check_inputs, out, lse, scale, False,
-                                       visible=visible)
+                                       softcap=softcap, visible=visible)
     low = attention_backward_reference(grad_out, *check_inputs, out, lse, scale, False,
-                                       compute_dtype=None, visible=visible)
+                                       compute_dtype=None, softcap=softcap, visible=visible)
     tolerances = [2 * (lo.float() - r.float()).abs().max().item() + 1e-4
                   for lo, r in zip(low, ref)]
 
     def check_bwd(config):
         grads = block_sparse_backward_cuda(grad_out, *check_inputs, out, lse, bwd_lists, scale,
-                                           config=config)
+                                           softcap=softcap, config=config)
         return _errors_within([(n, (g.float() - r.float()).abs().max().item())
                                for n, g, r in zip(("dq", "dk", "dv"), grads, ref)], tolerances)
 
     p_grad_out, p_out, p_lse = saved(problem, p_fwd_lists)
     return _Case(check_bwd, lambda config: block_sparse_backward_cuda(
-        p_grad_out, *problem, p_out, p_lse, p_bwd_lists, scale, config=config), share)
+        p_grad_out, *problem, p_out, p_lse, p_bwd_lists, scale, softcap=softcap,
+        config=config), share)
 
 
 if __name__ == "__main__":

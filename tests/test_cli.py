@@ -109,6 +109,8 @@ BAD_ARGUMENTS = [
     ("varlen_bench", ["--out", "x", "--head-dims", "96"], "--head-dims"),
     ("sweep", ["--block-mask", "random30", "--causal", "yes"], "--block-mask"),
     ("sweep", ["--block-mask", "nope"], "--block-mask"),
+    ("sweep", ["--softcap", "-1"], "--softcap"),
+    ("sweep", ["--softcap", "30", "--dtype", "e4m3"], "--softcap"),
     ("sparse_bench", ["--out", "x", "--masks", "random10,nope"], "--masks"),
     ("sparse_bench", ["--out", "x", "--seqlens", "8192,0"], "--seqlens"),
     ("sparse_bench", ["--out", "x", "--head-dims", "96"], "--head-dims"),
