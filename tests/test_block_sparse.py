@@ -184,3 +184,12 @@ def test_empty_sequences(seqlens):
     assert (out == 0).all() and (lse == float("-inf")).all()
     out.float().sum().backward()
     assert all((t.grad == 0).all() for t in (q, k, v))
+
+
+def test_flash_attn_func_with_a_converted_mask_under_compile():
+    q, k, v = (torch.randn(1, 300, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    mask = BlockSparseMask.from_block_mask(create_block_mask(
+        _masks()["sliding"], None, None, 300, 300, device="cpu"))
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, block_mask=mask),
+                             fullgraph=True)
+    assert torch.equal(compiled(q, k, v), flash_attn_func(q, k, v, block_mask=mask))
