@@ -18,7 +18,9 @@ of the key tiles it visits, for the backward one row per key tile of the
 query tiles, the partial ones first with their bits. Converting runs on the
 mask's device and waits for it (the lists' lengths); convert once and reuse
 the BlockSparseMask across calls and layers, as one reuses a BlockMask. The
-lists of each kernel tile size are kept in the object.
+conversion makes the lists of every tile size the kernels use (a few per
+head dim) and keeps them in the object, so that a call, compiled or not,
+only looks them up.
 
 Memory: a partial block keeps 2 KiB of bits per tile list; a mask whose
 partial blocks are a large share of all blocks (token-level sparsity) costs
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.config import SPARSE_BLOCK
+from .kernels.config import SPARSE_BLOCK, SUPPORTED_HEAD_DIMS, block_sparse_tiles
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 HEADER_WORDS = 4  # cute_kernels/block_sparse.py
@@ -100,7 +102,8 @@ class BlockSparseMask:
         where = (state == PARTIAL).nonzero(as_tuple=True)
         partial_index[where] = torch.arange(where[0].numel(), dtype=torch.int32,
                                             device=state.device)
-        return cls(seqlen_q, seqlen_k, state, partial_index, blocks[where].contiguous())
+        return cls(seqlen_q, seqlen_k, state, partial_index,
+                   blocks[where].contiguous())._with_kernel_lists()
 
     @classmethod
     def from_block_mask(cls, block_mask) -> BlockSparseMask:
@@ -154,7 +157,8 @@ class BlockSparseMask:
         kept = tuple(w[keep] for w in where)
         partial_index[kept] = torch.arange(kept[0].numel(), dtype=torch.int32,
                                            device=state.device)
-        return cls(seqlen_q, seqlen_k, state, partial_index, bits[keep].contiguous())
+        return cls(seqlen_q, seqlen_k, state, partial_index,
+                   bits[keep].contiguous())._with_kernel_lists()
 
     # ------------------------------------------------------------- reading
     def dense(self) -> torch.Tensor:
@@ -167,6 +171,16 @@ class BlockSparseMask:
         full = blocks.transpose(3, 4).flatten(4, 5).flatten(2, 3)
         return full[:, :, :self.seqlen_q, :self.seqlen_k]
 
+    def _with_kernel_lists(self) -> BlockSparseMask:
+        """The mask, with the lists of every kernel tile size made."""
+        for d in SUPPORTED_HEAD_DIMS:
+            for dv in SUPPORTED_HEAD_DIMS:
+                if dv <= d:
+                    (fwd_rows, fwd_cols), (bwd_rows, bwd_cols) = block_sparse_tiles(d, dv)
+                    self.tile_lists(fwd_rows, fwd_cols, transposed=False)
+                    self.tile_lists(bwd_rows, bwd_cols, transposed=True)
+        return self
+
     def tile_lists(self, rows: int, cols: int, transposed: bool) -> torch.Tensor:
         """The packed lists of a kernel whose outer tiles have `rows` rows and
         inner tiles `cols` columns (both dividing 128): the forward's
@@ -175,6 +189,10 @@ class BlockSparseMask:
         (b or 1, (h or 1) · outer tiles, words); kept per tile size."""
         key = (rows, cols, transposed)
         if key not in self._lists:
+            if torch.compiler.is_compiling():  # the packing reads the GPU
+                raise ValueError(f"block_mask: expected lists for tiles {key} made before "
+                                 f"torch.compile traces the call (BlockSparseMask.from_* makes "
+                                 f"every kernel's), got a mask without them")
             self._lists[key] = _pack_lists(self, rows, cols, transposed)
         return self._lists[key]
 
