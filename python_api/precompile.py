@@ -5,6 +5,7 @@
     python -m cute_fa.precompile --head-dims 192 --head-dims-v 128   # q·k 192, v 128
     python -m cute_fa.precompile --directions decode --head-dims 128 --page-sizes 0,16,256
     python -m cute_fa.precompile --directions decode --causal yes --query-groups 4 --page-sizes 0
+    python -m cute_fa.precompile --directions block_sparse --head-dims 64,128 --dtypes bf16
 
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel and the backward's default
@@ -16,7 +17,10 @@ default): the forwards of flash_attn_with_kvcache (python_api/decode.py),
 split and not, for a contiguous cache (page size 0) and each page size of
 --page-sizes, causal as asked (the causal kernels mask steps of several
 tokens, each token's query heads of a KV head in one group of rows: one
-kernel per group size of --query-groups). Variants
+kernel per group size of --query-groups). --directions block_sparse (not in
+the default): the forward and backward kernels of a block mask
+(flash_attn_func's block_mask; no causal flag of their own), the backward
+with and without split_gqa. Variants
 already in the store are loaded, not compiled. Kernels are stored per architecture: run it on the
 machine (or the GPU type) that will use them, or with no GPU for sm_90a.
 See kernel_store.py for where they go and how to move or disable the store.
@@ -51,6 +55,7 @@ class Variant:
     split_kv: bool = False  # decode: key ranges merged after
     page_size: int = 0  # decode: a paged cache's page size; 0: contiguous
     rows_per_query: int = 1  # decode, causal: query heads per KV head (several tokens a step)
+    block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
 
     @property
     def value_head_dim(self) -> int:
@@ -60,8 +65,8 @@ class Variant:
         dv = "" if self.value_head_dim == self.head_dim else f" dv{self.value_head_dim}"
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
-        flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv")
-                 if getattr(self, name)]
+        flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
+                                   "block_sparse") if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
         if self.rows_per_query > 1:
@@ -97,32 +102,42 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
                                                       (False, True) if lse_grad else (False,)):
                 out.append(Variant("bwd", dtype, head_dim, causal, det, split, grad,
                                    head_dim_v=dv))
+        if "block_sparse" in directions and not causal:  # the mask holds every limit
+            out.append(Variant("fwd", dtype, head_dim, False, head_dim_v=dv, block_sparse=True))
+            for split, grad in itertools.product((False, True),
+                                                 (False, True) if lse_grad else (False,)):
+                out.append(Variant("bwd", dtype, head_dim, False, False, split, grad,
+                                   head_dim_v=dv, block_sparse=True))
     return out
 
 
 def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
-    from .kernels.config import default_bwd_config, default_fwd_config
+    from .kernels.config import (block_sparse_fwd_config, default_bwd_config,
+                                 default_fwd_config)
 
     if variant.direction == "decode":
         from . import decode
         return decode.kernel_config(variant.head_dim, variant.value_head_dim,
                                     variant.page_size or None)
     if variant.direction == "fwd":
+        if variant.block_sparse:
+            return block_sparse_fwd_config(variant.head_dim, variant.value_head_dim)
         return default_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
-    return default_bwd_config(variant.head_dim, variant.causal, variant.deterministic,
-                              split_gqa=variant.split_gqa)
+    # a block mask's backward takes the causal choices (config.bwd_config_for_problem)
+    return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,
+                              variant.deterministic, split_gqa=variant.split_gqa)
 
 
 def kernels_of(variant: Variant, cached: bool = True):
     """A variant's compiled kernels (CompiledKernel or CompiledBackward): through
     compile_cache's memory and store, or (cached=False) compiled now."""
     from . import compile_cache
-    from .kernels.config import PLAIN_FEATURES
+    from .kernels.config import PLAIN_FEATURES, Features
 
     dtype, config = DTYPES[variant.dtype], config_of(variant)
+    features = Features(block_sparse=True) if variant.block_sparse else PLAIN_FEATURES
     if variant.direction in ("fwd", "decode"):
-        features = PLAIN_FEATURES
         if variant.direction == "decode":
             from . import decode
             features = decode.kernel_features(variant.split_kv, variant.page_size > 0,
@@ -134,9 +149,11 @@ def kernels_of(variant: Variant, cached: bool = True):
                                          head_dim_v=variant.value_head_dim, features=features)
     if cached:
         return compile_cache.get_bwd(dtype, variant.head_dim, variant.causal, config,
-                                     variant.lse_grad, head_dim_v=variant.value_head_dim)
+                                     variant.lse_grad, features,
+                                     head_dim_v=variant.value_head_dim)
     return compile_cache.compile_bwd(dtype, variant.head_dim, variant.causal, config,
-                                     variant.lse_grad, head_dim_v=variant.value_head_dim)
+                                     variant.lse_grad, features=features,
+                                     head_dim_v=variant.value_head_dim)
 
 
 def build(variant: Variant) -> tuple[float, bool]:
@@ -195,7 +212,7 @@ def _page_sizes(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_variant_options(p, ("fwd", "bwd", "decode"))
+    add_variant_options(p, ("fwd", "bwd", "decode", "block_sparse"))
     p.add_argument("--page-sizes", type=_page_sizes, default=[0, 16, 256], metavar="LIST",
                    help="with --directions decode: page sizes of the paged-cache kernels, 0 "
                         "for a contiguous cache, comma-separated (default: 0,16,256)")

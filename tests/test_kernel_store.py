@@ -269,3 +269,31 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
         precompile.build_parser().parse_args(["--page-sizes", "24"])
     with pytest.raises(SystemExit):
         aot.build_parser().parse_args(["--directions", "decode", "--out", "x"])
+
+
+def test_precompile_builds_the_block_sparse_kernels_the_op_picks(monkeypatch):
+    """--directions block_sparse: the forward and the backward (split_gqa and
+    not) with the (config, features) the block-sparse op asks for; no causal
+    variants (the mask holds every limit)."""
+    from cute_fa import precompile
+    from cute_fa.kernels.config import Features, bwd_config_for_problem, default_fwd_config
+
+    args = precompile.build_parser().parse_args(
+        ["--directions", "block_sparse", "--head-dims", "128", "--dtypes", "bf16",
+         "--causal", "both"])
+    todo = precompile.chosen_variants(args)
+    assert sorted(v.label() for v in todo) == sorted(
+        ["fwd bf16 d128 full block_sparse", "bwd bf16 d128 full block_sparse",
+         "bwd bf16 d128 full split_gqa block_sparse"])
+    asked = []
+    monkeypatch.setattr("cute_fa.compile_cache.get_fwd", lambda *a: asked.append(("fwd", *a)))
+    monkeypatch.setattr("cute_fa.compile_cache.get_bwd",
+                        lambda *a, **k: asked.append(("bwd", *a, k.get("head_dim_v"))))
+    for v in todo:
+        precompile.kernels_of(v)
+    features = Features(block_sparse=True)
+    fwd = default_fwd_config(128, False, 128, features)
+    assert ("fwd", torch.bfloat16, 128, False, fwd, 128, features) in asked
+    for heads_kv, batch in ((8, 8), (2, 1)):  # one CTA per KV head, or split_gqa
+        bwd = bwd_config_for_problem(128, False, False, batch, 8192, 8, heads_kv, 132, features)
+        assert ("bwd", torch.bfloat16, 128, False, bwd, False, features, 128) in asked
