@@ -1,7 +1,7 @@
 """Block sparsity: which tiles a kernel visits, read from its tile lists, and
 the element mask of the tiles that are only partly visible.
 
-The host (python_api/block_sparse.py) packs one int32 row per outer tile of a
+The host (python_api/block_mask.py) packs one int32 row per outer tile of a
 kernel (a query tile of the forward, a key tile of the backward) and
 (batch, head) of the mask, in a tensor (batch_m, heads_m * tiles, words),
 row head * tiles + tile; batch_m and heads_m are 1 where the mask is the

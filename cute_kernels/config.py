@@ -341,7 +341,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
 
 # The block size of a block-sparse mask as the kernels take it (queries x
 # keys): FlexAttention's default. Block-sparse kernels' tiles divide it, so
-# that each tile lies in one block (python_api/block_sparse.py).
+# that each tile lies in one block (python_api/block_mask.py).
 SPARSE_BLOCK = 128
 
 
