@@ -33,6 +33,7 @@ import argparse
 import itertools
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -131,13 +132,12 @@ def run_variants(args, configs: list) -> list[dict]:
 
     check_inputs = make(1, args.check_seqlen + 7, args.check_seqlen + 29)
     problem = make(batch, args.seqlen, args.seqlen)
-    if args.block_mask:
-        case = _block_sparse_case(args.kernel, args.block_mask, check_inputs, problem, scale,
-                                  args.softcap)
+    if fp8:
+        case = _fp8_forward_case(check_inputs, problem, scale, causal)
     else:
-        make_case = (_fp8_forward_case if fp8 else
-                     _forward_case if args.kernel == "fwd" else _backward_case)
-        case = make_case(check_inputs, problem, scale, causal, args.softcap)
+        masks = _Masks.of(args.block_mask, check_inputs, problem) if args.block_mask else None
+        make_case = _forward_case if args.kernel == "fwd" else _backward_case
+        case = make_case(check_inputs, problem, scale, causal, args.softcap, masks)
     # a block mask's useful work: the pairs it leaves
     flops = case.work_share * attention_flops(batch, heads, args.seqlen, args.seqlen,
                                               args.head_dim, causal, args.kernel,
@@ -221,25 +221,64 @@ def _errors_within(name_errs, tolerances) -> float:
     return max(err for _, err in name_errs)
 
 
-def _forward_case(check_inputs, problem, scale, causal, softcap) -> _Case:
+@dataclass
+class _Masks:
+    """A block mask (--block-mask) over the check and the timed problem: their
+    tile lists (fwd, bwd), the check's dense mask for the reference, the
+    share of pairs the timed problem computes."""
+
+    check: tuple
+    problem: tuple
+    visible: torch.Tensor
+    work_share: float
+
+    @classmethod
+    def of(cls, name: str, check_inputs, problem) -> "_Masks":
+        from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+        from cute_fa import BlockSparseMask
+        from cute_fa.block_sparse_ops import lists_for
+
+        def masked(inputs):
+            seqlen_q, seqlen_k = inputs[0].shape[1], inputs[1].shape[1]
+            mod = mask_mod(name, max(seqlen_q, seqlen_k), 0, "cuda")
+            mask = BlockSparseMask.from_block_mask(create_block_mask(
+                mod, None, None, seqlen_q, seqlen_k, device="cuda"))
+            return (lists_for(mask, inputs[0], inputs[2]),
+                    create_mask(mod, 1, 1, seqlen_q, seqlen_k, device="cuda"))
+
+        (check, visible), (timed, timed_visible) = masked(check_inputs), masked(problem)
+        return cls(check, timed, visible, timed_visible.float().mean().item())
+
+
+def _mask_args(masks, which: str, direction: int):
+    """forward_cuda / backward_cuda's block_lists of the check or the timed problem."""
+    return {} if masks is None else {"block_lists": getattr(masks, which)[direction]}
+
+
+def _forward_case(check_inputs, problem, scale, causal, softcap, masks=None) -> _Case:
     from cute_fa.ops import forward_cuda
     from cute_fa.reference import attention_reference
 
-    ref, _ = attention_reference(*check_inputs, scale, causal, softcap=softcap)
+    visible = None if masks is None else masks.visible
+    ref, _ = attention_reference(*check_inputs, scale, causal, softcap=softcap, visible=visible)
     low, _ = attention_reference(*check_inputs, scale, causal, compute_dtype=None,
-                                 softcap=softcap)
+                                 softcap=softcap, visible=visible)
     tolerance = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
 
     def check(config):
-        out, _ = forward_cuda(*check_inputs, scale, causal, config, softcap=softcap)
+        out, _ = forward_cuda(*check_inputs, scale, causal, config, softcap=softcap,
+                              **_mask_args(masks, "check", 0))
         return _errors_within([("out", (out.float() - ref.float()).abs().max().item())],
                               [tolerance])
 
     return _Case(check, lambda config: forward_cuda(*problem, scale, causal, config,
-                                                    softcap=softcap))
+                                                    softcap=softcap,
+                                                    **_mask_args(masks, "problem", 0)),
+                 1.0 if masks is None else masks.work_share)
 
 
-def _fp8_forward_case(check_inputs, problem, scale, causal, softcap) -> _Case:
+def _fp8_forward_case(check_inputs, problem, scale, causal) -> _Case:
     from cute_fa.fp8 import dequantize_fp8, fp8_attention_emulation, quantize_fp8
     from cute_fa.fp8_ops import forward_fp8_cuda
     from cute_fa.reference import attention_reference
@@ -264,91 +303,35 @@ def _fp8_forward_case(check_inputs, problem, scale, causal, softcap) -> _Case:
                                                         causal, None, config))
 
 
-def _backward_case(check_inputs, problem, scale, causal, softcap) -> _Case:
+def _backward_case(check_inputs, problem, scale, causal, softcap, masks=None) -> _Case:
     from cute_fa.ops import backward_cuda, forward_cuda
     from cute_fa.reference import attention_backward_reference
 
-    def saved(inputs):
-        out, lse = forward_cuda(*inputs, scale, causal, softcap=softcap)
-        return torch.randn_like(inputs[0]), out, lse
+    def saved(inputs, which):
+        out, lse = forward_cuda(*inputs, scale, causal, softcap=softcap,
+                                **_mask_args(masks, which, 0))
+        return torch.randn_like(out), out, lse
 
-    grad_out, out, lse = saved(check_inputs)
+    grad_out, out, lse = saved(check_inputs, "check")
     args = (grad_out, *check_inputs, out, lse, scale, causal)
-    ref = attention_backward_reference(*args, softcap=softcap)
-    low = attention_backward_reference(*args, compute_dtype=None, softcap=softcap)
+    visible = None if masks is None else masks.visible
+    ref = attention_backward_reference(*args, softcap=softcap, visible=visible)
+    low = attention_backward_reference(*args, compute_dtype=None, softcap=softcap,
+                                       visible=visible)
     tolerances = [2 * (lo.float() - r.float()).abs().max().item() + 1e-4
                   for lo, r in zip(low, ref)]
 
     def check(config):
-        grads = backward_cuda(*args, softcap=softcap, config=config)
+        grads = backward_cuda(*args, softcap=softcap, config=config,
+                              **_mask_args(masks, "check", 1))
         return _errors_within([(n, (g.float() - r.float()).abs().max().item())
                                for n, g, r in zip(("dq", "dk", "dv"), grads, ref)], tolerances)
 
-    p_grad_out, p_out, p_lse = saved(problem)
+    p_grad_out, p_out, p_lse = saved(problem, "problem")
     return _Case(check, lambda config: backward_cuda(p_grad_out, *problem, p_out, p_lse, scale,
-                                                     causal, softcap=softcap, config=config))
-
-
-def _block_sparse_case(kernel, name, check_inputs, problem, scale, softcap) -> _Case:
-    """The block-sparse forward or backward under mask `name` (sparse_bench's
-    mask_mods), checked on the short problem against the reference on the
-    mask_mod's dense mask."""
-    from torch.nn.attention.flex_attention import create_block_mask, create_mask
-
-    from cute_fa import BlockSparseMask
-    from cute_fa.block_sparse_ops import (block_sparse_backward_cuda, block_sparse_forward_cuda,
-                                          lists_for)
-    from cute_fa.reference import attention_backward_reference, attention_reference
-
-    def masked(inputs):
-        """(fwd_lists, bwd_lists, dense mask) of the mask over these inputs."""
-        seqlen_q, seqlen_k = inputs[0].shape[1], inputs[1].shape[1]
-        mod = mask_mod(name, max(seqlen_q, seqlen_k), 0, "cuda")
-        mask = BlockSparseMask.from_block_mask(create_block_mask(mod, None, None, seqlen_q,
-                                                                 seqlen_k, device="cuda"))
-        return (*lists_for(mask, inputs[0], inputs[2]),
-                create_mask(mod, 1, 1, seqlen_q, seqlen_k, device="cuda"))
-
-    def saved(inputs, fwd_lists):
-        out, lse = block_sparse_forward_cuda(*inputs, fwd_lists, scale, softcap)
-        return torch.randn_like(out), out, lse
-
-    fwd_lists, bwd_lists, visible = masked(check_inputs)
-    p_fwd_lists, p_bwd_lists, p_visible = masked(problem)
-    share = p_visible.float().mean().item()
-    if kernel == "fwd":
-        ref, _ = attention_reference(*check_inputs, scale, softcap=softcap, visible=visible)
-        low, _ = attention_reference(*check_inputs, scale, compute_dtype=None, softcap=softcap,
-                                     visible=visible)
-        tolerance = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
-
-        def check(config):
-            out, _ = block_sparse_forward_cuda(*check_inputs, fwd_lists, scale, softcap,
-                                               config=config)
-            return _errors_within([("out", (out.float() - ref.float()).abs().max().item())],
-                                  [tolerance])
-
-        return _Case(check, lambda config: block_sparse_forward_cuda(
-            *problem, p_fwd_lists, scale, softcap, config=config), share)
-
-    grad_out, out, lse = saved(check_inputs, fwd_lists)
-    ref = attention_backward_reference(grad_out, *check_inputs, out, lse, scale, False,
-                                       softcap=softcap, visible=visible)
-    low = attention_backward_reference(grad_out, *check_inputs, out, lse, scale, False,
-                                       compute_dtype=None, softcap=softcap, visible=visible)
-    tolerances = [2 * (lo.float() - r.float()).abs().max().item() + 1e-4
-                  for lo, r in zip(low, ref)]
-
-    def check_bwd(config):
-        grads = block_sparse_backward_cuda(grad_out, *check_inputs, out, lse, bwd_lists, scale,
-                                           softcap=softcap, config=config)
-        return _errors_within([(n, (g.float() - r.float()).abs().max().item())
-                               for n, g, r in zip(("dq", "dk", "dv"), grads, ref)], tolerances)
-
-    p_grad_out, p_out, p_lse = saved(problem, p_fwd_lists)
-    return _Case(check_bwd, lambda config: block_sparse_backward_cuda(
-        p_grad_out, *problem, p_out, p_lse, p_bwd_lists, scale, softcap=softcap,
-        config=config), share)
+                                                     causal, softcap=softcap, config=config,
+                                                     **_mask_args(masks, "problem", 1)),
+                 1.0 if masks is None else masks.work_share)
 
 
 if __name__ == "__main__":

@@ -133,8 +133,8 @@ def _block_sparse_call(q, k, v, block_mask, softmax_scale, causal, window_size, 
         raise ValueError(f"block_mask: expected bf16 or fp16 q, k, v without descales or "
                          f"out_dtype (no FP8 block-sparse forward), got q {q.dtype}")
     check_score_args(-1, -1, softcap)
-    check_attention_tensors(q, k, v, softmax_scale)
-    check_sink(learnable_sink, q.shape[2], q.device)
+    check_attention_tensors(q, k, v, softmax_scale)  # before the mask's lists read their shapes
+    check_sink_type(learnable_sink)  # the op checks the rest
     mask = block_mask
     if not isinstance(mask, BlockSparseMask):
         if not hasattr(mask, "kv_num_blocks"):

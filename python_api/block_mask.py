@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels.config import SPARSE_BLOCK, SUPPORTED_HEAD_DIMS, block_sparse_tiles
+from .validate import describe
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 HEADER_WORDS = 4  # cute_kernels/block_sparse.py
@@ -87,7 +88,7 @@ class BlockSparseMask:
         if not isinstance(visible, torch.Tensor) or visible.dim() != 4 \
                 or visible.dtype != torch.bool:
             raise ValueError(f"visible: expected a boolean tensor (batch or 1, heads or 1, "
-                             f"seqlen_q, seqlen_k), got {_describe(visible)}")
+                             f"seqlen_q, seqlen_k), got {describe(visible)}")
         batch, heads, seqlen_q, seqlen_k = visible.shape
         rows, cols = _blocks(seqlen_q) * SPARSE_BLOCK, _blocks(seqlen_k) * SPARSE_BLOCK
         padded = torch.zeros((batch, heads, rows, cols), dtype=torch.bool, device=visible.device)
@@ -95,15 +96,9 @@ class BlockSparseMask:
         padded[:, :, seqlen_q:, :seqlen_k] = True  # rows that leave no output
         blocks = padded.unflatten(3, (-1, SPARSE_BLOCK)).unflatten(2, (-1, SPARSE_BLOCK))
         blocks = blocks.transpose(3, 4)  # (b, h, q_blocks, k_blocks, 128, 128)
-        any_set = blocks.flatten(4).any(-1)
-        all_set = blocks.flatten(4).all(-1)
-        state = torch.where(all_set, FULL, torch.where(any_set, PARTIAL, EMPTY)).to(torch.int8)
-        partial_index = torch.full(state.shape, -1, dtype=torch.int32, device=state.device)
+        state = _state_of(blocks.flatten(4).all(-1), blocks.flatten(4).any(-1))
         where = (state == PARTIAL).nonzero(as_tuple=True)
-        partial_index[where] = torch.arange(where[0].numel(), dtype=torch.int32,
-                                            device=state.device)
-        return cls(seqlen_q, seqlen_k, state, partial_index,
-                   blocks[where].contiguous())._with_kernel_lists()
+        return cls._with_partials(seqlen_q, seqlen_k, state, where, blocks[where])
 
     @classmethod
     def from_block_mask(cls, block_mask) -> BlockSparseMask:
@@ -133,7 +128,7 @@ class BlockSparseMask:
         candidates = present_b & ~full_b
         if ragged:
             candidates[..., -1] |= full_b[..., -1]
-        state = torch.where(full_b, FULL, torch.where(present_b, PARTIAL, EMPTY)).to(torch.int8)
+        state = _state_of(full_b, present_b)
         where = candidates.nonzero(as_tuple=True)
         mask_mod = block_mask.mask_mod
         bits = _evaluate(mask_mod, where, present_u, full_u, (unit_q, unit_k), seqlen_q,
@@ -149,16 +144,21 @@ class BlockSparseMask:
                    + where[2][:, None] * SPARSE_BLOCK) < seqlen_q  # (n, 128)
         bits = bits | ~rows_in[:, :, None]
         all_set = bits.flatten(1).all(-1)
-        none_set = ~(bits & rows_in[:, :, None]).flatten(1).any(-1)
-        state[where] = torch.where(all_set, FULL, torch.where(none_set, EMPTY, PARTIAL)).to(
-            torch.int8)
-        keep = ~all_set & ~none_set
+        any_set = (bits & rows_in[:, :, None]).flatten(1).any(-1)
+        state[where] = _state_of(all_set, any_set)
+        keep = ~all_set & any_set
+        return cls._with_partials(seqlen_q, seqlen_k, state, tuple(w[keep] for w in where),
+                                  bits[keep])
+
+    @classmethod
+    def _with_partials(cls, seqlen_q, seqlen_k, state, where, bits) -> BlockSparseMask:
+        """The mask of `state` whose partial blocks, at `where`, have `bits`,
+        with the lists of every kernel tile size."""
         partial_index = torch.full(state.shape, -1, dtype=torch.int32, device=state.device)
-        kept = tuple(w[keep] for w in where)
-        partial_index[kept] = torch.arange(kept[0].numel(), dtype=torch.int32,
-                                           device=state.device)
+        partial_index[where] = torch.arange(where[0].numel(), dtype=torch.int32,
+                                            device=state.device)
         return cls(seqlen_q, seqlen_k, state, partial_index,
-                   bits[keep].contiguous())._with_kernel_lists()
+                   bits.contiguous())._with_kernel_lists()
 
     # ------------------------------------------------------------- reading
     def dense(self) -> torch.Tensor:
@@ -197,10 +197,9 @@ class BlockSparseMask:
         return self._lists[key]
 
 
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"shape {tuple(t.shape)}, dtype {t.dtype}"
-    return type(t).__name__
+def _state_of(all_set: torch.Tensor, any_set: torch.Tensor) -> torch.Tensor:
+    """FULL where every element is visible, PARTIAL where some, EMPTY where none."""
+    return torch.where(all_set, FULL, torch.where(any_set, PARTIAL, EMPTY)).to(torch.int8)
 
 
 def _block_size(block_mask) -> tuple:
@@ -252,12 +251,12 @@ def _evaluate(mask_mod, where, present_u, full_u, unit, seqlen_q, seqlen_k, devi
         q_units = (q_idx // unit_q).clamp(max=present_u.shape[2] - 1)
         k_units = (k_idx // unit_k).clamp(max=present_u.shape[3] - 1)
         index = (b[:, None, None], h[:, None, None], q_units[:, :, None], k_units[:, None, :])
-        bits = full_u[index]
         if fn is None:
-            bits = bits | True
+            bits = torch.ones((b.numel(), SPARSE_BLOCK, SPARSE_BLOCK), dtype=torch.bool,
+                              device=device)
         else:
             seen = fn(b, h, q_idx.clamp(max=seqlen_q - 1), k_idx.clamp(max=seqlen_k - 1))
-            bits = bits | seen.to(torch.bool)
+            bits = full_u[index] | seen.to(torch.bool)
         bits &= present_u[index]
         bits &= (k_idx < seqlen_k)[:, None, :]
         out.append(bits)
@@ -303,12 +302,10 @@ def _pack_lists(mask: BlockSparseMask, rows: int, cols: int, transposed: bool) -
     tile_bits = partial.reshape(-1, per_outer, rows, per_inner, cols).transpose(2, 3)
     where = (tiles == PARTIAL).nonzero(as_tuple=True)
     bits = tile_bits[tile_index[where].long(), where[2] % per_outer, where[3] % per_inner]
-    all_set = bits.flatten(1).all(-1)
-    none_set = ~bits.flatten(1).any(-1)
+    all_set, any_set = bits.flatten(1).all(-1), bits.flatten(1).any(-1)
     tiles = tiles.clone()
-    tiles[where] = torch.where(all_set, FULL, torch.where(none_set, EMPTY, PARTIAL)).to(
-        torch.int8)
-    keep = ~all_set & ~none_set
+    tiles[where] = _state_of(all_set, any_set)
+    keep = ~all_set & any_set
     where, bits = tuple(w[keep] for w in where), bits[keep]
 
     # each outer tile's list: partial inner tiles, then full ones, each from

@@ -18,26 +18,22 @@ The lists' shapes are checked here; their values are not read on the host
 lists and the tiles, so lists made otherwise than by lists_for give wrong
 values, never an access outside the tensors.
 - CUDA (sm_90): the forward and backward kernels with Features.block_sparse,
-  launched by their launch plans from Python;
+  launched by ops.forward_cuda / backward_cuda with the lists (block_lists);
 - CPU: the reference math on the mask the lists describe;
 - fake: shapes only (torch.compile(fullgraph=True)).
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import replace
-
 import torch
 
-from . import launch_plan, ops
+from . import ops
 from . import nvtx as nvtx_ranges
 from .block_mask import BlockSparseMask, lists_dense
 from .kernels.config import block_sparse_tiles, kernel_head_dim
 from .reference import attention_backward_reference, attention_reference, resolve_scale
 from .scores import check_score_args, check_sink, resolve
 from .validate import check_attention_inputs, check_backward_inputs, describe
-from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
 
 def lists_for(mask: BlockSparseMask, q: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -90,80 +86,16 @@ def _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_
     _check_lists("bwd_lists", bwd_lists, q, bwd_rows, k.shape[1])
 
 
-@functools.lru_cache(maxsize=256)  # asked on every call
-def _variant(softcap: float, seqlen_q: int, seqlen_k: int, sink: bool):
-    scores = resolve(False, -1, -1, softcap, seqlen_q, seqlen_k, sink=sink)
-    return replace(scores, features=replace(scores.features, block_sparse=True))
+def _variant(q, k, softcap: float, learnable_sink):
+    """The score variant of a call (its NVTX name on the CPU path)."""
+    return resolve(False, -1, -1, softcap, q.shape[1], k.shape[1],
+                   sink=learnable_sink is not None, block_sparse=True)
 
 
 def _visible(lists: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """The boolean mask the forward lists describe (for the reference)."""
     (rows, cols), _ = _tiles(q.shape[3], v.shape[3])
     return lists_dense(lists, rows, cols, False, q.shape[1], k.shape[1])
-
-
-def _aligned(lists: torch.Tensor) -> torch.Tensor:
-    """The lists on a 16-byte boundary, as the kernels read them."""
-    return lists if lists.data_ptr() % 16 == 0 else lists.clone()
-
-
-def block_sparse_forward_cuda(q, k, v, fwd_lists, softmax_scale: float, softcap: float = 0.0,
-                              learnable_sink=None, config=None):
-    """The forward kernel under the block mask of fwd_lists, by its launch
-    plan; `config` overrides the default (profiling.sweep: its tiles must be
-    those the lists were packed for)."""
-    if q.numel() == 0 or k.shape[1] == 0:
-        return ops.empty_forward(q, v, learnable_sink)
-    sink = learnable_sink is not None
-    scores = _variant(softcap, q.shape[1], k.shape[1], sink)
-    name = nvtx_ranges.range_name("block_sparse_fwd", q, v, False, scores)
-    head_dim_v = v.shape[3]
-    kernel_dim, kernel_dim_v = kernel_head_dim(q.shape[3]), kernel_head_dim(head_dim_v)
-    q, k = ops.pad_head_dim(q, kernel_dim), ops.pad_head_dim(k, kernel_dim)
-    v = ops.pad_head_dim(v, kernel_dim_v)
-    kernel, config, device_index = fwd_kernel_for(q, v, False, config, scores.features)
-    plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
-                                None, scores.window, sink=sink,
-                                block_sparse=tuple(fwd_lists.shape))
-    inputs = [ops.tma_ready(q), ops.tma_ready(k), ops.tma_ready(v)]
-    if sink:
-        inputs.append(ops.sink_input(learnable_sink))
-    inputs.append(_aligned(fwd_lists))
-    with nvtx_ranges.op_range(name):
-        out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale, scores.softcap)
-    if kernel_dim_v != head_dim_v:
-        out = out[..., :head_dim_v].contiguous()
-    return out, lse
-
-
-def block_sparse_backward_cuda(grad_out, q, k, v, out, lse, bwd_lists, softmax_scale: float,
-                               grad_lse=None, softcap: float = 0.0, learnable_sink=None,
-                               config=None):
-    """The backward kernels under the block mask of bwd_lists; (dq, dk, dv),
-    with sinks (dq, dk, dv, dsink)."""
-    if q.numel() == 0 or k.shape[1] == 0:
-        return ops.empty_backward(q, k, v, grad_lse, learnable_sink)
-    sink = learnable_sink is not None
-    scores = _variant(softcap, q.shape[1], k.shape[1], sink)
-    name = nvtx_ranges.range_name("block_sparse_bwd", q, v, False, scores)
-    (grad_out, q, k, v, out), head_dims, kernel_dims = ops.pad_backward_tensors(grad_out, q, k,
-                                                                                v, out)
-    kernels, config, device_index = bwd_kernels_for(q, k, False, False, grad_lse is not None,
-                                                    config, scores.features,
-                                                    head_dim_v=kernel_dims[2])
-    plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
-                                scores.window, sink=sink, block_sparse=tuple(bwd_lists.shape))
-    lse = lse.contiguous()
-    grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
-    inputs = [ops.tma_ready(t) for t in (grad_out, q, k, v, out)] + [lse, grad_lse]
-    if sink:
-        inputs.append(ops.sink_input(learnable_sink))
-    inputs.append(_aligned(bwd_lists))
-    with nvtx_ranges.op_range(name):
-        grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,
-                                    scores.softcap)
-    dsink = (ops.sink_grad(grads[3], learnable_sink),) if sink else ()
-    return ops.unpad_grads(grads[:3], head_dims, kernel_dims) + dsink
 
 
 _lib = ops._lib
@@ -184,7 +116,7 @@ def _check_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale,
 def _fwd_cpu(q, k, v, fwd_lists, bwd_lists, softmax_scale=None, softcap=0.0,
              learnable_sink=None):
     _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink)
-    scores = _variant(softcap, q.shape[1], k.shape[1], learnable_sink is not None)
+    scores = _variant(q, k, softcap, learnable_sink)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("block_sparse_fwd", q, v, False, scores)):
         out, lse = attention_reference(q, k, v, resolve_scale(q, softmax_scale), softcap=softcap,
                                        sink=learnable_sink,
@@ -195,8 +127,8 @@ def _fwd_cpu(q, k, v, fwd_lists, bwd_lists, softmax_scale=None, softcap=0.0,
 def _fwd_cuda(q, k, v, fwd_lists, bwd_lists, softmax_scale=None, softcap=0.0,
               learnable_sink=None):
     _check_fwd(q, k, v, fwd_lists, bwd_lists, softmax_scale, softcap, learnable_sink)
-    return block_sparse_forward_cuda(q, k, v, fwd_lists, resolve_scale(q, softmax_scale),
-                                     softcap, learnable_sink)
+    return ops.forward_cuda(q, k, v, resolve_scale(q, softmax_scale), False, softcap=softcap,
+                            learnable_sink=learnable_sink, block_lists=fwd_lists)
 
 
 def _fwd_fake(q, k, v, fwd_lists, bwd_lists, softmax_scale=None, softcap=0.0,
@@ -211,7 +143,7 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, g
              softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse,
                softcap, learnable_sink)
-    scores = _variant(softcap, q.shape[1], k.shape[1], learnable_sink is not None)
+    scores = _variant(q, k, softcap, learnable_sink)
     with nvtx_ranges.op_range(nvtx_ranges.range_name("block_sparse_bwd", q, v, False, scores)):
         grads = attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, False,
                                              grad_lse, softcap=softcap, sink=learnable_sink,
@@ -223,9 +155,10 @@ def _bwd_cuda(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, 
               softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse,
                softcap, learnable_sink)
-    return ops.op_grads(block_sparse_backward_cuda(grad_out, q, k, v, out, lse, bwd_lists,
-                                                   softmax_scale, grad_lse, softcap,
-                                                   learnable_sink), q)
+    return ops.op_grads(ops.backward_cuda(grad_out, q, k, v, out, lse, softmax_scale, False,
+                                          grad_lse, False, softcap=softcap,
+                                          learnable_sink=learnable_sink,
+                                          block_lists=bwd_lists), q)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, fwd_lists, bwd_lists, softmax_scale, grad_lse=None,

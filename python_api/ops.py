@@ -58,16 +58,21 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
                  causal: bool, config: FwdConfig | None = None,
                  tail: tail_plan.TailPlan | None = None, window_left: int = -1,
                  window_right: int = -1, softcap: float = 0.0,
-                 learnable_sink: torch.Tensor | None = None):
+                 learnable_sink: torch.Tensor | None = None,
+                 block_lists: torch.Tensor | None = None):
     """Run the DSL forward kernel by its launch plan (launch_plan.py);
     `config` overrides the per-problem default (this is how profiling.sweep
     A/Bs kernel variants), `tail` the split of the last round that a
-    split_tail config would choose."""
+    split_tail config would choose. block_lists: a block mask's forward tile
+    lists (block_sparse_ops.py; a config must have the tiles they were
+    packed for)."""
     if q.numel() == 0 or k.shape[1] == 0:
         return empty_forward(q, v, learnable_sink)
+    sparse = block_lists is not None
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
-                     sink=learnable_sink is not None)
-    name = nvtx_ranges.range_name("fwd", q, v, causal, scores)  # the caller's head dim
+                     sink=learnable_sink is not None, block_sparse=sparse)
+    # the caller's head dim
+    name = nvtx_ranges.range_name("block_sparse_fwd" if sparse else "fwd", q, v, causal, scores)
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     if kernel_dim != head_dim:  # zero columns change no score
@@ -78,10 +83,13 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if tail is not None:
         _check_forced_tail(config, q, tail)
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
-                                tail, scores.window, sink=learnable_sink is not None)
+                                tail, scores.window, sink=learnable_sink is not None,
+                                block_sparse=tuple(block_lists.shape) if sparse else None)
     inputs = [tma_ready(q), tma_ready(k), tma_ready(v)]
     if learnable_sink is not None:
         inputs.append(sink_input(learnable_sink))
+    if sparse:
+        inputs.append(lists_input(block_lists))
     nvtx_ranges.push(name)
     try:
         out, lse = launch_plan.execute(plan, [kernel.fn], inputs, softmax_scale,
@@ -91,6 +99,11 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     if kernel_dim_v != head_dim_v:
         out = out[..., :head_dim_v].contiguous()
     return out, lse
+
+
+def lists_input(block_lists: torch.Tensor) -> torch.Tensor:
+    """A block mask's tile lists as the kernels read them: on a 16-byte boundary."""
+    return block_lists if block_lists.data_ptr() % 16 == 0 else block_lists.clone()
 
 
 def keyless_lse(shape: tuple, heads_dim: int, learnable_sink, device) -> torch.Tensor:
@@ -180,31 +193,36 @@ def backward_cuda(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   grad_lse: torch.Tensor | None = None, deterministic: bool = False,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                   learnable_sink: torch.Tensor | None = None, *,
-                  config: BwdConfig | None = None):
+                  config: BwdConfig | None = None, block_lists: torch.Tensor | None = None):
     """Run preprocess, the DSL backward kernel, the dQ postprocess (and the
     group sum of split_gqa) by their launch plan, with the arguments of
     cute_fa::bwd; `config` overrides the per-problem default
-    (profiling.sweep), deterministic included. Returns (dq, dk, dv), with
+    (profiling.sweep), deterministic included; block_lists: a block mask's
+    backward tile lists (as forward_cuda's). Returns (dq, dk, dv), with
     learnable sinks (dq, dk, dv, dsink)."""
     if q.numel() == 0 or k.shape[1] == 0:
         return empty_backward(q, k, v, grad_lse, learnable_sink)
-    sink = learnable_sink is not None
+    sink, sparse = learnable_sink is not None, block_lists is not None
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
-                     sink=sink)
-    name = nvtx_ranges.range_name("bwd", q, v, causal, scores)  # the caller's head dim
+                     sink=sink, block_sparse=sparse)
+    # the caller's head dim
+    name = nvtx_ranges.range_name("block_sparse_bwd" if sparse else "bwd", q, v, causal, scores)
     (grad_out, q, k, v, out), head_dims, kernel_dims = pad_backward_tensors(grad_out, q, k, v,
                                                                             out)
     kernels, config, device_index = bwd_kernels_for(q, k, scores.causal, deterministic,
                                                     grad_lse is not None, config, scores.features,
                                                     head_dim_v=kernel_dims[2])
     plan = launch_plan.plan_bwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
-                                scores.window, sink=sink)
+                                scores.window, sink=sink,
+                                block_sparse=tuple(block_lists.shape) if sparse else None)
     lse = lse.contiguous()
     grad_lse = lse if grad_lse is None else grad_lse.float().contiguous()
     inputs = [tma_ready(grad_out), tma_ready(q), tma_ready(k), tma_ready(v),
               tma_ready(out), lse, grad_lse]
     if sink:
         inputs.append(sink_input(learnable_sink))
+    if sparse:
+        inputs.append(lists_input(block_lists))
     nvtx_ranges.push(name)
     try:
         grads = launch_plan.execute(plan, kernels.launch_list, inputs, softmax_scale,

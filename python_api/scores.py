@@ -16,6 +16,7 @@ exp(sink)). A row with no visible key gets out = 0 and lse = sink.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -94,18 +95,24 @@ PLAIN = {(causal, varlen): ScoreVariant(causal, Features(varlen=varlen), NO_WIND
          for causal in (False, True) for varlen in (False, True)}
 
 
+@functools.lru_cache(maxsize=256)  # a few per model, asked on every call
+def _with_flags(variant: ScoreVariant, sink: bool, block_sparse: bool) -> ScoreVariant:
+    return replace(variant, features=replace(variant.features, sink=sink,
+                                             block_sparse=block_sparse))
+
+
 def resolve(causal: bool, window_left: int, window_right: int, softcap: float,
             seqlen_q: int, seqlen_k: int, varlen: bool = False,
-            sink: bool = False) -> ScoreVariant:
+            sink: bool = False, block_sparse: bool = False) -> ScoreVariant:
     """The variant that serves a call: a side of the window that reaches every
     key is unbounded; a window whose left side is unbounded and whose right
     side is 0 is causal; what remains of a window is a local kernel (causal
     folded into its right side). A packed batch (varlen) passes its longest
-    sequences as seqlen_q and seqlen_k; `sink`: the call has learnable sinks."""
-    if sink:
-        variant = resolve(causal, window_left, window_right, softcap, seqlen_q, seqlen_k,
-                          varlen)
-        return replace(variant, features=replace(variant.features, sink=True))
+    sequences as seqlen_q and seqlen_k; `sink`: the call has learnable sinks;
+    `block_sparse`: a block mask (block_sparse_ops.py) holds its limits."""
+    if sink or block_sparse:
+        return _with_flags(resolve(causal, window_left, window_right, softcap, seqlen_q,
+                                   seqlen_k, varlen), sink, block_sparse)
     if window_left == -1 and window_right == -1 and not softcap:
         return PLAIN[bool(causal), bool(varlen)]
     right = 0 if causal else window_right

@@ -14,8 +14,8 @@ import pytest
 import cute_fa.profiling
 
 COMMANDS = ("bench", "breakdown", "host", "ncu", "main", "kernel_info", "sass_loop", "sweep",
-            "data", "train", "step", "infer", "decode_bench", "fp8_error", "varlen_bench", "fp8_bench",
-            "sparse_bench")
+            "data", "train", "step", "infer", "decode_bench", "fp8_error", "varlen_bench",
+            "fp8_bench", "sparse_bench")
 
 
 def _module(command):
