@@ -184,6 +184,10 @@ class FwdConfig(_KernelConfig):
         and 256). The consumer warpgroups meet after their last P·V before
         writing it, and the producer loads the next tile's first V only after
         the O stores have read it out (Q and the first K load before that).
+    bounded_softmax: (bf16 soft-capped scores) where the cap bounds every
+        exponent within fp32's and bf16's range (softcap.py), the main loop
+        keeps no running row maximum and never rescales O; otherwise, and
+        False, a running maximum as for unbounded scores.
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
@@ -208,6 +212,7 @@ class FwdConfig(_KernelConfig):
     rederive_epilogue_coords: bool = False
     rescale_o_before_pv: bool = False
     o_in_v_smem: bool = False
+    bounded_softmax: bool = True
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -587,9 +592,12 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
     split_gqa where split_gqa_pays for the grid that config would launch. A
     window or a cap takes the causal choices: the wider query tile of the
     full mask spills their bounds or the cap's slope; a block mask too (its
-    key blocks differ in length, and 64 queries a step divide its blocks). A packed batch (varlen)
-    claims its key blocks and never splits GQA groups."""
-    causal = causal or features.local or features.softcap or features.block_sparse
+    key blocks differ in length, and 64 queries a step divide its blocks). A
+    cap alone keeps the fixed tile order, as its key blocks all walk every
+    query. A packed batch (varlen) claims its key blocks and never splits
+    GQA groups."""
+    uneven = causal or features.local or features.block_sparse
+    causal = uneven or features.softcap
     config = default_bwd_config(head_dim, causal, deterministic)
     if features.varlen:
         # key blocks differ with their sequences: claimed, unless deterministic
@@ -600,8 +608,8 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
         return config
     kv_ctas = -(-seqlen_k // config.tile_n) * heads_kv * batch
     if split_gqa_pays(heads_q // heads_kv, kv_ctas, num_sms):
-        return default_bwd_config(head_dim, causal, deterministic, split_gqa=True)
-    return config
+        config = default_bwd_config(head_dim, causal, deterministic, split_gqa=True)
+    return config if uneven else config.replace(dynamic_tiles=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ S_j and P·V_{j+1}, and the other warpgroup's GEMMs fill the gaps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -60,7 +60,7 @@ from .paged import KvBlocks, KvStream
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_thread_pipeline,
                        make_tma_pipeline, producer_state, release, release_after, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
-from .softcap import cap_scores
+from .softcap import FixedReference, cap_scores
 from .softmax import OnlineSoftmax
 from .tail_split import TailSplit
 from .varlen import Seqlens, VarlenScheduler
@@ -286,6 +286,18 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
+
+    @property
+    def bounded_scores(self) -> bool:
+        """Soft-capped bf16 scores: the main loop runs without a running
+        maximum when the cap allows it (softcap.py), with one otherwise."""
+        return (self.features.softcap and self.dtype is cutlass.BFloat16
+                and self.cfg.bounded_softmax)
+
+    def rescales_before_pv(self, me: Consumer) -> bool:
+        """O's rescale waits for the next P·V issue (rescale_o_before_pv),
+        where the softmax rescales at all."""
+        return self.cfg.rescale_o_before_pv and me.softmax.rescales
 
     @property
     def splits_tiles(self) -> bool:
@@ -620,6 +632,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         o_scale = cute.make_rmem_tensor(softmax.rows, Float32)
         me = Consumer(tiled_mma_qk, tiled_mma_pv, q, k, p, vt, acc_o, softmax, o_scale,
                       score_pre_tanh, pingpong, wg)
+        reference = None
+        if cutlass.const_expr(self.bounded_scores):
+            reference = FixedReference.for_cap(softmax_scale_log2)
 
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
         q_state = consumer_state(1)
@@ -652,8 +667,17 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 else:
                     mask = ScoreMask(s_coords, work.m_block, work.seqlen_q, work.seqlen_k,
                                      self.tile_m, self.tile_n, limits)
-                kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks, work.n_lo,
-                                         work.n_max)
+                if cutlass.const_expr(self.bounded_scores):
+                    if reference.fits:
+                        kv_state = self.mainloop(
+                            replace(me, softmax=softmax.fixed_reference(reference.offset)), pipes,
+                            q_state, kv_state, mask, blocks, work.n_lo, work.n_max)
+                    else:
+                        kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks,
+                                                 work.n_lo, work.n_max)
+                else:
+                    kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks,
+                                             work.n_lo, work.n_max)
             else:
                 release(pipes.q, q_state)
             q_state.advance()
@@ -711,7 +735,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             release(pipes.k, kv_state)
             self._mod_scores(me, acc_s, mask, n_max - 1, apply_mask=True)
             o_scale = me.softmax.update(acc_s, is_first=True)
-            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+            if cutlass.const_expr(self.rescales_before_pv(me)):
                 me.o_scale.store(o_scale.load())
             self._convert_p(acc_s, me.p)
             for i in cutlass.range(n_max - 1 - n_masked_end, unroll=1):
@@ -726,7 +750,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                                                      apply_mask=True)
             release(pipes.q, q_state)
             # Last P·V.
-            if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+            if cutlass.const_expr(self.rescales_before_pv(me)):
                 me.softmax.rescale_o(me.acc_o, me.o_scale)
             wait_full(pipes.v, kv_state)
             wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, kv_state.index],
@@ -788,7 +812,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         me.pingpong.wait_turn(me.wg)
         wgmma.gemm(me.mma_qk, acc_s, me.q, me.k[None, None, None, kv_state.index],
                    zero_init=True, wait_groups=-1)
-        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+        if cutlass.const_expr(self.rescales_before_pv(me)):
             # for P_{j+1}'s maximum, while S_j's GEMM runs
             me.softmax.rescale_o(me.acc_o, me.o_scale)
         wait_full(pipes.v, v_state)
@@ -807,9 +831,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 0, self.cfg.pv_wait_after_exp2 - 1])
         warpgroup.wait_group(0)  # P·V done: P's registers and the V stage are free
         release(pipes.v, v_state)
-        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+        if cutlass.const_expr(self.rescales_before_pv(me)):
             me.o_scale.store(rescale.load())
-        else:
+        elif cutlass.const_expr(me.softmax.rescales):
             me.softmax.rescale_o(me.acc_o, rescale)
         self._convert_p(acc_s, me.p)
         return kv_state
@@ -831,7 +855,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         self._mod_scores(me, acc_s, mask, n_block, apply_mask)
         rescale = me.softmax.update(acc_s, is_first=is_first)
         self._convert_p(acc_s, me.p)
-        me.softmax.rescale_o(me.acc_o, rescale)
+        if cutlass.const_expr(me.softmax.rescales):
+            me.softmax.rescale_o(me.acc_o, rescale)
         wait_full(pipes.v, kv_state)
         me.pingpong.wait_turn(me.wg)
         wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, kv_state.index],

@@ -7,15 +7,45 @@ one FFMA and ex2 as without a cap. The host folds the constants
 (launch_plan.ScoreParams). In the backward, the chain rule through the cap is
 d score / d(q·k) = scale · (1 − t²): the kernel multiplies dS by 1 − t² and
 the existing scale of dQ and dK does the rest.
+
+A capped score is bounded: t · softcap · log2(e) lies in [-c, c], c =
+softcap · log2(e). The bf16 forward then needs no running maximum
+(softmax.OnlineSoftmax.fixed_reference) when one offset o puts every
+exp2(t · c - o) in [2^FIXED_EXP_FLOOR, 2^FIXED_EXP_CEIL]: normal in fp32
+and bf16 at the bottom (the margin to 2^-126 covers tanh.approx's error), and
+at the top far enough from fp32's overflow that a row sum of any length and
+P·V stay finite. That holds for c <= 94 (softcap up to ~65: Gemma 2's 50
+included); o = c (P <= 1, as with a maximum) up to c = 62, 124 - c above.
+fp16 P (down to 2^-24) has no such range: its kernels keep the maximum.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
 from .wgmma import acc_rows_cols, pack_rounded
+
+FIXED_EXP_FLOOR = -124.0
+FIXED_EXP_CEIL = 64.0
+
+
+@dataclass
+class FixedReference:
+    """Whether the cap allows a fixed softmax reference, and its offset."""
+
+    fits: cutlass.Boolean
+    offset: Float32
+
+    @staticmethod
+    def for_cap(cap_log2: Float32) -> "FixedReference":
+        """cap_log2 = softcap · log2(e), the forward's softmax_scale_log2."""
+        fits = cap_log2 <= Float32((FIXED_EXP_CEIL - FIXED_EXP_FLOOR) / 2)
+        offset = cute.arch.fmin(cap_log2, Float32(-FIXED_EXP_FLOOR) - cap_log2)
+        return FixedReference(fits, offset)
 
 
 @cute.jit

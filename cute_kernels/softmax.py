@@ -15,6 +15,11 @@ finalize_with_sink adds exp(sink) to the normaliser against the larger of
 the row's maximum and the sink (a sink far above every score cannot
 overflow), so O shrinks by the sink's share and LSE = log(Σ exp(s) + exp(sink)).
 A row with no visible key then gets O = 0 and LSE = sink.
+
+Scores with a known bound (soft-capped ones, softcap.py) may skip the
+running maximum: with a fixed reference the exponent of every score lies in
+a range that fp32 and bf16 hold, so no row maximum is reduced and O is never
+rescaled (`fixed_reference`); the row sum alone carries the normaliser.
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ LN2 = math.log(2.0)
 @dataclass
 class OnlineSoftmax(DslStruct):
     """scale_log2: the kernel's scale, or with per_tile_scale a register
-    the caller sets for each tile (set_tile_scale: e4m3 descales)."""
+    the caller sets for each tile (set_tile_scale: e4m3 descales).
+    fixed_offset: None, or (fixed_reference) the exponent offset, log2 units,
+    that every row uses in place of its running maximum."""
 
     scale_log2: Float32
     rows: int
     row_max: cute.Tensor
     row_sum: cute.Tensor
     tile_scale: cute.Tensor | None = None
+    fixed_offset: Float32 | None = None
 
     @staticmethod
     def create(scale_log2: Float32, rows: int, per_tile_scale: bool = False) -> "OnlineSoftmax":
@@ -52,6 +60,22 @@ class OnlineSoftmax(DslStruct):
     def set_tile_scale(self, scale_log2: Float32):
         self.tile_scale[0] = scale_log2
 
+    def fixed_reference(self, offset: Float32) -> "OnlineSoftmax":
+        """This softmax, on the same row state, with p = exp2(s · scale -
+        offset) for every score and no running maximum: for scores whose
+        exponents stay within fp32's and the P dtype's normal range whatever
+        the row (the caller's proof). Each row's reference is set to the
+        offset here, once per tile, so that finalize's LSE is the same
+        expression; a row with no visible key still ends with a zero sum."""
+        self.row_max.fill(offset / self.scale)
+        return OnlineSoftmax(self.scale_log2, self.rows, self.row_max, self.row_sum,
+                             self.tile_scale, offset)
+
+    @property
+    def rescales(self) -> bool:
+        """Whether update returns O rescale factors (a running maximum)."""
+        return self.fixed_offset is None
+
     @property
     def scale(self) -> Float32:
         """The scale of the scores (log2 units) that this tile uses."""
@@ -60,16 +84,27 @@ class OnlineSoftmax(DslStruct):
     @cute.jit
     def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
         """Turn scores into probabilities in place; return each row's O
-        rescale factor (the old maximum's weight against the new one)."""
+        rescale factor (the old maximum's weight against the new one);
+        with a fixed reference, None: O keeps its scale."""
         s = acc_rows_cols(acc_s)
-        rescale = cute.make_rmem_tensor(self.rows, Float32)
-        new_max = cute.make_rmem_tensor(self.rows, Float32)
-        for r in cutlass.range_constexpr(self.rows):
-            local_max = s[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            if cutlass.const_expr(not is_first):
-                local_max = cute.arch.fmax(local_max, self.row_max[r])
-            new_max[r] = cute.arch.warp_reduction_max(local_max, threads_in_group=4)
-            self._exponentiate_row(s, r, new_max[r], rescale, is_first)
+        rescale = None
+        if cutlass.const_expr(self.rescales):
+            rescale = cute.make_rmem_tensor(self.rows, Float32)
+            new_max = cute.make_rmem_tensor(self.rows, Float32)
+            for r in cutlass.range_constexpr(self.rows):
+                local_max = s[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                if cutlass.const_expr(not is_first):
+                    local_max = cute.arch.fmax(local_max, self.row_max[r])
+                new_max[r] = cute.arch.warp_reduction_max(local_max, threads_in_group=4)
+                self._exponentiate_row(s, r, new_max[r], rescale, is_first)
+        else:
+            neg_offset = -self.fixed_offset
+            for r in cutlass.range_constexpr(self.rows):
+                probs = cute.math.exp2(s[r, None].load() * self.scale + neg_offset,
+                                       fastmath=True)
+                s[r, None].store(probs)
+                self.row_sum[r] = self.row_sum[r] + probs.reduce(cute.ReductionOp.ADD,
+                                                                 Float32(0.0), 0)
         return rescale
 
     @cute.jit

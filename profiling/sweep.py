@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_fa.kernels.config import (FP8_HEAD_DIMS, block_sparse_fwd_config, default_bwd_config,
-                                    default_config, fp8_fwd_config)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, block_sparse_fwd_config,
+                                    bwd_config_for_problem, default_config, fp8_fwd_config)
+from cute_fa.variants import num_sms
 
 from .cli import (Progress, add_kernel_option, command_parser, config_vary, positive_int,
                   require_cuda)
@@ -183,15 +184,19 @@ def main(argv=None):
     args = parse_args(argv)
     require_cuda("sweep")
     causal = args.causal == "yes"
-    if args.block_mask:
-        base = (block_sparse_fwd_config(args.head_dim, args.head_dim_v) if args.kernel == "fwd"
-                else default_bwd_config(args.head_dim, True))  # what the op takes for a mask
+    batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
+    if args.kernel == "bwd":  # what the op takes for the problem, mask and cap included
+        features = Features(softcap=args.softcap > 0, block_sparse=bool(args.block_mask))
+        base = bwd_config_for_problem(args.head_dim, causal, False, batch, args.seqlen, heads,
+                                      heads // args.gqa, num_sms(torch.cuda.current_device()),
+                                      features)
+    elif args.block_mask:
+        base = block_sparse_fwd_config(args.head_dim, args.head_dim_v)
     elif args.dtype == "e4m3":
         base = fp8_fwd_config(args.head_dim, causal)
     else:
         base = default_config(args.kernel, args.head_dim, causal, args.head_dim_v)
     results = run_variants(args, variants(base, args.vary_values))
-    batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
     mask = f" block mask {args.block_mask}" if args.block_mask else ""
     print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} dv={args.head_dim_v} "
           f"seqlen={args.seqlen} "

@@ -1,7 +1,7 @@
 import pytest
 
-from cute_fa.kernels.config import (FwdConfig, bwd_config_for_problem, default_bwd_config,
-                                 default_fwd_config, split_gqa_pays)
+from cute_fa.kernels.config import (Features, FwdConfig, bwd_config_for_problem,
+                                    default_bwd_config, default_fwd_config, split_gqa_pays)
 
 
 def test_defaults_validate_for_every_head_dim():
@@ -216,6 +216,20 @@ def test_bwd_config_for_problem_splits_small_gqa_grids():
     assert not bwd_config_for_problem(128, True, False, 2, 8192, 16, 8, 132).split_gqa
     assert bwd_config_for_problem(64, False, True, 1, 4096, 8, 8, 132) == \
         default_bwd_config(64, False, True)
+
+
+def test_a_cap_takes_the_causal_tile_but_keeps_the_fixed_tile_order():
+    # measured (H100, d 128, 8k, non-causal, softcap 30): 64 queries a step
+    # and no claimed tiles fastest; the 80-query tile spills the cap's slope
+    cap = Features(softcap=True)
+    for head_dim in (64, 128, 256):
+        assert bwd_config_for_problem(head_dim, False, False, 2, 8192, 16, 16, 132, cap) == \
+            default_bwd_config(head_dim, True).replace(dynamic_tiles=False)
+        assert bwd_config_for_problem(head_dim, True, False, 2, 8192, 16, 16, 132, cap) == \
+            default_bwd_config(head_dim, True)
+    window = Features(local=True, softcap=True)
+    assert bwd_config_for_problem(128, False, False, 2, 8192, 16, 16, 132, window) == \
+        default_bwd_config(128, True)
 
 
 def test_causal_forward_claims_tiles_dynamically():

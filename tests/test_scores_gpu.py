@@ -70,12 +70,26 @@ def test_window_forward_backward(head_dim, causal, window_size, seqlens):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)),
                                                 (False, (200, 64))])
-@pytest.mark.parametrize("softcap", [5.0, 30.0])
+# 5 and 30: the bf16 forward's fixed softmax reference at the cap (P <= 1);
+# 50: below it (P up to 2^20); 100: beyond the fixed range, a running maximum
+@pytest.mark.parametrize("softcap", [5.0, 30.0, 50.0, 100.0])
 def test_softcap_forward_backward(head_dim, dtype, causal, window_size, softcap):
     q, k, v, g = _inputs(2, 700, 900, 4, 1, head_dim, dtype, seed=head_dim + int(softcap))
     # scores that the cap bends: q·k·scale spans several times the cap
     q = q * (softcap / 4) ** 0.5
     _check(q, k, v, g, causal, window_size, softcap)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 50.0, 65.0, 100.0])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_softcap_rows_saturated_at_either_end(softcap, sign):
+    """Every score of a row at +cap or at -cap: the ends of the range that a
+    fixed softmax reference must keep finite and normal (softcap.py)."""
+    q, k, v, g = _inputs(2, 300, 700, 4, 2, 128, torch.bfloat16, seed=int(softcap))
+    direction = torch.randn(128, device="cuda").to(torch.bfloat16)
+    k = direction + 0.05 * k
+    q = (sign * 20.0 * direction).expand_as(q) + 0.05 * q
+    _check(q, k, v, g, False, (-1, -1), softcap, backward=False)
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
