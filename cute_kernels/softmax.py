@@ -82,7 +82,8 @@ class OnlineSoftmax(DslStruct):
         return self.scale_log2 if self.tile_scale is None else self.tile_scale[0]
 
     @cute.jit
-    def update(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+    def update(self, acc_s: cute.Tensor,
+               is_first: cutlass.Constexpr[bool]) -> cute.Tensor | None:
         """Turn scores into probabilities in place; return each row's O
         rescale factor (the old maximum's weight against the new one);
         with a fixed reference, None: O keeps its scale."""
