@@ -40,7 +40,6 @@ is read on the host.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +51,9 @@ from .kernels.config import (SEQUSED_K, SEQUSED_Q, Features, FwdConfig, decode_f
 from .launch_plan import LOG2_E
 from .variants import fwd_kernel_for, num_sms
 
-# Below this share of the SMs busy a split pays for its combine launch
-# (FlashAttention-3's threshold for its split heuristic).
-SPLIT_BELOW_SM_SHARE = 0.8
-# The smallest split count whose SM efficiency is within this of the best.
-SPLIT_EFFICIENCY_SLACK = 0.85
+# The share of the SMs whose CTAs (one tile part each) already stream a
+# cache at the full rate: more parts only add partials and merge work.
+SPLIT_TARGET_SM_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -75,20 +72,12 @@ class DecodePlan:
 
 
 def choose_splits(tiles: int, n_blocks: int, sms: int) -> int:
-    """Key ranges per tile from shapes only: 1 where the tiles already fill
-    most SMs; else the fewest splits whose share of busy SMs over the waves
-    is within SPLIT_EFFICIENCY_SLACK of the best, at most one K/V block each
-    and MAX_SPLITS."""
-    if tiles >= SPLIT_BELOW_SM_SHARE * sms or n_blocks <= 1:
-        return 1
-    most = min(MAX_SPLITS, n_blocks, sms)
-
-    def efficiency(splits: int) -> float:
-        units = tiles * splits
-        return units / (math.ceil(units / sms) * sms)
-
-    best = max(efficiency(s) for s in range(1, most + 1))
-    return next(s for s in range(1, most + 1) if efficiency(s) >= SPLIT_EFFICIENCY_SLACK * best)
+    """Key ranges per tile from shapes only: the largest power of two whose
+    tiles · splits stay within SPLIT_TARGET_SM_SHARE of the SMs, at most
+    one K/V block a range and MAX_SPLITS; 1 where the tiles alone reach
+    that share (docs/findings.md, "Decode": the measured split counts)."""
+    most = max(1, min(MAX_SPLITS, n_blocks, int(SPLIT_TARGET_SM_SHARE * sms) // max(tiles, 1)))
+    return 1 << (most.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=1024)
