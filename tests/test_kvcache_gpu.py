@@ -144,11 +144,13 @@ def test_split_keys_agree_with_one_range(batch, heads_kv, seqlen_q):
                                    msg=lambda m: f"num_splits={splits}: {m}")
 
 
-def test_a_decode_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("splits", [0, 4])
+def test_a_decode_step_replays_in_a_cuda_graph(splits):
     q, k_cache, v_cache, k, v, _ = _problem(1, 8, 1, 2048, 1)
     lengths = torch.full((8,), 100, dtype=torch.int32, device="cuda")
     step = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v,  # noqa: E731
-                                           cache_seqlens=lengths, causal=True)
+                                           cache_seqlens=lengths, causal=True,
+                                           num_splits=splits)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -163,5 +165,6 @@ def test_a_decode_step_replays_in_a_cuda_graph():
         lengths.add_(1)
         graph.replay()
         expected = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
-                                           cache_seqlens=lengths, causal=True)
+                                           cache_seqlens=lengths, causal=True,
+                                           num_splits=splits)
         torch.testing.assert_close(out, expected, atol=0, rtol=0)
