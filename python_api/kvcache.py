@@ -205,7 +205,10 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
         lengths = None  # every cache full
         if cache_seqlens is not None:
             lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]
-            lengths = lengths.clamp(0, capacity)
+            if not in_place:
+                # pages read in place: the kernel cuts each length at the end of
+                # its pages itself (cute_kernels/varlen.py, Seqlens), one launch less
+                lengths = lengths.clamp(0, capacity)
         if q.device.type == "cpu":
             if lengths is None:
                 lengths = torch.full((batch,), capacity, dtype=torch.int32)

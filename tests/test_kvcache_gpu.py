@@ -144,6 +144,23 @@ def test_split_keys_agree_with_one_range(batch, heads_kv, seqlen_q):
                                    msg=lambda m: f"num_splits={splits}: {m}")
 
 
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_lengths_beyond_the_cache_are_cut_at_its_end(page_size):
+    """Lengths are not read on the host: one past the cache is the full
+    cache, a negative one none (the op's documented cut)."""
+    capacity = 1024
+    q, k_cache, v_cache, _, _, page_table = _problem(11, 3, 1, capacity, 0,
+                                                     page_size=page_size)
+    wild = torch.tensor([capacity + 300, -5, 700], dtype=torch.int32, device="cuda")
+    cut = wild.clamp(0, capacity)
+    got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=wild, page_table=page_table,
+                                  return_softmax_lse=True)
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cut, page_table=page_table,
+                                   return_softmax_lse=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("splits", [0, 4])
 def test_a_decode_step_replays_in_a_cuda_graph(splits):
     q, k_cache, v_cache, k, v, _ = _problem(1, 8, 1, 2048, 1)
