@@ -232,6 +232,35 @@ def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int) -> bool
                          page_size) is not None
 
 
+def reads_rows_as_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether a contiguous cache (rows, capacity, h_kv, d) is read as a
+    paged one of one page per row: contiguous, and its rows whole K/V
+    blocks (the paged config is then the contiguous one). The kernel then
+    cuts each length at its row's end itself, which saves the host's clamp
+    launch (docs/findings.md, "Decode")."""
+    capacity = k_cache.shape[1]
+    dims = kernel_head_dim(head_dim), kernel_head_dim(v_cache.shape[3])
+    return (capacity > 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and kernel_config(*dims, capacity) == kernel_config(*dims, None))
+
+
+_row_pages: dict = {}
+
+
+def row_pages(cache_rows, batch: int, device) -> torch.Tensor:
+    """The page table of a contiguous cache read as pages: (batch, 1) int32,
+    sequence b's one page its cache row (cache_rows[b], or b)."""
+    if cache_rows is not None:
+        return cache_rows.view(batch, 1)
+    key = (batch, device)
+    table = _row_pages.get(key)
+    if table is None:
+        table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+        if not torch.cuda.is_current_stream_capturing():
+            _row_pages[key] = table
+    return table
+
+
 def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, page_table,
         lengths, capacity: int, softmax_scale: float, causal: bool, num_splits: int):
     """q (b, s_q, h, d) against a cache of K and V: contiguous, (1, rows,

@@ -21,7 +21,10 @@ paged cache is read in place through its page table: pages of 8 to 64
 tokens one TMA load per page, larger ones (multiples of 128) one per 128
 keys, other multiples of 16 below 128 a main-loop step of one page. Other
 page sizes, and head dims the kernels pad, are copied first (a gather of
-each sequence's pages; a padded copy).
+each sequence's pages; a padded copy). A contiguous cache whose length is
+a multiple of the kernel's key block (128 keys; 64 above head dim 128) is
+read the same way, one page per cache row (cache_batch_idx, or the batch
+index, its page table).
 
 What is checked: shapes, dtypes, devices, head counts, contiguous pages.
 The values of cache_seqlens, page_table and cache_batch_idx are checked on
@@ -199,17 +202,22 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     with nvtx_ranges.op_range(name):
         if k is not None:
             append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
-        in_place = paged and q.device.type == "cuda" and decode.reads_pages_in_place(
+        on_gpu = q.device.type == "cuda"
+        in_place = paged and on_gpu and decode.reads_pages_in_place(
             k_cache.shape[1], head_dim, v_cache.shape[3])
+        if not paged and on_gpu and decode.reads_rows_as_pages(k_cache, v_cache, head_dim):
+            page_table = decode.row_pages(cache_batch_idx, batch, q.device)
+            cache_batch_idx, paged, in_place = None, True, True
         keys, values, capacity = _sequences(k_cache, v_cache, page_table, in_place)
         lengths = None  # every cache full
         if cache_seqlens is not None:
             lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]
             if not in_place:
-                # pages read in place: the kernel cuts each length at the end of
-                # its pages itself (cute_kernels/varlen.py, Seqlens), one launch less
+                # pages read in place (a contiguous cache's rows too): the kernel cuts
+                # each length at the end of its pages itself (cute_kernels/varlen.py,
+                # Seqlens), one launch less
                 lengths = lengths.clamp(0, capacity)
-        if q.device.type == "cpu":
+        if not on_gpu:
             if lengths is None:
                 lengths = torch.full((batch,), capacity, dtype=torch.int32)
             return _reference(q, keys, values, cache_batch_idx, lengths, capacity, scale,

@@ -144,11 +144,13 @@ def test_split_keys_agree_with_one_range(batch, heads_kv, seqlen_q):
                                    msg=lambda m: f"num_splits={splits}: {m}")
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 256])
-def test_lengths_beyond_the_cache_are_cut_at_its_end(page_size):
+# contiguous rows of whole K/V blocks are read as pages (cut by the kernel);
+# of 1000 tokens as one token axis (cut by the host)
+@pytest.mark.parametrize("page_size,capacity", [(None, 1024), (None, 1000), (16, 1024),
+                                                (256, 1024)])
+def test_lengths_beyond_the_cache_are_cut_at_its_end(page_size, capacity):
     """Lengths are not read on the host: one past the cache is the full
     cache, a negative one none (the op's documented cut)."""
-    capacity = 1024
     q, k_cache, v_cache, _, _, page_table = _problem(11, 3, 1, capacity, 0,
                                                      page_size=page_size)
     wild = torch.tensor([capacity + 300, -5, 700], dtype=torch.int32, device="cuda")
