@@ -256,7 +256,7 @@ def row_pages(cache_rows, batch: int, device) -> torch.Tensor:
     table = _row_pages.get(key)
     if table is None:
         table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
-        if not torch.cuda.is_current_stream_capturing():
+        if torch.device(device).type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _row_pages[key] = table
     return table
 

@@ -112,3 +112,21 @@ def test_page_wise_loads_need_a_paged_kernel():
         FlashAttentionForwardSm90(None, 128, False, config, features=Features(varlen=True))
     with pytest.raises(ValueError, match="kv_load_rows"):
         config.replace(kv_load_rows=24).validate(128)
+
+
+def test_contiguous_rows_of_whole_blocks_are_read_as_pages():
+    """A contiguous cache is read as one page per cache row where its rows
+    hold whole K/V blocks (the kernel then cuts the lengths itself)."""
+    def cache(rows, capacity, d=128):
+        return torch.empty(rows, capacity, 8, d, dtype=torch.bfloat16)
+
+    assert decode.reads_rows_as_pages(cache(2, 1024), cache(2, 1024), 128)
+    assert not decode.reads_rows_as_pages(cache(2, 1000), cache(2, 1000), 128)
+    assert not decode.reads_rows_as_pages(cache(2, 0), cache(2, 0), 128)
+    # head dim 256: blocks of 64 keys
+    assert decode.reads_rows_as_pages(cache(2, 320, 256), cache(2, 320, 256), 256)
+    strided = cache(4, 1024)[::2]
+    assert not decode.reads_rows_as_pages(strided, strided, 128)
+    rows = torch.tensor([3, 0], dtype=torch.int32)
+    assert torch.equal(decode.row_pages(rows, 2, rows.device), rows.view(2, 1))
+    assert decode.row_pages(None, 3, torch.device("cpu")).flatten().tolist() == [0, 1, 2]
