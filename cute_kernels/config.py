@@ -609,7 +609,9 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
     kv_ctas = -(-seqlen_k // config.tile_n) * heads_kv * batch
     if split_gqa_pays(heads_q // heads_kv, kv_ctas, num_sms):
         config = default_bwd_config(head_dim, causal, deterministic, split_gqa=True)
-    return config if uneven else config.replace(dynamic_tiles=False)
+    if features.softcap and not uneven:
+        config = config.replace(dynamic_tiles=False)
+    return config
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,6 +5,7 @@ every command that takes them)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -227,3 +228,25 @@ def check_heads_dim_total(parser, args) -> None:
         if d <= 0 or args.heads_dim_total % d:
             parser.error(f"--head-dims: expected divisors of --heads-dim-total "
                          f"{args.heads_dim_total}, got {d}")
+
+
+def packed_lengths(tokens: int, min_len: int, max_len: int, seed: int) -> list[int]:
+    """Sequence lengths drawn log-uniform from min_len to max_len (seeded)
+    until they fill `tokens`, the last one cut to fit."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        u = torch.empty(1).uniform_(math.log(min_len), math.log(max_len), generator=gen)
+        lengths.append(min(int(math.exp(u.item())), tokens - sum(lengths)))
+    return lengths
+
+
+def timed_step(fn, grad_out: torch.Tensor | None = None):
+    """What a benchmark times: fn(), and with grad_out the backward of its
+    output (the first element of an output tuple) too."""
+    def call():
+        out = fn()
+        if grad_out is not None:
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(grad_out)
+    return call

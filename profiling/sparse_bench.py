@@ -24,14 +24,14 @@ computed). Implementations run round-robin in one process
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 
 import torch
 
 from . import report
 from .cli import choice_list, command_parser, csv_list, positive_int, require_cuda
-from .problem import add_head_dim_option, add_throughput_options, check_heads_dim_total
+from .problem import (add_head_dim_option, add_throughput_options, check_heads_dim_total,
+                      packed_lengths, timed_step)
 from .timing import time_interleaved
 
 MASKS = ("random10", "random30", "document", "sliding2048")
@@ -49,12 +49,9 @@ def mask_mod(name: str, seqlen: int, seed: int, device: str):
         kept = kept.to(device)
         return lambda b, h, q, k: kept[q // 128, k // 128]
     if name == "document":
-        lengths = []
-        while sum(lengths) < seqlen:
-            u = torch.empty(1).uniform_(math.log(256), math.log(4096), generator=gen)
-            lengths.append(int(math.exp(u.item())))
+        lengths = packed_lengths(seqlen, 256, 4096, seed)
         doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        doc = doc[:seqlen].to(device)
+        doc = doc.to(device)
         return lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k)
     if name.startswith("sliding"):
         window = int(name[len("sliding"):])
@@ -77,25 +74,20 @@ def _callables(name, batch, seqlen, heads, head_dim, direction, backends, seed):
     mask = BlockSparseMask.from_block_mask(block_mask)
     pairs = int(create_mask(mod, 1, 1, seqlen, seqlen, device=dev).sum())
 
-    def run(fn, grad_out):
-        def call():
-            out = fn()
-            if grad:
-                out.backward(grad_out)
-        return call
-
     fns = {}
     if "cute" in backends:
-        fns["cute"] = run(lambda: flash_attn_func(q, k, v, block_mask=mask), do)
+        fns["cute"] = timed_step(lambda: flash_attn_func(q, k, v, block_mask=mask),
+                                 do if grad else None)
     if "flex" in backends:
         # a fresh compile per problem: each mask_mod is a new closure, and the
         # recompiles would otherwise reach dynamo's limit and run eagerly
         torch._dynamo.reset()
         compiled = torch.compile(flex_attention)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        fns["flex"] = run(lambda: compiled(qt, kt, vt, block_mask=block_mask), do.transpose(1, 2))
+        fns["flex"] = timed_step(lambda: compiled(qt, kt, vt, block_mask=block_mask),
+                                 do.transpose(1, 2) if grad else None)
     if "cute_dense" in backends:
-        fns["cute_dense"] = run(lambda: flash_attn_func(q, k, v), do)
+        fns["cute_dense"] = timed_step(lambda: flash_attn_func(q, k, v), do if grad else None)
     return fns, pairs, mask.density()
 
 

@@ -16,24 +16,15 @@ Implementations run round-robin in one process on the same inputs
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 
 import torch
 
 from . import report
 from .cli import choice_list, command_parser, csv_list, positive_int, require_cuda
-from .problem import add_head_dim_option, add_throughput_options, check_heads_dim_total
+from .problem import (add_head_dim_option, add_throughput_options, check_heads_dim_total,
+                      packed_lengths, timed_step)
 from .timing import time_interleaved
-
-
-def packed_lengths(tokens: int, min_len: int, max_len: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < tokens:
-        u = torch.empty(1).uniform_(math.log(min_len), math.log(max_len), generator=gen)
-        lengths.append(min(int(math.exp(u.item())), tokens - sum(lengths)))
-    return lengths
 
 
 def useful_flops(lengths: list[int], heads: int, head_dim: int, causal: bool,
@@ -56,30 +47,24 @@ def _callables(lengths, heads, head_dim, causal, direction, backends):
     dense = [torch.randn(total // mean_len, mean_len, heads, head_dim, device=dev, dtype=dtype,
                          requires_grad=grad) for _ in range(3)]
 
-    def run(fn, args, grad_out):
-        def call():
-            out = fn(*args)
-            out = out[0] if isinstance(out, tuple) else out
-            if grad:
-                out.backward(grad_out)
-        return call
-
     fns = {}
     if "cute" in backends:
-        fns["cute"] = run(lambda *t: flash_attn_varlen_func(*t, cu, cu, max_len, max_len,
-                                                            causal=causal), (q, k, v), do)
+        fns["cute"] = timed_step(lambda: flash_attn_varlen_func(q, k, v, cu, cu, max_len,
+                                                                max_len, causal=causal),
+                                 do if grad else None)
     if "fa4" in backends:
         try:
             from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
-            fns["fa4"] = run(lambda *t: fa4_varlen(*t, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                                   max_seqlen_q=max_len, max_seqlen_k=max_len,
-                                                   causal=causal),
-                             (q, k, v), do)
+            fns["fa4"] = timed_step(lambda: fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                       max_seqlen_q=max_len,
+                                                       max_seqlen_k=max_len, causal=causal),
+                                    do if grad else None)
         except Exception as exc:  # noqa: BLE001 (reported, not fatal)
             print(f"fa4: unavailable ({exc})", file=sys.stderr)
     if "cute_dense" in backends:
-        fns["cute_dense"] = run(lambda *t: flash_attn_func(*t, causal=causal), dense,
-                                do[: dense[0].shape[0] * mean_len].view(dense[0].shape))
+        fns["cute_dense"] = timed_step(
+            lambda: flash_attn_func(*dense, causal=causal),
+            do[: dense[0].shape[0] * mean_len].view(dense[0].shape) if grad else None)
     dense_lengths = [mean_len] * dense[0].shape[0]
     return fns, dense_lengths, mean_len
 

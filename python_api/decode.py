@@ -154,7 +154,7 @@ class _Constants:
     # block mask's tile lists
 
 
-_constants: dict = {}
+_by_shape: dict = {}  # _shape_cached
 
 
 def _make_constants(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
@@ -170,14 +170,21 @@ def _make_constants(p: DecodePlan, capacity: int, paged: bool, device) -> _Const
                       torch.zeros((1, 1, 1), **i32))
 
 
-def _constants_for(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
-    key = (p, capacity, paged, device)
-    found = _constants.get(key)
+def _shape_cached(key: tuple, make):
+    """make(), once per key of shapes and device: kept unless made while a
+    CUDA graph is captured (a tensor made there holds its values only at
+    replay)."""
+    found = _by_shape.get(key)
     if found is None:
-        found = _make_constants(p, capacity, paged, device)
-        if not torch.cuda.is_current_stream_capturing():
-            _constants[key] = found
+        found = make()
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            _by_shape[key] = found
     return found
+
+
+def _constants_for(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
+    return _shape_cached((p, capacity, paged, device),
+                         lambda: _make_constants(p, capacity, paged, device))
 
 
 def _key_sequences(c: _Constants, capacity: int, cache_rows, lengths):
@@ -244,21 +251,13 @@ def reads_rows_as_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: 
             and kernel_config(*dims, capacity) == kernel_config(*dims, None))
 
 
-_row_pages: dict = {}
-
-
 def row_pages(cache_rows, batch: int, device) -> torch.Tensor:
     """The page table of a contiguous cache read as pages: (batch, 1) int32,
     sequence b's one page its cache row (cache_rows[b], or b)."""
     if cache_rows is not None:
         return cache_rows.view(batch, 1)
-    key = (batch, device)
-    table = _row_pages.get(key)
-    if table is None:
-        table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
-        if torch.device(device).type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _row_pages[key] = table
-    return table
+    return _shape_cached(("row_pages", batch, device), lambda: torch.arange(
+        batch, dtype=torch.int32, device=device).view(batch, 1))
 
 
 def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, page_table,
