@@ -15,6 +15,13 @@ shuffles; then each lane takes 16-byte pieces (4 fp32) of the row, so one
 load instruction of the warp reads 512 contiguous bytes of a part's O.
 The weights travel from the lane that holds them by shuffle, not through
 memory.
+
+The kernel is launched as a programmatic dependent of the forward (PDL):
+the forward's CTAs signal at their start, so the combine's CTAs are
+launched and resident while the forward runs and wait in
+griddepcontrol.wait, which returns once the forward has completed and its
+writes are visible; the launch latency leaves the decode step's critical
+path. Behind any other kernel the wait returns at once.
 """
 
 from __future__ import annotations
@@ -52,11 +59,12 @@ class SplitCombine:
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         self.kernel(mOPart, mLSEPart, mO, mLSE).launch(
             grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1], block=[32 * WARPS_PER_CTA, 1, 1],
-            stream=stream)
+            stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor):
+        cute.arch.griddepcontrol_wait()  # the forward's partials are complete and visible
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         row = cute.arch.block_idx()[0] * WARPS_PER_CTA + tid // 32

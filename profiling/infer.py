@@ -12,8 +12,9 @@ backend; --warmup untimed forwards, then the mean and standard deviation of
 --generate N: a prompt of --seq tokens (prefill), then N - 1 greedy decode
 steps of one token per sequence against the cache (generation.py: our op's
 paged cache, or SDPA's contiguous one); the decode step captured in a CUDA
-graph on a GPU unless --no-cuda-graph. Reported: time to first token (the
-prefill), per-token latency (median and p99 of the steps) and tokens/s
+graph on a GPU unless --no-cuda-graph. With --warmup > 0 an untimed
+generation of two tokens runs first (kernel compilation, library set-up).
+Reported: time to first token (the prefill), per-token latency (median and p99 of the steps) and tokens/s
 (batch · steps / their time). A backend that fails is a row with its
 error. Prints the table; writes a JSON file only with --out.
 """
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=50,
                    help="timed forwards per backend (default: 50)")
     p.add_argument("--warmup", type=nonnegative_int, default=5,
-                   help="untimed forwards per backend before them (default: 5)")
+                   help="untimed forwards per backend before them; with --generate, 0 "
+                        "skips the untimed generation before the timed one (default: 5)")
     p.add_argument("--generate", type=nonnegative_int, default=0, metavar="N",
                    help="generate N tokens after a --seq prompt with a KV cache (backends "
                         f"{', '.join(CACHE_BACKENDS)}); 0: time one forward (default: 0)")
@@ -73,6 +75,9 @@ def generation_row(model, config, prompt, args, backend: str) -> dict:
     """One backend's generation: time to first token, per-token latency, tokens/s."""
     cache = KVCache.allocate(config, prompt.shape[0], args.seq + args.generate, backend,
                              page_size=args.page_size, device=prompt.device)
+    if args.warmup:  # first calls (compiling, library set-up) out of the first token's time
+        greedy_generate(model, prompt, 2, cache)
+        cache.lengths.zero_()
     result = greedy_generate(model, prompt, args.generate, cache, cuda_graph=args.cuda_graph)
     steps = sorted(result.step_ms)
     row = dict(backend=backend, status="ok", prefill_ms=result.prefill_ms,

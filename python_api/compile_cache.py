@@ -2,7 +2,8 @@
 across processes (kernel_store.py), compiled (kernel_compile.py) only when
 neither has them.
 
-Keys: (kernel, dtype, head_dim, [head_dim_v,] causal, features, config[, has_grad_lse]); batch,
+Keys: (kernel, dtype, head_dim, [head_dim_v,] causal, features, config[, has_grad_lse]), and
+("cache_append", dtype, head_dim, head_dim_v) for the KV-cache append; batch,
 sequence lengths and head counts are runtime values of the compiled kernels.
 This module does not import the DSL: loading every kernel from the store
 costs milliseconds, where importing the DSL alone costs about a second.
@@ -85,6 +86,22 @@ class CompiledBackward:
                    launches.get("group_sum"), seconds, from_disk)
 
 
+@dataclass
+class CompiledAppend:
+    # append(k, v, k_cache, v_cache, page_table, cache_seqlens, lengths)
+    # (cute_kernels/cache_append.py)
+    fn: object
+    compile_seconds: float  # compiling, or loading from the kernel store
+    from_disk: bool = False
+
+    def launches(self) -> dict:
+        return {"append": self.fn}
+
+    @classmethod
+    def from_launches(cls, launches: dict, seconds: float, from_disk: bool) -> CompiledAppend:
+        return cls(launches["append"], seconds, from_disk)
+
+
 def bwd_key(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
             has_grad_lse: bool, features: Features = PLAIN_FEATURES,
             head_dim_v: int | None = None) -> tuple:
@@ -118,6 +135,14 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
                                       features, head_dim_v)
 
 
+def compile_append(dtype: torch.dtype, head_dim: int, head_dim_v: int,
+                   dump_dir: str | None = None) -> CompiledAppend:
+    """Compile the KV-cache append kernel now (no cache)."""
+    from . import kernel_compile
+
+    return kernel_compile.compile_append(dtype, head_dim, head_dim_v, dump_dir)
+
+
 _cache: dict[tuple, object] = {}
 _lock = threading.Lock()
 
@@ -144,7 +169,7 @@ def target_arch() -> str:
 
 
 def _stored(key: tuple, kind, compile_variant, args: tuple):
-    """A kind (CompiledKernel or CompiledBackward) from the kernel store when it
+    """A kind (CompiledKernel, CompiledBackward or CompiledAppend) from the kernel store when it
     holds the key, else compiled and stored (kernel_store.py)."""
     start = time.perf_counter()
     launches, from_disk = kernel_store.load_or_build(
@@ -167,3 +192,8 @@ def get_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,
     return _cached(bwd_key(dtype, head_dim, causal, config, has_grad_lse, features, head_dim_v),
                    CompiledBackward, compile_bwd, dtype, head_dim, causal, config,
                    has_grad_lse, None, features, head_dim_v)
+
+
+def get_append(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> CompiledAppend:
+    return _cached(("cache_append", dtype, head_dim, head_dim_v), CompiledAppend,
+                   compile_append, dtype, head_dim, head_dim_v)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .compile_cache import CPU_TARGET_ARCH, CompiledBackward, CompiledKernel
+from .compile_cache import CPU_TARGET_ARCH, CompiledAppend, CompiledBackward, CompiledKernel
 
 
 def _ensure_arch_env() -> None:
@@ -41,6 +41,7 @@ from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # n
 from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
 from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features  # noqa: E402
 from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
+from .kernels.cache_append import CacheAppend  # noqa: E402
 from .kernels.split_combine import SplitCombine  # noqa: E402
 
 TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
@@ -178,6 +179,31 @@ def _compile_combine(cute_dtype, head_dim_v: int, dump_dir: str | None):
                                         assumed_align=4)
     return _compile(SplitCombine(cute_dtype, head_dim_v), o_part, lse_part, out, lse,
                     dump_dir=dump_dir)
+
+
+def compile_append(dtype: torch.dtype, head_dim: int, head_dim_v: int,
+                   dump_dir: str | None = None) -> CompiledAppend:
+    """cache_append.CacheAppend over symbolic shapes: new k, v (b, s_new,
+    h_kv, d / d_v) and the caches as pages (pages, page_size, h_kv, d / d_v),
+    16-byte strides; page table (b, max_pages) and lengths int32, any
+    strides."""
+    cute_dtype = TORCH_TO_CUTE[dtype]
+    align = 16 // dtype.itemsize
+    batch, new, heads_kv, pages, page_size = _sym(), _sym(), _sym(), _sym(), _sym()
+    k = _fake_bshd(cute_dtype, batch, new, heads_kv, head_dim, align)
+    v = _fake_bshd(cute_dtype, batch, new, heads_kv, head_dim_v, align)
+    k_cache = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim, align)
+    v_cache = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim_v, align)
+    table = cute.runtime.make_fake_tensor(cutlass.Int32, (batch, _sym()),
+                                          stride=(cute.sym_int64(), cute.sym_int64()),
+                                          assumed_align=4)
+    seqlens, lengths = (cute.runtime.make_fake_tensor(cutlass.Int32, (batch,),
+                                                      stride=(cute.sym_int64(),),
+                                                      assumed_align=4) for _ in range(2))
+    start = time.perf_counter()
+    fn = _compile(CacheAppend(cute_dtype, head_dim, head_dim_v), k, v, k_cache, v_cache, table,
+                  seqlens, lengths, dump_dir=dump_dir)
+    return CompiledAppend(fn, time.perf_counter() - start)
 
 
 def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConfig,

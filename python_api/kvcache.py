@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decode, ops, reference
+from . import compile_cache, decode, ops, reference
 from . import nvtx as nvtx_ranges
 from .validate import SUPPORTED_DTYPES, describe
 
@@ -135,29 +135,62 @@ def _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
 
 
 
-def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) -> None:
+def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table,
+                    cache_batch_idx) -> torch.Tensor:
     """k, v written into the caches at cache_seqlens, in place, with no host
-    sync (a CUDA graph captures it): fixed-shape index writes, no masks.
-    A position past a cache's end is not written: it is sent to the
-    sequence's first slot with that slot's own value (no new token lands
-    there in such a call, since the new ones start past the end)."""
+    sync (a CUDA graph captures it); returns the new lengths, cache_seqlens
+    + seqlen_new (int32). A position outside a cache (past its end, or
+    below 0) is not written. On a GPU one launch (cute_kernels/
+    cache_append.py) where every row is whole 16-byte pieces; otherwise
+    fixed-shape index writes, no masks: a position outside is sent, with
+    that slot's own value, to a slot where no new token of its sequence
+    lands (the first where they start past 0, else the last; for calls of
+    fewer new tokens than a cache holds)."""
+    if k.shape[0] == 0 or k.shape[1] == 0:  # nothing to write (and no empty grid)
+        return cache_seqlens
+    if _appends_in_one_launch(k_cache, v_cache, k, v):
+        table = (page_table if page_table is not None
+                 else decode.row_pages(cache_batch_idx, k.shape[0], k.device))
+        lengths = torch.empty_like(cache_seqlens)
+        compile_cache.get_append(k.dtype, k.shape[3], v.shape[3]).fn(
+            k, v, k_cache, v_cache, table, cache_seqlens, lengths)
+        return lengths
     batch, new = k.shape[:2]
-    positions = cache_seqlens[:, None].long() + torch.arange(new, device=k.device)
+    capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
+    if capacity == 0:  # no slot to write
+        return cache_seqlens + new
+    starts = cache_seqlens[:, None].long()
+    positions = starts + torch.arange(new, device=k.device)
+    inside = (positions >= 0) & (positions < capacity)
+    target = torch.where(inside, positions, torch.where(starts > 0, 0, capacity - 1))
     if page_table is not None:
         page_size = k_cache.shape[1]
-        inside = positions < page_table.shape[1] * page_size
-        target = torch.where(inside, positions, 0)
         rows = page_table.long().gather(1, target // page_size)
         slots = target % page_size
     else:
-        inside = positions < k_cache.shape[1]
-        slots = torch.where(inside, positions, 0)
+        slots = target
         owners = (torch.arange(batch, device=k.device) if cache_batch_idx is None
                   else cache_batch_idx.long())
         rows = owners[:, None].expand(batch, new)
     keep = inside[..., None, None]
     for cache, values in ((k_cache, k), (v_cache, v)):
         cache[rows, slots] = torch.where(keep, values, cache[rows, slots])
+    return cache_seqlens + new
+
+
+_PIECE_BYTES = 16
+
+
+def _appends_in_one_launch(*tensors) -> bool:
+    """Whether the append kernel takes these caches and new k, v: on a GPU,
+    every row (the last dimension, contiguous) whole 16-byte pieces at
+    16-byte aligned addresses."""
+    for t in tensors:
+        piece = _PIECE_BYTES // t.element_size()
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % _PIECE_BYTES \
+                or any(stride % piece for stride in t.stride()[:-1]) or t.shape[-1] % piece:
+            return False
+    return True
 
 
 def _sequences(k_cache, v_cache, page_table, in_place: bool):
@@ -201,7 +234,8 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     name = nvtx_ranges.kvcache_range_name(q, k_cache, page_table, causal)
     with nvtx_ranges.op_range(name):
         if k is not None:
-            append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
+            cache_seqlens = append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table,
+                                            cache_batch_idx)
         on_gpu = q.device.type == "cuda"
         in_place = paged and on_gpu and decode.reads_pages_in_place(
             k_cache.shape[1], head_dim, v_cache.shape[3])
@@ -209,14 +243,12 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
             page_table = decode.row_pages(cache_batch_idx, batch, q.device)
             cache_batch_idx, paged, in_place = None, True, True
         keys, values, capacity = _sequences(k_cache, v_cache, page_table, in_place)
-        lengths = None  # every cache full
-        if cache_seqlens is not None:
-            lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]
-            if not in_place:
-                # pages read in place (a contiguous cache's rows too): the kernel cuts
-                # each length at the end of its pages itself (cute_kernels/varlen.py,
-                # Seqlens), one launch less
-                lengths = lengths.clamp(0, capacity)
+        lengths = cache_seqlens  # after the new tokens; None: every cache full
+        if lengths is not None and not in_place:
+            # pages read in place (a contiguous cache's rows too): the kernel cuts
+            # each length at the end of its pages itself (cute_kernels/varlen.py,
+            # Seqlens), one launch less
+            lengths = lengths.clamp(0, capacity)
         if not on_gpu:
             if lengths is None:
                 lengths = torch.full((batch,), capacity, dtype=torch.int32)

@@ -17,7 +17,8 @@ default): the forwards of flash_attn_with_kvcache (python_api/decode.py),
 split and not, for a contiguous cache (page size 0) and each page size of
 --page-sizes, causal as asked (the causal kernels mask steps of several
 tokens, each token's query heads of a KV head in one group of rows: one
-kernel per group size of --query-groups). --directions block_sparse (not in
+kernel per group size of --query-groups), and the append of new k, v into
+the cache. --directions block_sparse (not in
 the default): the forward and backward kernels of a block mask
 (flash_attn_func's block_mask; no causal flag of their own), the backward
 with and without split_gqa. Variants
@@ -157,9 +158,15 @@ def kernels_of(variant: Variant, cached: bool = True):
 
 
 def build(variant: Variant) -> tuple[float, bool]:
-    """Load or compile one variant; returns (seconds, loaded from the store)."""
-    kernel = kernels_of(variant)
-    return kernel.compile_seconds, kernel.from_disk
+    """Load or compile one variant; returns (seconds, loaded from the store).
+    A decode variant brings the KV-cache append of its head dims (new k, v)."""
+    kernels = [kernels_of(variant)]
+    if variant.direction == "decode":
+        from . import compile_cache
+
+        kernels.append(compile_cache.get_append(DTYPES[variant.dtype], variant.head_dim,
+                                                variant.value_head_dim))
+    return (sum(k.compile_seconds for k in kernels), all(k.from_disk for k in kernels))
 
 
 def add_variant_options(p: argparse.ArgumentParser, directions=("fwd", "bwd")) -> None:

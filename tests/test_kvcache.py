@@ -94,21 +94,23 @@ def test_full_caches_without_lengths():
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
-def test_appends_past_the_end_are_not_written():
+@pytest.mark.parametrize("page_size", [None, 8])
+@pytest.mark.parametrize("lengths", [[39, 0, 40], [-3, 38, -1]])
+def test_appends_outside_the_cache_are_not_written(page_size, lengths):
     """The GPU path does not read cache_seqlens on the host: a position past
-    a cache's end is dropped, the rest of the cache unchanged."""
-    for page_size in (None, 8):
-        _, k_cache, v_cache, k, v, page_table = _problem(7, new=3, page_size=page_size)
-        before = k_cache.clone()
-        lengths = torch.tensor([39, 0, 40], dtype=torch.int32)  # 2 and 3 tokens past the end
-        append_to_cache(k_cache, v_cache, k, v, lengths, page_table, None)
-        first = _logical(k_cache, page_table, 0)
-        assert torch.equal(first[39], k[0, 0])
-        assert torch.equal(_logical(k_cache, page_table, 1)[:3], k[1])
-        for b in (0, 2):  # slot 0 kept its value
-            assert torch.equal(_logical(k_cache, page_table, b)[0],
-                               _logical(before, page_table, b)[0])
-        assert torch.equal(_logical(k_cache, page_table, 2), _logical(before, page_table, 2))
+    a cache's end or below 0 is dropped, every other slot unchanged, and
+    the lengths after the new tokens come back."""
+    _, k_cache, v_cache, k, v, page_table = _problem(7, new=3, page_size=page_size)
+    before = k_cache.clone()
+    starts = torch.tensor(lengths, dtype=torch.int32)
+    after = append_to_cache(k_cache, v_cache, k, v, starts, page_table, None)
+    assert torch.equal(after, starts + 3)
+    for b, start in enumerate(lengths):
+        expected = _logical(before, page_table, b).clone()
+        for t in range(3):
+            if 0 <= start + t < expected.shape[0]:
+                expected[start + t] = k[b, t]
+        assert torch.equal(_logical(k_cache, page_table, b), expected)
 
 
 def test_opcheck_declares_the_mutation():

@@ -187,3 +187,44 @@ def test_a_decode_step_replays_in_a_cuda_graph(splits):
                                            cache_seqlens=lengths, causal=True,
                                            num_splits=splits)
         torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("page_size,rows", [(None, None), (None, [2, 0, 1]), (16, None),
+                                            (256, None)])
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (64, 64)])
+def test_one_launch_append_writes_what_the_index_writes_do(monkeypatch, page_size, rows, d,
+                                                           dv):
+    """The append kernel (cute_kernels/cache_append.py) against the fixed-shape
+    index writes it replaces, on k, v sliced from one fused projection (row
+    strides not their own): the same caches bit for bit, positions past the
+    end or below 0 left alone, and the lengths after the new tokens."""
+    from cute_fa import kvcache
+
+    batch, capacity, new, heads_kv = 3, 512, 5, 4
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    if page_size is None:
+        k_cache = torch.randn(batch, capacity, heads_kv, d, device="cuda", generator=gen)
+        v_cache = torch.randn(batch, capacity, heads_kv, dv, device="cuda", generator=gen)
+        table = None
+    else:
+        pages = batch * capacity // page_size
+        k_cache = torch.randn(pages, page_size, heads_kv, d, device="cuda", generator=gen)
+        v_cache = torch.randn(pages, page_size, heads_kv, dv, device="cuda", generator=gen)
+        table = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1).int()
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    fused = torch.randn(batch, new, heads_kv, d + dv, device="cuda", generator=gen).bfloat16()
+    k, v = fused[..., :d], fused[..., d:]
+    cache_rows = None if rows is None else torch.tensor(rows, dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([capacity - 2, -3, 100], dtype=torch.int32, device="cuda")
+    assert kvcache._appends_in_one_launch(k_cache, v_cache, k, v)
+
+    caches = (k_cache.clone(), v_cache.clone())
+    got = kvcache.append_to_cache(*caches, k, v, lengths, table, cache_rows)
+    # the index writes, as for tensors the kernel does not take
+    monkeypatch.setattr(kvcache, "_appends_in_one_launch", lambda *tensors: False)
+    want_caches = (k_cache.clone(), v_cache.clone())
+    want = kvcache.append_to_cache(*want_caches, k, v, lengths, table, cache_rows)
+    assert torch.equal(got, lengths + new) and torch.equal(want, lengths + new)
+    for a, b in zip(caches, want_caches):
+        assert torch.equal(a, b)
+    assert not torch.equal(caches[0], k_cache)  # something was written
