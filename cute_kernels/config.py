@@ -294,9 +294,22 @@ class FwdConfig(_KernelConfig):
                                       "O slabs)"))
 
 
+# Sequences up to this many tokens (queries and keys) take the short-sequence
+# tiles of default_fwd_config.
+SHORT_SEQLEN = 1024
+
+
+def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
+                           features: Features, seqlen_q: int, seqlen_k: int) -> FwdConfig:
+    """The op's forward config for a problem: default_fwd_config, with the
+    short-sequence tiles where no sequence is longer than SHORT_SEQLEN."""
+    return default_fwd_config(head_dim, causal, head_dim_v, features,
+                              max(seqlen_q, seqlen_k) <= SHORT_SEQLEN)
+
+
 @functools.lru_cache(maxsize=None)
 def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
-                       features: Features = PLAIN_FEATURES) -> FwdConfig:
+                       features: Features = PLAIN_FEATURES, short: bool = False) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -312,6 +325,11 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       leaves room for two stages of 128 keys at 192 with a 128-wide V, 112
       keys at 192/192, and 80 at 256 (FlashAttention-3's tiles there); at a
       256-wide V, O rescaled before the P·V issue (rescale_o_before_pv).
+    - short sequences (short: none longer than SHORT_SEQLEN): head dim 64
+      causal the 128-row tile, two consumer warpgroups of 240 registers (a
+      192-row tile leaves a third of its last tile empty at 1k, and fewer
+      tiles than SMs at batch 1); head dim 128 non-causal 128 keys a step
+      (160 split a 1k sequence into uneven steps);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile: the 192-row one spills its window bounds.
@@ -333,11 +351,12 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
     if head_dim <= 64 and not local:
-        return FwdConfig(tile_m=192, tile_n=128, kv_stages=3, persistent=True,
-                         dynamic_tiles=causal, split_tail=not causal, producer_regs=32,
-                         consumer_regs=160, rederive_epilogue_coords=True,
-                         pv_wait_after_exp2=2 if causal else 4)
-    if head_dim <= 96 or claimed:
+        wide = not (short and causal)
+        return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3, persistent=True,
+                         dynamic_tiles=causal, split_tail=not causal,
+                         producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
+                         rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)
+    if head_dim <= 96 or claimed or short:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True,
                          dynamic_tiles=claimed, split_tail=not claimed, pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, split_tail=True,

@@ -8,7 +8,8 @@
     python -m cute_fa.precompile --directions block_sparse --head-dims 64,128 --dtypes bf16
 
 For each dtype, head dim (and value head dim, by default the same) and causal
-flag: the forward's default kernel and the backward's default
+flag: the forward's default kernel (and its short-sequence one where the
+tiles differ) and the backward's default
 kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
@@ -57,6 +58,7 @@ class Variant:
     page_size: int = 0  # decode: a paged cache's page size; 0: contiguous
     rows_per_query: int = 1  # decode, causal: query heads per KV head (several tokens a step)
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
+    short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
 
     @property
     def value_head_dim(self) -> int:
@@ -67,7 +69,7 @@ class Variant:
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
-                                   "block_sparse") if getattr(self, name)]
+                                   "block_sparse", "short") if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
         if self.rows_per_query > 1:
@@ -76,9 +78,12 @@ class Variant:
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
-             head_dims_v=None, page_sizes=(0,), query_groups=(1,)) -> list[Variant]:
+             head_dims_v=None, page_sizes=(0,), query_groups=(1,),
+             short_tiles: bool = False) -> list[Variant]:
     """The variants of every combination; head_dims_v None: each head dim's
     value head dim is its own, else every one of them no larger than it;
+    short_tiles: also the forwards of short sequences where their tiles
+    differ (config.fwd_config_for_problem);
     page_sizes: the decode variants' (0: a contiguous cache); query_groups:
     the causal decode variants' query heads per KV head (a step of several
     tokens masks g rows per token; 1 also serves one token)."""
@@ -88,6 +93,9 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
         dv = None if head_dim_v == head_dim else head_dim_v
         if "fwd" in directions:
             out.append(Variant("fwd", dtype, head_dim, causal, head_dim_v=dv))
+            short = Variant("fwd", dtype, head_dim, causal, head_dim_v=dv, short=True)
+            if short_tiles and config_of(short) != config_of(out[-1]):
+                out.append(short)
         if "decode" in directions:
             from .decode import reads_pages_in_place
 
@@ -124,7 +132,8 @@ def config_of(variant: Variant):
     if variant.direction == "fwd":
         if variant.block_sparse:
             return block_sparse_fwd_config(variant.head_dim, variant.value_head_dim)
-        return default_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
+        return default_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim,
+                                  short=variant.short)
     # a block mask's backward takes the causal choices (config.bwd_config_for_problem)
     return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,
                               variant.deterministic, split_gqa=variant.split_gqa)
@@ -191,10 +200,10 @@ def add_variant_options(p: argparse.ArgumentParser, directions=("fwd", "bwd")) -
                    help="processes compiling at once (default: the CPU count, at most 8)")
 
 
-def chosen_variants(args: argparse.Namespace) -> list[Variant]:
+def chosen_variants(args: argparse.Namespace, short_tiles: bool = False) -> list[Variant]:
     return variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
                     args.lse_grad, args.head_dims_v, getattr(args, "page_sizes", (0,)),
-                    getattr(args, "query_groups", (1,)))
+                    getattr(args, "query_groups", (1,)), short_tiles)
 
 
 def _page_sizes(text: str) -> list[int]:
@@ -239,7 +248,7 @@ def main(argv=None) -> int:
     if not kernel_store.enabled():
         parser.error(f"the kernel store is off ({kernel_store.ENABLE_ENV_VAR}="
                      f"{os.environ[kernel_store.ENABLE_ENV_VAR]}): nothing to fill")
-    todo = chosen_variants(args)
+    todo = chosen_variants(args, short_tiles=True)
     print(f"{len(todo)} kernel variants into {kernel_store.folder()}", file=sys.stderr,
           flush=True)
     start, failures = time.perf_counter(), 0

@@ -10,7 +10,8 @@ import functools
 import torch
 
 from .kernels.config import (PLAIN_FEATURES, BwdConfig, FwdConfig, Features,
-                             bwd_config_for_problem, default_fwd_config, fp8_fwd_config)
+                             bwd_config_for_problem, fp8_fwd_config,
+                             fwd_config_for_problem)
 from .validate import check_cuda_device
 
 
@@ -56,7 +57,8 @@ def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     if config is None:
         config = (fp8_fwd_config(head_dim, causal, features) if out_dtype is not None
-                  else default_fwd_config(head_dim, causal, head_dim_v, features))
+                  else fwd_config_for_problem(head_dim, causal, head_dim_v, features,
+                                              q.shape[1], v.shape[1]))
     return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v, features,
                                out_dtype), config, device_index)
 

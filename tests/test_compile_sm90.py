@@ -82,6 +82,21 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
         _assert_no_spills(info)
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
+def test_short_sequence_forwards(tmp_path, head_dim, causal):
+    """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
+    where they differ from the long ones: warp-specialised, spill-free."""
+    from cute_fa.kernels.config import PLAIN_FEATURES, SHORT_SEQLEN, fwd_config_for_problem
+
+    config = fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, SHORT_SEQLEN,
+                                    SHORT_SEQLEN)
+    assert config != default_fwd_config(head_dim, causal)
+    compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path))
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+
+
 @pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_forward_kernel(tmp_path, head_dim, causal):

@@ -12,6 +12,30 @@ def test_defaults_validate_for_every_head_dim():
                 default_fwd_config(head_dim, causal, head_dim_v).validate(head_dim, head_dim_v)
 
 
+def test_short_sequences_take_smaller_tiles_where_they_differ():
+    """Up to SHORT_SEQLEN tokens: head dim 64 causal 128 query rows, head dim
+    128 non-causal 128 keys a step; every other problem the long-sequence
+    config, and each short one valid."""
+    from cute_fa.kernels.config import (PLAIN_FEATURES, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS,
+                                        fwd_config_for_problem)
+
+    def config(head_dim, causal, seqlen, features=PLAIN_FEATURES):
+        return fwd_config_for_problem(head_dim, causal, None, features, seqlen, seqlen)
+
+    assert config(64, True, SHORT_SEQLEN).tile_m == 128
+    assert config(64, True, SHORT_SEQLEN + 1).tile_m == 192
+    assert config(128, False, 512).tile_n == 128 and config(128, False, 4096).tile_n == 160
+    assert config(64, False, 512) == default_fwd_config(64, False)
+    assert config(128, True, 512) == default_fwd_config(128, True)
+    # a long key side makes the problem long
+    assert fwd_config_for_problem(128, False, None, PLAIN_FEATURES, 1, 8192).tile_n == 160
+    varlen = Features(varlen=True)
+    assert config(64, True, 512, varlen) == default_fwd_config(64, True, features=varlen)
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        for causal in (False, True):
+            config(head_dim, causal, 256).validate(head_dim)
+
+
 def test_large_head_dims_stage_o_in_the_v_ring():
     # 128 query rows at 256: Q 64 KB + two stages of 80 keys of K and V (80 KB
     # each) leave no room for a 64 KB O slab of its own
