@@ -14,8 +14,8 @@ steps of one token per sequence against the cache (generation.py: our op's
 paged cache, or SDPA's contiguous one); the decode step captured in a CUDA
 graph on a GPU unless --no-cuda-graph. With --warmup > 0 an untimed
 generation of two tokens runs first (kernel compilation, library set-up).
-Reported: time to first token (the prefill), per-token latency (median and p99 of the steps) and tokens/s
-(batch · steps / their time). A backend that fails is a row with its
+Reported: time to first token (the prefill), per-token latency (median
+and p99 of the steps) and tokens/s (batch · steps / their time). A backend that fails is a row with its
 error. Prints the table; writes a JSON file only with --out.
 """
 

@@ -169,8 +169,9 @@ def target_arch() -> str:
 
 
 def _stored(key: tuple, kind, compile_variant, args: tuple):
-    """A kind (CompiledKernel, CompiledBackward or CompiledAppend) from the kernel store when it
-    holds the key, else compiled and stored (kernel_store.py)."""
+    """A kind (CompiledKernel, CompiledBackward or CompiledAppend) from the
+    kernel store when it holds the key, else compiled and stored
+    (kernel_store.py)."""
     start = time.perf_counter()
     launches, from_disk = kernel_store.load_or_build(
         key, target_arch(), lambda: compile_variant(*args).launches())

@@ -465,10 +465,11 @@ def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
 def test_decode_kernels(tmp_path, head_dim, features, load_rows):
     """The KV-cache forward (python_api/decode.py's config) stays
     warp-specialised and spill-free on HGMMA and TMA; a split one leaves its
-    fp32 partial rows with 8-byte stores and its merge reads them 16 bytes
-    a load, launched during the forward (PDL); pages smaller than a block come in one TMA load per page and
-    64-column box (loads per stage: K and V blocks of 128 keys, here). With
-    rows_per_query (a causal step of several tokens, 4 rows each) too."""
+    fp32 partial rows with 8-byte stores and its merge, launched during the
+    forward (PDL), reads them 16 bytes a load; pages smaller than a block
+    come in one TMA load per page and 64-column box (loads per stage: K and
+    V blocks of 128 keys, here). With rows_per_query (a causal step of
+    several tokens, 4 rows each) too."""
     from cute_fa.kernels.config import decode_fwd_config
 
     config = decode_fwd_config(head_dim).replace(kv_load_rows=load_rows)
