@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, block_sparse_fwd_config,
-                                    bwd_config_for_problem, fp8_fwd_config,
-                                    fwd_config_for_problem)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, bwd_config_for_problem,
+                                    fp8_fwd_config, fwd_config_for_problem)
 from cute_fa.variants import num_sms
 
 from .cli import (Progress, add_kernel_option, command_parser, config_vary, positive_int,
@@ -186,19 +185,17 @@ def main(argv=None):
     require_cuda("sweep")
     causal = args.causal == "yes"
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
-    if args.kernel == "bwd":  # what the op takes for the problem, mask and cap included
-        features = Features(softcap=args.softcap > 0, block_sparse=bool(args.block_mask))
+    # what the op takes for the problem: mask, cap and sequence length included
+    features = Features(softcap=args.softcap > 0, block_sparse=bool(args.block_mask))
+    if args.kernel == "bwd":
         base = bwd_config_for_problem(args.head_dim, causal, False, batch, args.seqlen, heads,
                                       heads // args.gqa, num_sms(torch.cuda.current_device()),
                                       features)
-    elif args.block_mask:
-        base = block_sparse_fwd_config(args.head_dim, args.head_dim_v)
     elif args.dtype == "e4m3":
         base = fp8_fwd_config(args.head_dim, causal)
-    else:  # the op's for the problem, its sequence length included
-        base = fwd_config_for_problem(args.head_dim, causal, args.head_dim_v,
-                                      Features(softcap=args.softcap > 0), args.seqlen,
-                                      args.seqlen)
+    else:
+        base = fwd_config_for_problem(args.head_dim, causal, args.head_dim_v, features,
+                                      args.seqlen, args.seqlen)
     results = run_variants(args, variants(base, args.vary_values))
     mask = f" block mask {args.block_mask}" if args.block_mask else ""
     print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} dv={args.head_dim_v} "

@@ -178,7 +178,7 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table,
     return cache_seqlens + new
 
 
-_PIECE_BYTES = 16
+_PIECE_BYTES = 16  # cache_append.PIECE_BYTES (that module imports the DSL)
 
 
 def _appends_in_one_launch(*tensors) -> bool:
@@ -233,9 +233,10 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     scale = reference.resolve_scale(q, softmax_scale)
     name = nvtx_ranges.kvcache_range_name(q, k_cache, page_table, causal)
     with nvtx_ranges.op_range(name):
-        if k is not None:
-            cache_seqlens = append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table,
-                                            cache_batch_idx)
+        lengths = cache_seqlens  # None: every cache full
+        if k is not None:  # the lengths after the new tokens
+            lengths = append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table,
+                                      cache_batch_idx)
         on_gpu = q.device.type == "cuda"
         in_place = paged and on_gpu and decode.reads_pages_in_place(
             k_cache.shape[1], head_dim, v_cache.shape[3])
@@ -243,7 +244,6 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
             page_table = decode.row_pages(cache_batch_idx, batch, q.device)
             cache_batch_idx, paged, in_place = None, True, True
         keys, values, capacity = _sequences(k_cache, v_cache, page_table, in_place)
-        lengths = cache_seqlens  # after the new tokens; None: every cache full
         if lengths is not None and not in_place:
             # pages read in place (a contiguous cache's rows too): the kernel cuts
             # each length at the end of its pages itself (cute_kernels/varlen.py,
