@@ -44,7 +44,11 @@ next WGMMA takes as its A operand):
 With cfg.dim_split 2 (head dims above 128) the two warpgroups of the 64 keys
 each compute Sᵀ and dPᵀ for half of the query columns and write Pᵀ and dSᵀ to
 shared memory; after the DS_READY barrier both run dV += Pᵀ·dO and dK += dSᵀ·Q
-as SS-WGMMAs over all queries for their half of the head dims.
+as SS-WGMMAs over all queries for their half of the head dims. With
+cfg.keys_on_n (head dim 192: 96 keys a CTA) each of two warpgroups owns half
+of the keys on WGMMA's N axis: S = Q·Kᵀ and dP = dO·Vᵀ, P and dS stored
+transposed (stmatrix .trans) into the same ring, then dVᵀ += dOᵀ·P and
+dKᵀ += Qᵀ·dS (SS, head dims on M); dQ as above (bwd_partition.py).
 At the end dK·scale and dV go to global memory: 16-bit through the K and V
 buffers and TMA stores, or with split_gqa as fp32 partials per query head
 straight from registers, which the group-sum kernel adds over each group;
@@ -65,13 +69,14 @@ from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
 from .block_sparse import SparseRow, apply_bits, static_coords
-from .bwd_partition import (dkv_tiled_mma, dq_gemm_shape, dq_tiled_mma, ds_buffers, pt_buffer,
-                            sdp_tiled_mma)
-from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
+from .bwd_partition import (Operands, dkv_shape, dkv_slab, dkv_tiled_mma, dq_gemm_shape,
+                            dq_tiled_mma, make_operands, pt_buffer, score_shape,
+                            score_slab, sdp_tiled_mma)
+from .config import PLAIN_FEATURES, WARPGROUP_THREADS, Features
 from .dsl_struct import DslStruct
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, store_rows,
                           tma_store_tile, tma_views)
-from .mask import (BlockRange, Limits, QueryBlockRange, QueryWalk, Window,
+from .mask import (BlockRange, Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
                    apply_mask_transposed)
 from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
                        producer_state, release, wait_full)
@@ -80,16 +85,22 @@ from .softcap import cap_scores_with_slope
 from .varlen import Seqlens, VarlenScheduler
 
 
-class _ColumnStats:
-    """BwdConfig.stats_early off: column j's statistic, read from shared
-    memory where it is indexed (at trace time, j is a Python int), so the
-    loads sit after the WGMMA wait, next to their use."""
+def query_of(coords, i: int, keys_on_n: bool):
+    """The tile query of a thread's score column i (row i with keys_on_n)."""
+    return coords[i, 0][0] if keys_on_n else coords[0, i][1]
 
-    def __init__(self, sStat: cute.Tensor, coords, stage):
-        self.sStat, self.coords, self.stage = sStat, coords, stage
 
-    def __getitem__(self, j: int):
-        return self.sStat[self.coords[0, j][1], self.stage]
+class _QueryStats:
+    """BwdConfig.stats_early off: the statistic of the thread's i-th query
+    (query_of), read from shared memory where it is indexed (at trace time,
+    i is a Python int), so the loads sit after the WGMMA wait, next to their
+    use."""
+
+    def __init__(self, sStat: cute.Tensor, coords, stage, keys_on_n: bool):
+        self.sStat, self.coords, self.stage, self.keys_on_n = sStat, coords, stage, keys_on_n
+
+    def __getitem__(self, i: int):
+        return self.sStat[query_of(self.coords, i, self.keys_on_n), self.stage]
 
 
 @dataclass
@@ -192,25 +203,6 @@ class Copies:
 
 
 @dataclass
-class Operands:
-    """One consumer warpgroup's WGMMA operands: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
-    from shared memory; dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from
-    registers (dim_split 1) or from shared memory (dim_split 2, staged by
-    buffer like dS); dQ from dS and Kᵀ in shared memory."""
-
-    k: cute.Tensor
-    q: cute.Tensor
-    v: cute.Tensor
-    do: cute.Tensor
-    pt: cute.Tensor
-    dst: cute.Tensor
-    dot: cute.Tensor
-    qt: cute.Tensor
-    ds: cute.Tensor
-    kt: cute.Tensor
-
-
-@dataclass
 class Consumer:
     """What one consumer warpgroup keeps across the key blocks it computes."""
 
@@ -221,7 +213,7 @@ class Consumer:
     mma_dq: cute.TiledMma
     acc_dk: cute.Tensor
     acc_dv: cute.Tensor
-    st_coords: cute.Tensor  # (key, query) of each of the thread's Sᵀ registers
+    st_coords: cute.Tensor  # (M, N) of each of the thread's score registers (score_shape)
     wg: Int32
     tid: Int32  # among the consumer threads
     smem: Buffers
@@ -254,12 +246,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                              f"the KV-cache forward packs a token's heads), got "
                              f"{features.rows_per_query}")
         if features.block_sparse and (causal or features.local or features.varlen
-                                      or config.deterministic):
+                                      or config.deterministic or config.keys_on_n):
             raise ValueError(f"features.block_sparse: expected a dense, non-causal, "
-                             f"non-deterministic kernel without a window (the block mask holds "
-                             f"every limit; no order of the dQ adds is kept), got "
-                             f"causal={causal}, {features}, "
-                             f"deterministic={config.deterministic}")
+                             f"non-deterministic kernel without a window, scores transposed "
+                             f"(the block mask holds every limit, its bits in Sᵀ order; no "
+                             f"order of the dQ adds is kept), got causal={causal}, {features}, "
+                             f"deterministic={config.deterministic}, "
+                             f"keys_on_n={config.keys_on_n}")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -301,7 +294,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, atom_cols=k_atom_cols)
         # dV leaves through V's buffer in column slices of dv / dim_split
         sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, atom_cols=dv // split)
-        sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, ds_buffers(self.cfg))
+        sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, self.cfg.score_buffers())
         # each stage's statistics start 128-byte aligned, as a TMA destination
         # must (tile_m=80: 320 bytes a stage otherwise, a misaligned address)
         stat_stride = self.cfg.stat_stage_floats()
@@ -571,19 +564,20 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 pre_tanh: Float32, smem: Buffers,
                 pipes: Pipes, mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma,
                 mma_dv: cute.TiledMma, mma_dq: cute.TiledMma, tiles: _Tiles):
-        tile_m, tile_n = self.tile_m, self.tile_n
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
-        me = Consumer(self._operands(smem, mma_sdp, mma_dk, mma_dv, mma_dq, wg), mma_sdp,
-                      mma_dk, mma_dv, mma_dq,
+        cfg = self.cfg
+        me = Consumer(make_operands(cfg, smem.k, smem.v, smem.q, smem.do, smem.dst, mma_sdp,
+                                    mma_dk, mma_dv, mma_dq, wg),
+                      mma_sdp, mma_dk, mma_dv, mma_dq,
                       cute.make_rmem_tensor(mma_dk.get_slice(wg * WARPGROUP_THREADS)
-                                            .partition_shape_C((tile_n, self.head_dim)),
+                                            .partition_shape_C(dkv_shape(cfg, self.head_dim)),
                                             Float32),
                       cute.make_rmem_tensor(mma_dv.get_slice(wg * WARPGROUP_THREADS)
-                                            .partition_shape_C((tile_n, self.head_dim_v)),
+                                            .partition_shape_C(dkv_shape(cfg, self.head_dim_v)),
                                             Float32),
                       mma_sdp.get_slice(tid).partition_C(
-                          cute.make_identity_tensor((tile_n, tile_m))),
+                          cute.make_identity_tensor(score_shape(cfg))),
                       wg, tid, smem, pipes, copies, mdK, mdV, mdK_rows, mdV_rows, mdQaccum,
                       seqlens,
                       softmax_scale_log2, softmax_scale, limits, pre_tanh)
@@ -608,35 +602,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         else:
             wait_full(pipes.kv, consumer_state(1))
             self._consume_tile(me, tiles, tiles.own(num_tiles), q_state, do_state, step)
-
-    def _operands(self, smem: Buffers, mma_sdp, mma_dk, mma_dv, mma_dq, wg: Int32) -> Operands:
-        """WGMMA operands are per warpgroup (descriptors / register A)."""
-        tile_m, tile_n = self.tile_m, self.tile_n
-        wg_sdp = mma_sdp.get_slice(wg * WARPGROUP_THREADS)
-        wg_dk = mma_dk.get_slice(wg * WARPGROUP_THREADS)
-        wg_dv = mma_dv.get_slice(wg * WARPGROUP_THREADS)
-        wg_dq = mma_dq.get_slice(wg * WARPGROUP_THREADS)
-        k = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.k))
-        q = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.q))
-        v = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.v))
-        do = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.do))
-        if cutlass.const_expr(self.cfg.dim_split > 1):
-            pt = wg_dv.make_fragment_A(wg_dv.partition_A(smem.dst))
-            dst = wg_dk.make_fragment_A(wg_dk.partition_A(smem.dst))
-        else:
-            pt = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tile_n, tile_m)))
-            dst = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tile_n, tile_m)))
-        dot = wg_dv.make_fragment_B(wg_dv.partition_B(wgmma.transpose_view(smem.do)))
-        qt = wg_dk.make_fragment_B(wg_dk.partition_B(wgmma.transpose_view(smem.q)))
-        # dQ's operands: dS = (dSᵀ)ᵀ and Kᵀ, as A and B, or B and A for dQᵀ
-        sdS, sKt = wgmma.transpose_view(smem.dst), wgmma.transpose_view(smem.k)
-        if cutlass.const_expr(self.cfg.dq_transposed()):
-            ds = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-            kt = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))
-        else:
-            ds = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            kt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
-        return Operands(k, q, v, do, pt, dst, dot, qt, ds, kt)
 
     @cute.jit
     def _consume_tile(self, me: Consumer, tiles: _Tiles, tile: KeyTile, q_state, do_state,
@@ -681,16 +646,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         return q_state, do_state, step
 
     @cute.jit
-    def column_stats(self, sStat: cute.Tensor, coords, stage: Int32):
-        """The statistic (LSE₂ or D) of each of this thread's accumulator
-        columns: with stats_early a register copy, loaded here; otherwise a
-        view that reads shared memory where it is indexed (holding all
-        columns in registers for the whole step spills)."""
+    def query_stats(self, sStat: cute.Tensor, coords, stage: Int32):
+        """The statistic (LSE₂ or D) of each of this thread's score columns
+        (rows with keys_on_n): with stats_early a register copy, loaded here;
+        otherwise a view that reads shared memory where it is indexed
+        (holding all of a 64-key tile's columns in registers for the whole
+        step spills)."""
+        keys_on_n = self.cfg.keys_on_n
         if cutlass.const_expr(not self.cfg.stats_early):
-            return _ColumnStats(sStat, coords, stage)
-        values = cute.make_rmem_tensor((cute.size(coords, mode=[1]),), Float32)
-        for j in cutlass.range_constexpr(cute.size(coords, mode=[1])):
-            values[j] = sStat[coords[0, j][1], stage]
+            return _QueryStats(sStat, coords, stage, keys_on_n)
+        count = cute.size(coords, mode=[0 if keys_on_n else 1])
+        values = cute.make_rmem_tensor((count,), Float32)
+        for i in cutlass.range_constexpr(count):
+            values[i] = sStat[query_of(coords, i, keys_on_n), stage]
         return values
 
     @cute.jit
@@ -698,26 +666,30 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
              tile: KeyTile, dq_head, m_block: Int32, walk: QueryWalk, entry: Int32):
         """One query block: all five GEMMs retired and the dQ partial handed to
         the writer warp. (Issuing the next block's Sᵀ across the loop edge
-        makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)"""
+        makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)
+        The scores are Sᵀ (keys on M), or S with keys_on_n: `q(r, j)` is the
+        query index of a score register, the column or the row."""
         tile_m, tile_n = self.tile_m, self.tile_n
         ops, pipes, smem = me.ops, me.pipes, me.smem
-        acc_s = cute.make_rmem_tensor(me.mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
-        acc_dp = cute.make_rmem_tensor(me.mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+        keys_on_n = self.cfg.keys_on_n
+        acc_s = cute.make_rmem_tensor(me.mma_sdp.partition_shape_C(score_shape(self.cfg)),
+                                      Float32)
+        acc_dp = cute.make_rmem_tensor_like(acc_s)
         wait_full(pipes.q, q_state)
-        # Per-query statistics, one per accumulator column of this thread:
-        # read here (stats_early) or at their use. Here is ahead of the
-        # GEMM issue: an LDS issued behind HGMMAs queues behind them until
-        # the tensor core accepts them, so the first exp2 waited for the dPᵀ
+        # Per-query statistics, one per query of this thread's scores: read
+        # here (stats_early) or at their use. Here is ahead of the GEMM
+        # issue: an LDS issued behind HGMMAs queues behind them until the
+        # tensor core accepts them, so the first exp2 waited for the dPᵀ
         # GEMM to start (ncu: short-scoreboard stalls on that FFMA).
         coords = wgmma.acc_rows_cols(me.st_coords)
-        lse2 = self.column_stats(smem.lse2, coords, q_state.index)
-        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, both left in flight
-        wgmma.gemm(me.mma_sdp, acc_s, ops.k, ops.q[None, None, None, q_state.index],
-                   zero_init=True, wait_groups=-1)
+        lse2 = self.query_stats(smem.lse2, coords, q_state.index)
+        # the scores and dP, both left in flight
+        s_a, s_b = ops.scores(q_state.index)
+        wgmma.gemm(me.mma_sdp, acc_s, s_a, s_b, zero_init=True, wait_groups=-1)
         wait_full(pipes.do, do_state)
-        wgmma.gemm(me.mma_sdp, acc_dp, ops.v, ops.do[None, None, None, do_state.index],
-                   zero_init=True, wait_groups=-1)
-        warpgroup.wait_group(1)  # Sᵀ has landed
+        dp_a, dp_b = ops.dp(do_state.index)
+        wgmma.gemm(me.mma_sdp, acc_dp, dp_a, dp_b, zero_init=True, wait_groups=-1)
+        warpgroup.wait_group(1)  # the scores have landed
         slope = None
         if cutlass.const_expr(self.features.softcap):
             slope = cute.make_rmem_tensor_like(acc_s, self.dtype)  # 1 − t², dS's factor
@@ -726,64 +698,64 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             if cutlass.const_expr(self.features.block_sparse):
                 apply_bits(acc_s, me.st_coords, static_coords(me.mma_sdp, (tile_n, tile_m)),
                            walk.sparse, entry, tile_n, tile_m)
+            elif cutlass.const_expr(keys_on_n):
+                apply_mask(acc_s, me.st_coords, m_block, tile.n_block, tile.seqlen_q,
+                           tile.seqlen_k, tile_m, tile_n, me.limits)
             else:
                 apply_mask_transposed(acc_s, me.st_coords, tile.n_block, m_block,
                                       tile.seqlen_q, tile.seqlen_k, tile_n, tile_m, me.limits)
         p = wgmma.acc_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-            lse2_j = lse2[j]
             for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-                p[r, j] = cute.math.exp2(p[r, j] * me.softmax_scale_log2 - lse2_j,
+                lse2_q = lse2[r] if keys_on_n else lse2[j]
+                p[r, j] = cute.math.exp2(p[r, j] * me.softmax_scale_log2 - lse2_q,
                                          fastmath=True)
-        dsum = self.column_stats(smem.d, coords, do_state.index)
-        # The 16-bit Pᵀ (dV's A operand) is made at once, and dSᵀ reads it
-        # back: the fp32 Pᵀ is then dead before dPᵀ lands. With dim_split it
-        # goes to shared memory too, under the dPᵀ GEMM.
-        split = self.cfg.dim_split > 1
-        p_16bit = cute.make_rmem_tensor_like(acc_s, self.dtype) if split else ops.pt
+        dsum = self.query_stats(smem.d, coords, do_state.index)
+        # The 16-bit P (dV's operand) is made at once, and dS reads it back:
+        # the fp32 P is then dead before dP lands. Where the dV GEMM reads it
+        # from shared memory, it goes there under the dP GEMM.
+        shared = self.cfg.shares_scores()
+        p_16bit = cute.make_rmem_tensor_like(acc_s, self.dtype) if shared else ops.dv_a
         wgmma.convert_to_16bit(acc_s, p_16bit)
-        if cutlass.const_expr(split):
-            self.store_slab(me, p_16bit, pt_buffer(ds_buffer))
-        warpgroup.wait_group(0)  # dPᵀ has landed
+        if cutlass.const_expr(shared):
+            self.store_slab(me, p_16bit, pt_buffer(self.cfg, ds_buffer))
+        warpgroup.wait_group(0)  # dP has landed
         ds = wgmma.acc_rows_cols(acc_dp)
         for j in cutlass.range_constexpr(cute.size(ds, mode=[1])):
-            dsum_j = dsum[j]
             for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
+                dsum_q = dsum[r] if keys_on_n else dsum[j]
                 p_rj = wgmma.read_16bit_as_f32(p_16bit, acc_s.layout.shape, r, j)
                 if cutlass.const_expr(self.features.softcap):
                     p_rj = p_rj * wgmma.read_16bit_as_f32(slope, acc_s.layout.shape, r, j)
-                ds[r, j] = p_rj * (ds[r, j] - dsum_j)
-        if cutlass.const_expr(not split and not self.cfg.dv_at_ds_barrier):
+                ds[r, j] = p_rj * (ds[r, j] - dsum_q)
+        if cutlass.const_expr(not shared and not self.cfg.dv_at_ds_barrier):
             self.issue_dv(me, do_state, ds_buffer)
-        if cutlass.const_expr(split):
+        if cutlass.const_expr(shared):
             ds_16bit = cute.make_rmem_tensor_like(acc_dp, self.dtype)
             wgmma.convert_to_16bit(acc_dp, ds_16bit)
         else:
-            wgmma.convert_to_16bit(acc_dp, ops.dst)
+            wgmma.convert_to_16bit(acc_dp, ops.dk_a)
             # the register A fragment holds the values in accumulator order
-            ds_16bit = cute.make_tensor(ops.dst.iterator, cute.make_layout(acc_dp.shape))
+            ds_16bit = cute.make_tensor(ops.dk_a.iterator, cute.make_layout(acc_dp.shape))
 
         # dSᵀ to shared memory for dQ, which needs every warpgroup's keys
         self.store_slab(me, ds_16bit, ds_buffer)
-        if cutlass.const_expr(not split and self.cfg.dv_at_ds_barrier):
+        if cutlass.const_expr(not shared and self.cfg.dv_at_ds_barrier):
             # the tensor core runs dV while this warpgroup waits for the others
             self.issue_dv(me, do_state, ds_buffer)
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY),
                           number_of_threads=self.consumer_threads)
-        if cutlass.const_expr(split):
-            self.issue_dv(me, do_state, ds_buffer)  # Pᵀ of both warpgroups is in
+        if cutlass.const_expr(shared):
+            self.issue_dv(me, do_state, ds_buffer)  # P of every warpgroup is in
         acc_dq = cute.make_rmem_tensor(
             me.mma_dq.partition_shape_C(dq_gemm_shape(self.cfg, self.head_dim)), Float32)
-        a, b = ops.ds[None, None, None, ds_buffer], ops.kt
-        if cutlass.const_expr(self.cfg.dq_transposed()):
-            a, b = b, a
-        wgmma.gemm(me.mma_dq, acc_dq, a, b, zero_init=True, wait_groups=-1)
+        dq_a, dq_b = ops.dq(ds_buffer)
+        wgmma.gemm(me.mma_dq, acc_dq, dq_a, dq_b, zero_init=True, wait_groups=-1)
         # dK += dSᵀ·Q behind dQ, so dQ's stores to shared memory run under it
-        dst = ops.dst[None, None, None, ds_buffer] if split else ops.dst
-        wgmma.gemm(me.mma_dk, me.acc_dk, dst, ops.qt[None, None, None, q_state.index],
-                   zero_init=False, wait_groups=-1)
+        dk_a, dk_b = ops.dk(q_state.index, ds_buffer)
+        wgmma.gemm(me.mma_dk, me.acc_dk, dk_a, dk_b, zero_init=False, wait_groups=-1)
         warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
         release(pipes.do, do_state)
         if cutlass.const_expr(self.cfg.dq_direct):
@@ -797,26 +769,19 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def issue_dv(self, me: Consumer, do_state, ds_buffer: Int32):
-        """dV += Pᵀ·dO, the 16-bit Pᵀ from registers (with dim_split from its
-        buffer beside dSᵀ's), left in flight."""
-        pt = me.ops.pt
-        if cutlass.const_expr(self.cfg.dim_split > 1):
-            pt = pt[None, None, None, pt_buffer(ds_buffer)]
-        wgmma.gemm(me.mma_dv, me.acc_dv, pt, me.ops.dot[None, None, None, do_state.index],
-                   zero_init=False, wait_groups=-1)
+        """dV += Pᵀ·dO (dVᵀ += dOᵀ·P with keys_on_n), P from registers or from
+        its stage of the ring beside dSᵀ's, left in flight."""
+        dv_a, dv_b = me.ops.dv(do_state.index, ds_buffer)
+        wgmma.gemm(me.mma_dv, me.acc_dv, dv_a, dv_b, zero_init=False, wait_groups=-1)
 
     @cute.jit
     def store_slab(self, me: Consumer, values: cute.Tensor, buffer):
-        """This warpgroup's 16-bit Sᵀ-shaped values (Pᵀ or dSᵀ, accumulator
-        order) into stage `buffer` of the (tile_n, tile_m) ring: its 64 keys'
-        rows, or with dim_split its share of the query columns."""
-        split = self.cfg.dim_split
-        ring = me.smem.dst[None, None, buffer]
-        if cutlass.const_expr(split > 1):
-            slab = cute.local_tile(ring, (WGMMA_M, self.tile_m // split), (0, me.wg))
-        else:
-            slab = cute.local_tile(ring, (WGMMA_M, self.tile_m), (me.wg, 0))
-        wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS)
+        """This warpgroup's 16-bit score-shaped values (P or dS, accumulator
+        order) into stage `buffer` of the (tile_n, tile_m) ring, transposed
+        where the scores are S (score_slab)."""
+        slab, transpose = score_slab(self.cfg, me.smem.dst[None, None, buffer], me.wg)
+        wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS,
+                             transpose=transpose)
 
     @cute.jit
     def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
@@ -947,13 +912,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         # consumers' GEMMs have retired before any overwrites it.
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
                           number_of_threads=self.consumer_threads)
-        split = self.cfg.dim_split
         for values, s, dim in zip(outputs, (me.smem.k, me.smem.v),
                                   (self.head_dim, self.head_dim_v)):
-            # the warpgroup's keys, or with dim_split its share of the columns
-            slab = (cute.local_tile(s, (WGMMA_M, dim // split), (0, me.wg)) if split > 1
-                    else cute.local_tile(s, (WGMMA_M, dim), (me.wg, 0)))
-            wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS)
+            slab, transpose = dkv_slab(self.cfg, s, dim, me.wg)
+            wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS,
+                                 transpose=transpose)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),

@@ -223,6 +223,16 @@ class FwdConfig(_KernelConfig):
     def consumer_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
 
+    def score_buffers(self) -> int:
+        """Stages of the 16-bit (tile_n, tile_m) ring: dSᵀ in two (one step's
+        dQ GEMM of another warpgroup may still read it while the next step
+        writes), Pᵀ beside them where it goes through shared memory: two
+        with dim_split (both warpgroups read all of it), one with keys_on_n
+        (only its own warpgroup, whose GEMMs retire within the step)."""
+        if self.keys_on_n:
+            return 3
+        return 4 if self.dim_split > 1 else 2
+
     def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
                    fp8: bool = False) -> int:
         """Dynamic shared memory of the kernel's SharedStorage, as laid out there:
@@ -389,7 +399,7 @@ def block_sparse_tiles(head_dim: int, head_dim_v: int) -> tuple:
     at these kernel head dims: ((rows, cols) of the forward: query tile, key
     tile), ((rows, cols) of the backward: key tile, query tile)."""
     fwd = block_sparse_fwd_config(head_dim, head_dim_v)
-    bwd = default_bwd_config(head_dim, True)
+    bwd = default_bwd_config(head_dim, True, head_dim_v=head_dim_v, block_sparse=True)
     return (fwd.tile_m, fwd.tile_n), (bwd.tile_n, bwd.tile_m)
 
 
@@ -447,8 +457,9 @@ def decode_fwd_config(head_dim: int, head_dim_v: int | None = None) -> FwdConfig
 class BwdConfig(_KernelConfig):
     """Structural choices of the SM90 backward kernel (bwd_sm90.py).
 
-    One CTA owns tile_n keys (tile_n // 64 · dim_split consumer warpgroups)
-    and walks the query tiles that see them, tile_m queries at a time.
+    One CTA owns tile_n keys (tile_n // 64 · dim_split consumer warpgroups,
+    or two with keys_on_n) and walks the query tiles that see them, tile_m
+    queries at a time.
     tile_m: queries per main-loop step (WGMMA N of Sᵀ = K·Qᵀ, K of dV/dK).
         A multiple of 64 (dQ = dS·K with the warpgroups splitting its rows,
         or at 64 its columns), or of 16 otherwise, e.g. 80: dQ is then
@@ -462,6 +473,16 @@ class BwdConfig(_KernelConfig):
         columns and dK, dV for half of the head dims, so Pᵀ and dSᵀ meet in
         shared memory. Head dims above 128 need it: dK and dV of 64 keys
         take (d + dv) / 2 registers per thread of one warpgroup.
+    keys_on_n: the scores untransposed, keys on WGMMA's N axis: two
+        warpgroups own tile_n / 2 keys each (any multiple of 16, so 96 keys
+        a CTA at head dim 192) and compute S = Q·Kᵀ and dP = dO·Vᵀ for them
+        over all tile_m (64) queries, then dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS
+        with the head dims on M, P and dS read back from shared memory
+        (stored transposed, as the other layouts' Pᵀ and dSᵀ). A CTA of
+        more keys than dim_split's 64 reads each query block's Q and dO and
+        reduces its dQ partial for more FLOPs. Not with split_gqa (its fp32
+        partials leave from registers in the keys-on-M order) nor with a
+        block mask (its bits are addressed in Sᵀ order).
     qdo_stages: depth of the Q (+LSE₂) and dO (+D) shared-memory rings.
     deterministic: dQ partial sums are added to the fp32 accumulator in
         key-block order (a per-tile semaphore), so gradients are bitwise
@@ -469,7 +490,9 @@ class BwdConfig(_KernelConfig):
     dv_at_ds_barrier: issue dV += Pᵀ·dO after dSᵀ is written to shared
         memory, just before the barrier where the warpgroups meet for dQ, so
         a warpgroup that arrives first has its dV GEMM running while it
-        waits; off, right after dSᵀ is computed.
+        waits; off, right after dSᵀ is computed. Where P goes through
+        shared memory (dim_split, keys_on_n), dV is issued just after that
+        barrier either way.
     stats_early: read each query block's LSE₂ from shared memory into
         registers as soon as its Q stage has landed, ahead of the GEMM issue
         (D ahead of the dV issue), instead of next to each use: an LDS issued
@@ -497,6 +520,7 @@ class BwdConfig(_KernelConfig):
     tile_m: int = 64
     tile_n: int = 128
     dim_split: int = 1
+    keys_on_n: bool = False
     qdo_stages: int = 2
     deterministic: bool = False
     dv_at_ds_barrier: bool = False
@@ -510,7 +534,14 @@ class BwdConfig(_KernelConfig):
 
     @property
     def consumer_warpgroups(self) -> int:
+        if self.keys_on_n:
+            return 2
         return self.tile_n // WGMMA_M * self.dim_split
+
+    def shares_scores(self) -> bool:
+        """P and dS reach the dK and dV GEMMs through shared memory (dim_split
+        or keys_on_n), not as register A operands."""
+        return self.keys_on_n or self.dim_split > 1
 
     def dq_split_m(self) -> bool:
         """dQ = dS·K: warpgroups split the tile's rows when there is one 64-row
@@ -527,6 +558,16 @@ class BwdConfig(_KernelConfig):
         to 128 bytes, the alignment a TMA destination needs."""
         return -(-self.tile_m // 32) * 32
 
+    def score_buffers(self) -> int:
+        """Stages of the 16-bit (tile_n, tile_m) ring: dSᵀ in two (one step's
+        dQ GEMM of another warpgroup may still read it while the next step
+        writes), Pᵀ beside them where it goes through shared memory: two
+        with dim_split (both warpgroups read all of it), one with keys_on_n
+        (only its own warpgroup, whose GEMMs retire within the step)."""
+        if self.keys_on_n:
+            return 3
+        return 4 if self.dim_split > 1 else 2
+
     def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
                    elem_bytes: int = 2) -> int:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -535,9 +576,7 @@ class BwdConfig(_KernelConfig):
         size = _align_1k(size) + self.tile_n * both * elem_bytes                   # K, V
         size = _align_1k(size) + self.qdo_stages * self.tile_m * both * elem_bytes  # Q, dO
         size = _align_1k(size) + 2 * self.qdo_stages * self.stat_stage_floats() * 4  # LSE, D
-        size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes        # dSᵀ (2 buffers)
-        if self.dim_split > 1:
-            size = _align_1k(size) + 2 * self.tile_n * self.tile_m * elem_bytes    # Pᵀ (2 buffers)
+        size = _align_1k(size) + self.score_buffers() * self.tile_n * self.tile_m * elem_bytes
         if not self.dq_direct:
             size = _align_1k(size) + self.tile_m * head_dim * 4                    # dQ partial
         return size
@@ -554,13 +593,16 @@ class BwdConfig(_KernelConfig):
 
         if self.dim_split not in (1, 2):
             raise bad("dim_split", "1 or 2 (consumer warpgroups per 64 keys)")
-        if self.dim_split == 1 and head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
+        if self.keys_on_n:
+            self._validate_keys_on_n(bad, head_dim, head_dim_v)
+        elif self.dim_split == 1 and head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
             raise bad("dim_split", f"2 at head_dim {head_dim}: one warpgroup holds dK and dV "
                                    f"of its keys up to head_dim {BACKWARD_OWN_KEYS_MAX_DIM}")
         if self.dim_split > 1 and self.tile_n != WGMMA_M:
             raise bad("tile_n", f"{WGMMA_M} with dim_split {self.dim_split} (the warpgroups "
                                 f"share one 64-key slice)")
-        if self.tile_n % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
+        if not self.keys_on_n and (self.tile_n % WGMMA_M
+                                   or not 1 <= self.consumer_warpgroups <= 3):
             raise bad("tile_n", "64, 128 or 192 (one consumer warpgroup per 64 keys)")
         if (self.tile_m // self.dim_split) % 8 or head_dim_v % (8 * self.dim_split):
             raise bad("tile_m", f"a multiple of {8 * self.dim_split} with head_dim_v a "
@@ -595,6 +637,23 @@ class BwdConfig(_KernelConfig):
                                     f"this needs {self.smem_bytes(head_dim, head_dim_v)} B")
 
 
+    def _validate_keys_on_n(self, bad, head_dim: int, head_dim_v: int) -> None:
+        if self.dim_split != 1:
+            raise bad("dim_split", "1 with keys_on_n (its two warpgroups split the keys)")
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+            raise bad("tile_n", "a multiple of 32 in [32, 256] with keys_on_n (each of its two "
+                                "warpgroups a multiple of 16 keys)")
+        if self.tile_m != WGMMA_M:
+            raise bad("tile_m", f"{WGMMA_M} with keys_on_n (one WGMMA row block of queries)")
+        if head_dim % WGMMA_M or head_dim_v % WGMMA_M:
+            raise bad("keys_on_n", f"False at head_dim {head_dim}, head_dim_v {head_dim_v}: dKᵀ "
+                                   f"and dVᵀ put the head dims on WGMMA's M axis (multiples "
+                                   f"of {WGMMA_M})")
+        if self.split_gqa:
+            raise bad("split_gqa", "False with keys_on_n (the fp32 partials leave from "
+                                   "registers in the keys-on-M order)")
+
+
 def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
     """Whether the backward's default gives each query head of a GQA group its
     own CTAs (BwdConfig.split_gqa): when one CTA per (key block, KV head,
@@ -606,7 +665,8 @@ def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
 
 def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, batch: int,
                            seqlen_k: int, heads_q: int, heads_kv: int,
-                           num_sms: int, features: Features = PLAIN_FEATURES) -> BwdConfig:
+                           num_sms: int, features: Features = PLAIN_FEATURES,
+                           head_dim_v: int | None = None) -> BwdConfig:
     """The op's backward config for one problem: default_bwd_config, with
     split_gqa where split_gqa_pays for the grid that config would launch. A
     window or a cap takes the causal choices: the wider query tile of the
@@ -617,17 +677,19 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
     GQA groups."""
     uneven = causal or features.local or features.block_sparse
     causal = uneven or features.softcap
-    config = default_bwd_config(head_dim, causal, deterministic)
+    config = default_bwd_config(head_dim, causal, deterministic, head_dim_v=head_dim_v,
+                                block_sparse=features.block_sparse)
     if features.varlen:
         # key blocks differ with their sequences: claimed, unless deterministic
         config = config.replace(dynamic_tiles=not deterministic)
-        if config.dim_split > 1:
+        if config.shares_scores():
             # the producer's walk over a packed batch spills 8-16 bytes at 24
             return config.replace(producer_regs=32, consumer_regs=232)
         return config
     kv_ctas = -(-seqlen_k // config.tile_n) * heads_kv * batch
     if split_gqa_pays(heads_q // heads_kv, kv_ctas, num_sms):
-        config = default_bwd_config(head_dim, causal, deterministic, split_gqa=True)
+        config = default_bwd_config(head_dim, causal, deterministic, split_gqa=True,
+                                    head_dim_v=head_dim_v)
     if features.softcap and not uneven:
         config = config.replace(dynamic_tiles=False)
     return config
@@ -635,7 +697,8 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
 
 @functools.lru_cache(maxsize=None)
 def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
-                       split_gqa: bool = False) -> BwdConfig:
+                       split_gqa: bool = False, head_dim_v: int | None = None,
+                       block_sparse: bool = False) -> BwdConfig:
     """The op's backward config (chosen with profiling.sweep --kernel bwd on an
     H100; docs/findings.md): 128 keys per CTA in two consumer warpgroups,
     whose dK and dV stay in registers for the whole walk over queries, and
@@ -646,13 +709,28 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     - head dim 128: 80 queries per step non-causal (dQ transposed), 64 under
       the causal mask or with split_gqa (80 spills there), dV right after
       dSᵀ, LSE₂ early;
-    - head dims 192 and 256: 64 keys per CTA shared by two warpgroups that
-      split dK and dV by head dim (dim_split 2), 64 queries per step, LSE₂
-      early, Q/dO rings of two stages with the dQ slabs where both fit in
-      shared memory at dv = head dim (192), else without them (dq_direct;
-      256), else (256 deterministic) of one stage.
+    - head dim 192: 96 keys per CTA with the scores untransposed (keys_on_n),
+      64 queries per step, Q/dO rings of two stages, with the dQ slabs at
+      head_dim_v 128 and without them (dq_direct) at 192, where both do not
+      fit in shared memory; with split_gqa or a block mask as head dim 256:
+    - head dim 256: 64 keys per CTA shared by two warpgroups that split dK
+      and dV by head dim (dim_split 2), 64 queries per step, LSE₂ early,
+      Q/dO rings of two stages with the dQ slabs where both fit in shared
+      memory at dv = head dim, else without them (dq_direct), else (256
+      deterministic) of one stage.
+    head_dim_v: v's head dim (None: q's).
     """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     dynamic_tiles = causal and not deterministic
+    if (BACKWARD_OWN_KEYS_MAX_DIM < head_dim <= 192 and not split_gqa and not block_sparse
+            and head_dim_v % WGMMA_M == 0):
+        config = BwdConfig(tile_m=64, tile_n=96, keys_on_n=True, qdo_stages=2,
+                           deterministic=deterministic, stats_early=True,
+                           dynamic_tiles=dynamic_tiles)
+        if config.smem_bytes(head_dim, head_dim_v) <= SMEM_CAPACITY_BYTES:
+            return config
+        if not deterministic:
+            return config.replace(dq_direct=True)
     if head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
         config = BwdConfig(tile_m=64, tile_n=WGMMA_M, dim_split=2, qdo_stages=2,
                            deterministic=deterministic, stats_early=True,
@@ -688,7 +766,7 @@ def default_config(kind: str, head_dim: int, causal: bool, head_dim_v: int | Non
         raise ValueError(f"kind: expected one of {sorted(KERNEL_CONFIGS)}, got {kind!r}")
     if kind == "fwd":
         return default_fwd_config(head_dim, causal, head_dim_v)
-    return default_bwd_config(head_dim, causal)
+    return default_bwd_config(head_dim, causal, head_dim_v=head_dim_v)
 
 
 def config_fields(kind: str = "fwd") -> list[str]:

@@ -189,14 +189,14 @@ def config_overrides(items: list[str], kind: str = "fwd") -> dict:
 
 
 def config_with(parser: argparse.ArgumentParser, flag: str, kind: str, head_dim: int,
-                causal: bool, overrides: dict):
+                causal: bool, overrides: dict, head_dim_v: int | None = None):
     """The op's default config for the problem with `overrides`, validated;
     a combination the kernel refuses is a parser error naming `flag`."""
     from cute_fa.kernels.config import default_config
 
-    config = default_config(kind, head_dim, causal).replace(**overrides)
+    config = default_config(kind, head_dim, causal, head_dim_v).replace(**overrides)
     try:
-        config.validate(head_dim)
+        config.validate(head_dim, head_dim_v)
     except ValueError as exc:
         parser.error(f"{flag}: {exc}")
     return config

@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
-    resolve_head_dim_v(p, args, backward=args.direction == "bwd")
+    resolve_head_dim_v(p, args)
     args.overrides = {}
     if args.config:
         if args.backend != "cute":
@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"--config: {exc}")
         config_with(p, "--config", args.direction, args.head_dim, args.causal == "yes",
-                    args.overrides)
+                    args.overrides, args.head_dim_v)
     return args
 
 
@@ -133,7 +133,7 @@ def run_workload(args) -> None:
             fn = lambda: forward_cuda(q, k, v, scale, causal, config)  # noqa: E731
         else:
             out, lse = forward_cuda(q, k, v, scale, causal)
-            grad_out = torch.randn_like(q)
+            grad_out = torch.randn_like(out)
             fn = lambda: backward_cuda(grad_out, q, k, v, out, lse, scale,  # noqa: E731
                                        causal, config=config)
     else:

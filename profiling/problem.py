@@ -90,14 +90,14 @@ def add_head_dim_v_option(p, help_text: str | None = None) -> None:
                                      "default: --head-dim)")
 
 
-def resolve_head_dim_v(parser, args, backward: bool) -> None:
+def resolve_head_dim_v(parser, args) -> None:
     """args.head_dim_v: --head-dim where not given; a usage error where it is
-    wider than --head-dim, or differs from it for the backward."""
+    wider than --head-dim."""
     if args.head_dim_v is None:
         args.head_dim_v = args.head_dim
-    elif args.head_dim_v > args.head_dim or (backward and args.head_dim_v != args.head_dim):
-        parser.error(f"--head-dim-v: expected at most --head-dim ({args.head_dim}), and equal "
-                     f"to it for the backward, got {args.head_dim_v}")
+    elif args.head_dim_v > args.head_dim:
+        parser.error(f"--head-dim-v: expected at most --head-dim ({args.head_dim}), got "
+                     f"{args.head_dim_v}")
 
 
 def add_causal_option(p, default: str = "no", allow_both: bool = False) -> None:

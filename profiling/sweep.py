@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
-    resolve_head_dim_v(p, args, backward=args.kernel == "bwd")
+    resolve_head_dim_v(p, args)
     if args.dtype == "e4m3" and (args.kernel != "fwd" or args.head_dim not in FP8_HEAD_DIMS
                                  or args.head_dim_v != args.head_dim):
         p.error(f"--dtype e4m3: expected --kernel fwd and --head-dim one of {FP8_HEAD_DIMS} "
@@ -190,7 +190,7 @@ def main(argv=None):
     if args.kernel == "bwd":
         base = bwd_config_for_problem(args.head_dim, causal, False, batch, args.seqlen, heads,
                                       heads // args.gqa, num_sms(torch.cuda.current_device()),
-                                      features)
+                                      features, args.head_dim_v)
     elif args.dtype == "e4m3":
         base = fp8_fwd_config(args.head_dim, causal)
     else:

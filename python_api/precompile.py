@@ -136,7 +136,9 @@ def config_of(variant: Variant):
                                   short=variant.short)
     # a block mask's backward takes the causal choices (config.bwd_config_for_problem)
     return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,
-                              variant.deterministic, split_gqa=variant.split_gqa)
+                              variant.deterministic, split_gqa=variant.split_gqa,
+                              head_dim_v=variant.value_head_dim,
+                              block_sparse=variant.block_sparse)
 
 
 def kernels_of(variant: Variant, cached: bool = True):

@@ -72,6 +72,6 @@ def bwd_kernels_for(q: torch.Tensor, k: torch.Tensor, causal: bool, deterministi
     batch, _, heads, head_dim = q.shape
     config = config or bwd_config_for_problem(head_dim, causal, deterministic, batch,
                                               k.shape[1], heads, k.shape[2],
-                                              num_sms(device_index), features)
+                                              num_sms(device_index), features, head_dim_v)
     return (_kernels().get_bwd(q.dtype, head_dim, causal, config, has_grad_lse, features,
                                head_dim_v), config, device_index)

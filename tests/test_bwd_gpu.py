@@ -210,6 +210,13 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                             qdo_stages=1, deterministic=True),
                                        dict(tile_n=64, tile_m=64, dim_split=2, head_dim=256,
                                             dq_direct=True),
+                                       dict(tile_n=96, tile_m=64, keys_on_n=True, head_dim=128,
+                                            deterministic=True),
+                                       dict(tile_n=64, tile_m=64, keys_on_n=True, head_dim=192,
+                                            dq_direct=True, dynamic_tiles=True,
+                                            stats_early=True),
+                                       dict(tile_n=64, tile_m=64, keys_on_n=True, head_dim=128,
+                                            qdo_stages=1, dv_at_ds_barrier=True),
                                        dict(dq_direct=True),
                                        dict(dq_direct=True, dynamic_tiles=True,
                                             split_gqa=True)])

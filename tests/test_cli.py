@@ -85,6 +85,8 @@ BAD_ARGUMENTS = [
     ("sweep", ["--dtype", "e4m3", "--kernel", "bwd"], "--dtype e4m3"),
     ("sweep", ["--dtype", "e4m3", "--head-dim", "128", "--head-dim-v", "64"], "--dtype e4m3"),
     ("sweep", ["--kernel", "bwd", "--vary", "pingpong=0,1"], "--vary"),
+    ("sweep", ["--head-dim", "128", "--head-dim-v", "192"], "--head-dim-v"),
+    ("ncu", ["--direction", "bwd", "--head-dim", "64", "--head-dim-v", "128"], "--head-dim-v"),
     ("data", ["--out"], "--out"),
     ("train", ["--seq", "1"], "--seq"),
     ("train", ["--backends", "cute,nope"], "--backends"),
@@ -127,6 +129,16 @@ def test_bad_argument_is_a_usage_error_naming_the_option(command, argv, option, 
     err = capsys.readouterr().err
     assert f"usage: python -m cute_fa.profiling.{command}" in err
     assert option in err.splitlines()[-1], err
+
+
+def test_backward_sweep_takes_a_narrower_value_head_dim():
+    """The backward is swept at d 192, dv 128 (DeepSeek's prefill), not only
+    at dv = d: --head-dim-v is accepted with --kernel bwd."""
+    from cute_fa.profiling import sweep
+
+    args = sweep.parse_args(["--kernel", "bwd", "--head-dim", "192", "--head-dim-v", "128",
+                             "--vary", "tile_n=64,96"])
+    assert args.head_dim_v == 128
 
 
 def test_bad_argument_exit_status_of_the_process():

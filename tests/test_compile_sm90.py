@@ -270,15 +270,19 @@ def test_backward_kernels(tmp_path, dtype, head_dim, causal):
 @pytest.mark.parametrize("split_gqa", [False, True])
 def test_backward_with_a_narrower_value_head_dim(tmp_path, head_dims, causal, split_gqa):
     """dv < d: dV's GEMM has v's head dim as its N, dK's q's (each warpgroup
-    half of them with dim_split); no spills."""
+    half of them with dim_split); with keys_on_n (192/128) the head dims are
+    on M and every score, dK and dV GEMM has the warpgroup's 48 keys as its N;
+    no spills."""
     head_dim, head_dim_v = head_dims
-    config = default_bwd_config(head_dim, causal, split_gqa=split_gqa)
+    config = default_bwd_config(head_dim, causal, split_gqa=split_gqa, head_dim_v=head_dim_v)
+    assert config.keys_on_n == (head_dim == 192 and not split_gqa)
     compile_bwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
                 head_dim_v=head_dim_v)
     info = dumped_kernel_info(str(tmp_path / "main"))
     ptx = _ptx(tmp_path / "main")
-    for n in (head_dim, head_dim_v):
-        n //= config.dim_split
+    widths = ((config.tile_n // 2,) if config.keys_on_n
+              else (head_dim // config.dim_split, head_dim_v // config.dim_split))
+    for n in widths:
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16", ptx), n
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)

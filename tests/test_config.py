@@ -78,22 +78,57 @@ def test_backward_kernel_head_dims():
 
 
 def test_backward_defaults_above_128_split_the_head_dims():
-    """dK and dV of d > 128 split between two warpgroups of 64 shared keys,
-    with two Q/dO stages, at 256 in place of the dQ slabs unless
+    """Head dim 256 (and 192 with split_gqa, where dK and dV leave as fp32
+    partials from registers): dK and dV split between two warpgroups of 64
+    shared keys, with two Q/dO stages, in place of the dQ slabs unless
     deterministic (at dv = d)."""
-    for head_dim, deterministic, stages, direct in ((192, False, 2, False),
-                                                   (192, True, 2, False),
-                                                   (256, False, 2, True),
-                                                   (256, True, 1, False)):
+    for head_dim, deterministic, split_gqa, stages, direct in (
+            (192, False, True, 2, False), (192, True, True, 2, False),
+            (256, False, False, 2, True), (256, True, False, 1, False)):
         for causal in (False, True):
-            config = default_bwd_config(head_dim, causal, deterministic)
+            config = default_bwd_config(head_dim, causal, deterministic, split_gqa=split_gqa)
             assert (config.tile_n, config.dim_split, config.consumer_warpgroups) == (64, 2, 2)
+            assert not config.keys_on_n
             assert (config.qdo_stages, config.dq_direct) == (stages, direct)
             config.validate(head_dim)
             config.validate(head_dim, 128)
     # Pᵀ's two buffers beside dSᵀ's
-    split = default_bwd_config(192, False)
-    assert split.smem_bytes(192) - split.replace(dim_split=1).smem_bytes(192) == 2 * 64 * 64 * 2
+    split = default_bwd_config(256, False, True)
+    assert split.smem_bytes(256) - split.replace(dim_split=1).smem_bytes(256) == 2 * 64 * 64 * 2
+
+
+def test_backward_defaults_at_192_put_96_keys_on_n():
+    """Head dim 192: 96 keys a CTA, two warpgroups of 48 with the scores
+    untransposed; the dQ slabs where they fit beside two Q/dO stages (v's
+    head dim 128), else dQ added from registers; deterministic at dv 192
+    (no dq_direct) and a block mask (its bits are in Sᵀ order) keep the
+    split head dims."""
+    for causal in (False, True):
+        narrow = default_bwd_config(192, causal, head_dim_v=128)
+        assert (narrow.keys_on_n, narrow.tile_n, narrow.tile_m) == (True, 96, 64)
+        assert narrow.consumer_warpgroups == 2 and narrow.threads == 384
+        assert (narrow.qdo_stages, narrow.dq_direct) == (2, False)
+        narrow.validate(192, 128)
+        assert default_bwd_config(192, causal, True, head_dim_v=128).keys_on_n
+        full = default_bwd_config(192, causal)
+        assert (full.keys_on_n, full.qdo_stages, full.dq_direct) == (True, 2, True)
+        full.validate(192)
+        assert default_bwd_config(192, causal, True).dim_split == 2
+        assert default_bwd_config(192, causal, head_dim_v=128, block_sparse=True).dim_split == 2
+    # dSᵀ in two buffers, Pᵀ (read by its own warpgroup only) in one
+    assert narrow.score_buffers() == 3
+    with pytest.raises(ValueError, match="BwdConfig.qdo_stages: expected a shared-memory"):
+        narrow.validate(192)  # dv 192 with the slabs
+    with pytest.raises(ValueError, match="BwdConfig.tile_n: expected a multiple of 32"):
+        narrow.replace(tile_n=80).validate(192, 128)
+    with pytest.raises(ValueError, match="BwdConfig.tile_m: expected 64 with keys_on_n"):
+        narrow.replace(tile_m=128).validate(192, 128)
+    with pytest.raises(ValueError, match="BwdConfig.dim_split: expected 1 with keys_on_n"):
+        narrow.replace(dim_split=2).validate(192, 128)
+    with pytest.raises(ValueError, match="BwdConfig.split_gqa: expected False with keys_on_n"):
+        narrow.replace(split_gqa=True).validate(192, 128)
+    with pytest.raises(ValueError, match="BwdConfig.keys_on_n: expected False at head_dim 96"):
+        narrow.replace(tile_n=64).validate(96)
 
 
 @pytest.mark.parametrize("changes, field", [
