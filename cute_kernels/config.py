@@ -310,11 +310,58 @@ SHORT_SEQLEN = 1024
 
 
 def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
-                           features: Features, seqlen_q: int, seqlen_k: int) -> FwdConfig:
+                           features: Features, seqlen_q: int, seqlen_k: int,
+                           query_heads: int = 0, num_sms: int = 0) -> FwdConfig:
     """The op's forward config for a problem: default_fwd_config, with the
-    short-sequence tiles where no sequence is longer than SHORT_SEQLEN."""
-    return default_fwd_config(head_dim, causal, head_dim_v, features,
-                              max(seqlen_q, seqlen_k) <= SHORT_SEQLEN)
+    short-sequence tiles where no sequence is longer than SHORT_SEQLEN, and
+    among those the narrower tile (narrow_fwd_config) where the short tile
+    leaves SMs idle: query_heads (batch x query heads) and num_sms give the
+    grid (0: unknown, no narrow tile)."""
+    short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
+    config = default_fwd_config(head_dim, causal, head_dim_v, features, short)
+    if not (short and query_heads > 0 and num_sms > 0 and features == PLAIN_FEATURES):
+        return config
+    narrow = narrow_fwd_config(head_dim, causal, head_dim_v)
+    if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal, seqlen_q,
+                                               query_heads, num_sms):
+        return narrow
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def narrow_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
+    """The short-sequence config with fewer query rows a tile, where one was
+    measured faster on a GPU the short tiles leave partly idle (batch 1,
+    docs/findings.md): head dim 64 non-causal 128 rows in two warpgroups,
+    no split tail; head dim 128 64 rows in one warpgroup. None elsewhere
+    (head dim 64 causal lost at 64 rows)."""
+    config = default_fwd_config(head_dim, causal, head_dim_v, short=True)
+    if head_dim == 64 and not causal:
+        return config.replace(tile_m=128, split_tail=False, producer_regs=24,
+                              consumer_regs=240)
+    if head_dim == 128 and (head_dim_v or head_dim) == 128:
+        return config.replace(tile_m=WGMMA_M)
+    return None
+
+
+def narrow_tiles_pay(tile_m: int, narrow_m: int, causal: bool, seqlen_q: int,
+                     query_heads: int, num_sms: int) -> bool:
+    """Whether narrow_m query rows a tile finish a short problem sooner than
+    tile_m. Causal: where tile_m's tiles all start at once (no more of them
+    than SMs), the longest, on the diagonal's far end, sets the time, and
+    narrower tiles halve it. Non-causal (tiles of equal work): where the
+    narrower tiles fill the SMs' waves by a tenth more."""
+    def tiles(rows: int) -> int:
+        return -(-seqlen_q // rows) * query_heads
+
+    if causal:
+        return tiles(tile_m) <= num_sms
+
+    def wave_fill(rows: int) -> float:
+        count = tiles(rows)
+        return count / (-(-count // num_sms) * num_sms)
+
+    return wave_fill(narrow_m) >= 1.1 * wave_fill(tile_m)
 
 
 @functools.lru_cache(maxsize=None)

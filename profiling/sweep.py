@@ -195,7 +195,8 @@ def main(argv=None):
         base = fp8_fwd_config(args.head_dim, causal)
     else:
         base = fwd_config_for_problem(args.head_dim, causal, args.head_dim_v, features,
-                                      args.seqlen, args.seqlen)
+                                      args.seqlen, args.seqlen, batch * heads,
+                                      num_sms(torch.cuda.current_device()))
     results = run_variants(args, variants(base, args.vary_values))
     mask = f" block mask {args.block_mask}" if args.block_mask else ""
     print(f"\nproblem: {args.kernel} {args.dtype} d={args.head_dim} dv={args.head_dim_v} "

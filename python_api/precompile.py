@@ -8,8 +8,9 @@
     python -m cute_fa.precompile --directions block_sparse --head-dims 64,128 --dtypes bf16
 
 For each dtype, head dim (and value head dim, by default the same) and causal
-flag: the forward's default kernel (and its short-sequence one where the
-tiles differ) and the backward's default
+flag: the forward's default kernel (and its short-sequence ones where the
+tiles differ: the short tiles, and the narrower ones a grid short of SMs
+takes) and the backward's default
 kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
@@ -37,7 +38,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .profiling.cli import choice_list, csv_list, positive_int
 from .profiling.problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
@@ -59,6 +60,7 @@ class Variant:
     rows_per_query: int = 1  # decode, causal: query heads per KV head (several tokens a step)
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
+    narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
 
     @property
     def value_head_dim(self) -> int:
@@ -69,12 +71,26 @@ class Variant:
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
-                                   "block_sparse", "short") if getattr(self, name)]
+                                   "block_sparse", "short", "narrow") if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
         if self.rows_per_query > 1:
             flags.append(f"group{self.rows_per_query}")
         return text + "".join(f" {f}" for f in flags)
+
+
+def _short_variants(long: Variant) -> list[Variant]:
+    """The forwards of short sequences whose configs differ from the long
+    one's: the short tiles, and the narrow tiles where a small grid takes
+    them (config.fwd_config_for_problem)."""
+    out, configs = [], [config_of(long)]
+    for narrow in (False, True):
+        variant = replace(long, short=True, narrow=narrow)
+        config = config_of(variant)
+        if config is not None and config not in configs:
+            out.append(variant)
+            configs.append(config)
+    return out
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
@@ -93,9 +109,8 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
         dv = None if head_dim_v == head_dim else head_dim_v
         if "fwd" in directions:
             out.append(Variant("fwd", dtype, head_dim, causal, head_dim_v=dv))
-            short = Variant("fwd", dtype, head_dim, causal, head_dim_v=dv, short=True)
-            if short_tiles and config_of(short) != config_of(out[-1]):
-                out.append(short)
+            if short_tiles:
+                out += _short_variants(out[-1])
         if "decode" in directions:
             from .decode import reads_pages_in_place
 
@@ -123,7 +138,7 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
 def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
     from .kernels.config import (block_sparse_fwd_config, default_bwd_config,
-                                 default_fwd_config)
+                                 default_fwd_config, narrow_fwd_config)
 
     if variant.direction == "decode":
         from . import decode
@@ -132,6 +147,8 @@ def config_of(variant: Variant):
     if variant.direction == "fwd":
         if variant.block_sparse:
             return block_sparse_fwd_config(variant.head_dim, variant.value_head_dim)
+        if variant.narrow:
+            return narrow_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
         return default_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim,
                                   short=variant.short)
     # a block mask's backward takes the causal choices (config.bwd_config_for_problem)

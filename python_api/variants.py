@@ -58,7 +58,8 @@ def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
     if config is None:
         config = (fp8_fwd_config(head_dim, causal, features) if out_dtype is not None
                   else fwd_config_for_problem(head_dim, causal, head_dim_v, features,
-                                              q.shape[1], v.shape[1]))
+                                              q.shape[1], v.shape[1], q.shape[0] * q.shape[2],
+                                              num_sms(device_index)))
     return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v, features,
                                out_dtype), config, device_index)
 

@@ -82,14 +82,17 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
         _assert_no_spills(info)
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
-def test_short_sequence_forwards(tmp_path, head_dim, causal):
+@pytest.mark.parametrize("head_dim,causal,query_heads", [(64, True, 0), (128, False, 0),
+                                                      (64, False, 16), (128, False, 16),
+                                                      (128, True, 16)])
+def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
-    where they differ from the long ones: warp-specialised, spill-free."""
+    where they differ from the long ones, and the narrower tiles of a grid
+    short of SMs (batch 1, 16 query heads): warp-specialised, spill-free."""
     from cute_fa.kernels.config import PLAIN_FEATURES, SHORT_SEQLEN, fwd_config_for_problem
 
     config = fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, SHORT_SEQLEN,
-                                    SHORT_SEQLEN)
+                                    SHORT_SEQLEN, query_heads, 132)
     assert config != default_fwd_config(head_dim, causal)
     compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path))
     info = dumped_kernel_info(str(tmp_path))

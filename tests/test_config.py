@@ -36,6 +36,40 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
             config(head_dim, causal, 256).validate(head_dim)
 
 
+def test_short_problems_short_of_sms_take_narrower_tiles():
+    """Batch 1 (a grid short of SMs): head dim 128 takes 64 query rows, head
+    dim 64 non-causal 128 (no split tail), where the measured batch-1 runs
+    gained (docs/findings.md); a causal grid only while all of its tiles
+    start at once, a non-causal one where the narrower tiles fill the waves
+    by a tenth more; never for long sequences, a full GPU, other features or
+    head dim 64 causal."""
+    from cute_fa.kernels.config import (PLAIN_FEATURES, default_fwd_config,
+                                        fwd_config_for_problem, narrow_tiles_pay)
+
+    def tile_m(head_dim, causal, seqlen, query_heads, features=PLAIN_FEATURES):
+        return fwd_config_for_problem(head_dim, causal, None, features, seqlen, seqlen,
+                                      query_heads, 132).tile_m
+
+    assert tile_m(128, True, 512, 16) == tile_m(128, True, 1024, 16) == 64
+    assert tile_m(128, False, 512, 16) == 64
+    assert tile_m(128, False, 1024, 16) == 128  # 128 tiles already fill 132 SMs
+    assert tile_m(64, False, 512, 32) == tile_m(64, False, 1024, 32) == 128
+    narrow = fwd_config_for_problem(64, False, None, PLAIN_FEATURES, 512, 512, 32, 132)
+    assert not narrow.split_tail and narrow.consumer_warpgroups == 2
+    assert tile_m(64, True, 512, 32) == 128  # the short tile: 64 rows lost
+    assert tile_m(128, True, 512, 512) == 128 and tile_m(64, False, 512, 1024) == 192
+    assert tile_m(128, True, 4096, 1) == 128 and tile_m(64, False, 2048, 1) == 192
+    assert tile_m(128, True, 512, 16, Features(softcap=True)) == 128
+    assert fwd_config_for_problem(128, True, None, PLAIN_FEATURES, 512, 512) == \
+        default_fwd_config(128, True, short=True)  # grid unknown
+    assert not narrow_tiles_pay(128, 64, True, 1024, 17, 132)  # 136 tiles: some wait
+    for head_dim, causal in ((64, False), (128, False), (128, True)):
+        config = fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, 512, 512, 1,
+                                        132)
+        assert config.tile_m < default_fwd_config(head_dim, causal, short=True).tile_m
+        config.validate(head_dim)
+
+
 def test_large_head_dims_stage_o_in_the_v_ring():
     # 128 query rows at 256: Q 64 KB + two stages of 80 keys of K and V (80 KB
     # each) leave no room for a 64 KB O slab of its own

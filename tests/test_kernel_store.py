@@ -213,6 +213,16 @@ def test_precompile_command_line():
     todo = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd", "bwd"], False)
     assert len(todo) == 2 * 2 * (1 + 4)  # fwd + bwd x deterministic x split_gqa
     assert len({v.label() for v in todo}) == len(todo)
+    # with the short tiles: those whose configs differ, the narrow ones of a
+    # batch-1 grid included (config.fwd_config_for_problem)
+    short = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd"], False,
+                                short_tiles=True)
+    assert [v.label() for v in short] == [
+        "fwd bf16 d64 full", "fwd bf16 d64 full short narrow", "fwd bf16 d64 causal",
+        "fwd bf16 d64 causal short", "fwd bf16 d128 full", "fwd bf16 d128 full short",
+        "fwd bf16 d128 full short narrow", "fwd bf16 d128 causal",
+        "fwd bf16 d128 causal short narrow"]
+    assert precompile.config_of(short[-1]).tile_m == 64
     # the large head dims and a narrower v: forward and backward of each pair
     large = precompile.variants([128, 192, 256], ["bf16"], (False,), ["fwd", "bwd"], False,
                                 head_dims_v=[128, 192])
@@ -222,6 +232,8 @@ def test_precompile_command_line():
         for label in [f"fwd bf16 {dims} full"] + [f"bwd bf16 {dims} full{f}" for f in flavours])
     assert precompile.config_of(next(v for v in large if v.label() == "bwd bf16 d256 dv192 full"
                                      )).dim_split == 2
+    assert precompile.config_of(next(v for v in large if v.label() == "bwd bf16 d192 dv128 full"
+                                     )).keys_on_n
     large = [v for v in large if v.direction == "fwd"]
     assert precompile.config_of(large[-1]).o_in_v_smem
 
