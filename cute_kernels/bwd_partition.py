@@ -81,9 +81,9 @@ def dkv_tiled_mma(dtype, config: BwdConfig, dim: int):
 
 def pt_buffer(config: BwdConfig, ds_buffer):
     """The stage of the (tile_n, tile_m) ring that holds Pᵀ beside dSᵀ's stage
-    ds_buffer (BwdConfig.score_buffers: dSᵀ in the first two)."""
+    ds_buffer (BwdConfig.score_buffers: dSᵀ's stages first)."""
     if config.keys_on_n:
-        return 2
+        return config.ds_buffers
     return 2 + ds_buffer
 
 

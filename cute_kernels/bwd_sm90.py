@@ -20,7 +20,7 @@ cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
                 cfg.dim_split 2 two per 64 keys, each with half of the head
                 dims of dK and dV. dK and dV stay in registers for the whole
                 walk over query blocks.
-Pipelines: K/V (1 stage), Q and dO (qdo_stages each), TMA → consumer-thread
+Pipelines: K/V (1 stage), Q (qdo_stages) and dO (dO_stages()), TMA → consumer-thread
 mbarriers (pipeline.py); named barriers BwdBarrier between consumers and
 between consumers and the dQ writer.
 
@@ -288,7 +288,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         # dK and dV read Q and dO MN-major, split along d / dv with dim_split.
         split = self.cfg.dim_split
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, stages, atom_cols=d // split)
-        sdO_layout = wgmma.smem_layout(self.dtype, tile_m, dv, stages, atom_cols=dv // split)
+        sdO_layout = wgmma.smem_layout(self.dtype, tile_m, dv, self.cfg.dO_stages(),
+                                       atom_cols=dv // split)
         # dQ = dS·K reads K MN-major, split across warpgroups along d when not along M.
         k_atom_cols = d if self.cfg.dq_split_m() else d // self.consumer_wgs
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, atom_cols=k_atom_cols)
@@ -297,8 +298,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         sdSt_layout = wgmma.smem_layout(self.dtype, tile_n, tile_m, self.cfg.score_buffers())
         # each stage's statistics start 128-byte aligned, as a TMA destination
         # must (tile_m=80: 320 bytes a stage otherwise, a misaligned address)
+        do_stages = self.cfg.dO_stages()
         stat_stride = self.cfg.stat_stage_floats()
         sStat_layout = cute.make_layout((tile_m, stages), stride=(1, stat_stride))
+        sD_layout = cute.make_layout((tile_m, do_stages), stride=(1, stat_stride))
         mma_sdp = sdp_tiled_mma(self.dtype, self.cfg, tile_m)
         mma_dk = dkv_tiled_mma(self.dtype, self.cfg, d)
         mma_dv = dkv_tiled_mma(self.dtype, self.cfg, dv)
@@ -328,7 +331,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             tile_slots: cute.struct.MemRange[Int32, 2]  # TileQueue (dynamic_tiles)
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
                                   SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)],
@@ -338,7 +341,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)],
                                    SMEM_ALIGN]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, stat_stride * do_stages], 128]
             sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)],
                                     SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self._dq_slab_floats()], 128]
@@ -354,7 +357,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
                     softmax_scale_log2, softmax_scale, Window(window_left, window_right),
                     score_pre_tanh, sQ_layout, sK_layout, sV_layout, sdO_layout, sdSt_layout,
-                    sStat_layout, mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage).launch(
+                    sStat_layout, sD_layout, mma_sdp, mma_dk, mma_dv, mma_dq,
+                    SharedStorage).launch(
             grid=list(grid), block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=1)
 
@@ -371,7 +375,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
-               sdSt_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+               sdSt_layout: cute.ComposedLayout, sStat_layout: cute.Layout, sD_layout: cute.Layout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         copies = Copies(tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv)
@@ -392,7 +396,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                               self.tile_n * (self.head_dim + self.head_dim_v) * elem),
             make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.qdo_stages,
                               arrivals, self.tile_m * self.head_dim * elem + stat_bytes),
-            make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.qdo_stages,
+            make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.dO_stages(),
                               arrivals, self.tile_m * self.head_dim_v * elem + stat_bytes),
         )
         cpipeline.pipeline_init_arrive()
@@ -402,7 +406,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
             storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
             storage.sLSE2.get_tensor(sStat_layout),
-            storage.sD.get_tensor(sStat_layout),
+            storage.sD.get_tensor(sD_layout),
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self._dq_slab_floats())),
         )
@@ -484,7 +488,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         dynamic_tiles each tile it claims and, past the last, the end
         (TileQueue)."""
         q_state = producer_state(self.cfg.qdo_stages)
-        do_state = producer_state(self.cfg.qdo_stages)
+        do_state = producer_state(self.cfg.dO_stages())
         kv_state = producer_state(1)
         num_tiles = tiles.num_tiles()
         if cutlass.const_expr(self.cfg.dynamic_tiles):
@@ -582,7 +586,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                       seqlens,
                       softmax_scale_log2, softmax_scale, limits, pre_tanh)
         q_state = consumer_state(self.cfg.qdo_stages)
-        do_state = consumer_state(self.cfg.qdo_stages)
+        do_state = consumer_state(self.cfg.dO_stages())
         step = Int32(0)
         num_tiles = tiles.num_tiles()
         if cutlass.const_expr(self.cfg.dynamic_tiles):
@@ -607,7 +611,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     def _consume_tile(self, me: Consumer, tiles: _Tiles, tile: KeyTile, q_state, do_state,
                       step: Int32):
         """One key block: every query block that sees it, then dK and dV out.
-        Returns the Q/dO ring states and the step count (dSᵀ buffer parity)."""
+        Returns the Q/dO ring states and the step count (which dSᵀ buffer)."""
         tile_m, tile_n = self.tile_m, self.tile_n
         n_block = tile.n_block
         me.acc_dk.fill(0.0)
@@ -631,8 +635,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                         needs_mask = needs_mask or m_block < m_unmasked
                     if cutlass.const_expr(me.limits.local):
                         needs_mask = needs_mask or m_block >= m_left_masked
-                self.step(me, q_state, do_state, step % 2, needs_mask, tile, dq_head, m_block,
-                          walk, i)
+                self.step(me, q_state, do_state, step % self.cfg.ds_buffers, needs_mask, tile,
+                          dq_head, m_block, walk, i)
                 q_state.advance()
                 do_state.advance()
                 step += 1
@@ -738,6 +742,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             # the register A fragment holds the values in accumulator order
             ds_16bit = cute.make_tensor(ops.dk_a.iterator, cute.make_layout(acc_dp.shape))
 
+        if cutlass.const_expr(self.cfg.ds_buffers == 1):
+            # every warpgroup's dQ GEMM of the step before, which read all of
+            # dSᵀ, has retired (each waited for its GEMMs at that step's end)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FREE),
+                              number_of_threads=self.consumer_threads)
         # dSᵀ to shared memory for dQ, which needs every warpgroup's keys
         self.store_slab(me, ds_16bit, ds_buffer)
         if cutlass.const_expr(not shared and self.cfg.dv_at_ds_barrier):

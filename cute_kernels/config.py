@@ -230,8 +230,12 @@ class FwdConfig(_KernelConfig):
         with dim_split (both warpgroups read all of it), one with keys_on_n
         (only its own warpgroup, whose GEMMs retire within the step)."""
         if self.keys_on_n:
-            return 3
+            return self.ds_buffers + 1
         return 4 if self.dim_split > 1 else 2
+
+    def dO_stages(self) -> int:
+        """The dO (+D) ring's depth."""
+        return self.do_stages or self.qdo_stages
 
     def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
                    fp8: bool = False) -> int:
@@ -531,6 +535,13 @@ class BwdConfig(_KernelConfig):
         partials leave from registers in the keys-on-M order) nor with a
         block mask (its bits are addressed in Sᵀ order).
     qdo_stages: depth of the Q (+LSE₂) and dO (+D) shared-memory rings.
+    do_stages: depth of the dO (+D) ring where it differs from Q's (0: the
+        same, qdo_stages).
+    ds_buffers: buffers of dSᵀ in the ring: 2, or 1 with keys_on_n, where
+        every consumer warpgroup then meets the others at one more barrier
+        a step before it overwrites dSᵀ (another warpgroup's dQ GEMM of the
+        step before may still read it); frees tile_n · tile_m 16-bit values
+        of shared memory.
     deterministic: dQ partial sums are added to the fp32 accumulator in
         key-block order (a per-tile semaphore), so gradients are bitwise
         reproducible; otherwise in whatever order CTAs finish.
@@ -569,6 +580,8 @@ class BwdConfig(_KernelConfig):
     dim_split: int = 1
     keys_on_n: bool = False
     qdo_stages: int = 2
+    do_stages: int = 0
+    ds_buffers: int = 2
     deterministic: bool = False
     dv_at_ds_barrier: bool = False
     stats_early: bool = False
@@ -612,17 +625,23 @@ class BwdConfig(_KernelConfig):
         with dim_split (both warpgroups read all of it), one with keys_on_n
         (only its own warpgroup, whose GEMMs retire within the step)."""
         if self.keys_on_n:
-            return 3
+            return self.ds_buffers + 1
         return 4 if self.dim_split > 1 else 2
+
+    def dO_stages(self) -> int:
+        """The dO (+D) ring's depth."""
+        return self.do_stages or self.qdo_stages
 
     def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
                    elem_bytes: int = 2) -> int:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         both = head_dim + head_dim_v
-        size = 8 * (2 + 4 * self.qdo_stages)                                   # mbarriers
+        stages = self.qdo_stages + self.dO_stages()
+        size = 8 * (2 + 2 * stages)                                                # mbarriers
         size = _align_1k(size) + self.tile_n * both * elem_bytes                   # K, V
-        size = _align_1k(size) + self.qdo_stages * self.tile_m * both * elem_bytes  # Q, dO
-        size = _align_1k(size) + 2 * self.qdo_stages * self.stat_stage_floats() * 4  # LSE, D
+        size = _align_1k(size) + self.tile_m * elem_bytes * (
+            self.qdo_stages * head_dim + self.dO_stages() * head_dim_v)             # Q, dO
+        size = _align_1k(size) + stages * self.stat_stage_floats() * 4             # LSE, D
         size = _align_1k(size) + self.score_buffers() * self.tile_n * self.tile_m * elem_bytes
         if not self.dq_direct:
             size = _align_1k(size) + self.tile_m * head_dim * 4                    # dQ partial
@@ -672,6 +691,10 @@ class BwdConfig(_KernelConfig):
                                     f"{self.consumer_warpgroups} warpgroups")
         if not 1 <= self.qdo_stages <= 4:
             raise bad("qdo_stages", "an integer in [1, 4]")
+        if not 0 <= self.do_stages <= 4:
+            raise bad("do_stages", "an integer in [0, 4] (0: qdo_stages)")
+        if self.ds_buffers not in (1, 2) or (self.ds_buffers == 1 and not self.keys_on_n):
+            raise bad("ds_buffers", "2, or 1 with keys_on_n")
         if self.dq_direct and self.deterministic:
             raise bad("dq_direct", "False with deterministic (the dQ writer warp adds the "
                                    "partials in key-block order)")
@@ -757,9 +780,10 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
       the causal mask or with split_gqa (80 spills there), dV right after
       dSᵀ, LSE₂ early;
     - head dim 192: 96 keys per CTA with the scores untransposed (keys_on_n),
-      64 queries per step, Q/dO rings of two stages, with the dQ slabs at
-      head_dim_v 128 and without them (dq_direct) at 192, where both do not
-      fit in shared memory; with split_gqa or a block mask as head dim 256:
+      64 queries per step, the dQ slabs, Q/dO rings of two stages at
+      head_dim_v 128; at 192, where those do not fit in shared memory, one
+      dO stage and one dSᵀ buffer; with split_gqa or a block mask as head
+      dim 256:
     - head dim 256: 64 keys per CTA shared by two warpgroups that split dK
       and dV by head dim (dim_split 2), 64 queries per step, LSE₂ early,
       Q/dO rings of two stages with the dQ slabs where both fit in shared
@@ -774,10 +798,11 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
         config = BwdConfig(tile_m=64, tile_n=96, keys_on_n=True, qdo_stages=2,
                            deterministic=deterministic, stats_early=True,
                            dynamic_tiles=dynamic_tiles)
-        if config.smem_bytes(head_dim, head_dim_v) <= SMEM_CAPACITY_BYTES:
-            return config
-        if not deterministic:
-            return config.replace(dq_direct=True)
+        # the dQ slabs over a second dO stage and dSᵀ buffer where not all fit
+        # (dv 192)
+        for fallback in (config, config.replace(do_stages=1, ds_buffers=1)):
+            if fallback.smem_bytes(head_dim, head_dim_v) <= SMEM_CAPACITY_BYTES:
+                return fallback
     if head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
         config = BwdConfig(tile_m=64, tile_n=WGMMA_M, dim_split=2, qdo_stages=2,
                            deterministic=deterministic, stats_early=True,

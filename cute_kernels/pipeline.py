@@ -177,12 +177,15 @@ class BwdBarrier(enum.IntEnum):
     EPILOGUE (dK and dV through shared memory): every consumer warpgroup's last GEMM
         has retired before dK and dV overwrite K and V; then, every
         warpgroup's rows are written before the TMA stores read them.
+    DS_FREE (BwdConfig.ds_buffers 1): every consumer warpgroup has retired
+        the step before's dQ GEMM, which read all of dSᵀ's one buffer.
     """
 
     DS_READY = 1
     DQ_FULL_BASE = 2
     DQ_EMPTY_BASE = 5
     EPILOGUE = 8
+    DS_FREE = 9
 
 
 # DQ_FULL / DQ_EMPTY count one consumer warpgroup and the dQ-writer warp.

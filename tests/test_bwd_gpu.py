@@ -217,6 +217,10 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                             stats_early=True),
                                        dict(tile_n=64, tile_m=64, keys_on_n=True, head_dim=128,
                                             qdo_stages=1, dv_at_ds_barrier=True),
+                                       dict(tile_n=96, tile_m=64, keys_on_n=True, head_dim=192,
+                                            do_stages=1, ds_buffers=1, stats_early=True),
+                                       dict(tile_n=96, tile_m=64, keys_on_n=True, head_dim=192,
+                                            do_stages=1, ds_buffers=1, deterministic=True),
                                        dict(dq_direct=True),
                                        dict(dq_direct=True, dynamic_tiles=True,
                                             split_gqa=True)])

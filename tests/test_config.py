@@ -133,10 +133,9 @@ def test_backward_defaults_above_128_split_the_head_dims():
 
 def test_backward_defaults_at_192_put_96_keys_on_n():
     """Head dim 192: 96 keys a CTA, two warpgroups of 48 with the scores
-    untransposed; the dQ slabs where they fit beside two Q/dO stages (v's
-    head dim 128), else dQ added from registers; deterministic at dv 192
-    (no dq_direct) and a block mask (its bits are in Sᵀ order) keep the
-    split head dims."""
+    untransposed, the dQ slabs; two Q/dO stages at v's head dim 128, one dO
+    stage and one dSᵀ buffer at 192 (where both do not fit); a block mask
+    (its bits are in Sᵀ order) keeps the split head dims."""
     for causal in (False, True):
         narrow = default_bwd_config(192, causal, head_dim_v=128)
         assert (narrow.keys_on_n, narrow.tile_n, narrow.tile_m) == (True, 96, 64)
@@ -144,10 +143,11 @@ def test_backward_defaults_at_192_put_96_keys_on_n():
         assert (narrow.qdo_stages, narrow.dq_direct) == (2, False)
         narrow.validate(192, 128)
         assert default_bwd_config(192, causal, True, head_dim_v=128).keys_on_n
-        full = default_bwd_config(192, causal)
-        assert (full.keys_on_n, full.qdo_stages, full.dq_direct) == (True, 2, True)
-        full.validate(192)
-        assert default_bwd_config(192, causal, True).dim_split == 2
+        for deterministic in (False, True):
+            full = default_bwd_config(192, causal, deterministic)
+            assert (full.keys_on_n, full.qdo_stages, full.dq_direct) == (True, 2, False)
+            assert (full.dO_stages(), full.ds_buffers, full.score_buffers()) == (1, 1, 2)
+            full.validate(192)
         assert default_bwd_config(192, causal, head_dim_v=128, block_sparse=True).dim_split == 2
     # dSᵀ in two buffers, Pᵀ (read by its own warpgroup only) in one
     assert narrow.score_buffers() == 3
@@ -163,6 +163,14 @@ def test_backward_defaults_at_192_put_96_keys_on_n():
         narrow.replace(split_gqa=True).validate(192, 128)
     with pytest.raises(ValueError, match="BwdConfig.keys_on_n: expected False at head_dim 96"):
         narrow.replace(tile_n=64).validate(96)
+    with pytest.raises(ValueError, match="BwdConfig.ds_buffers: expected 2, or 1 with keys_on_n"):
+        narrow.replace(keys_on_n=False, tile_n=128, ds_buffers=1).validate(128)
+    with pytest.raises(ValueError, match="BwdConfig.do_stages: expected an integer in .0, 4."):
+        narrow.replace(do_stages=5).validate(192, 128)
+    # one dO stage and one dSᵀ buffer free 64 x 192 and 96 x 64 16-bit values
+    # (with D's stage and a barrier pair, within the 1 KB alignment of each part)
+    freed = full.replace(do_stages=0, ds_buffers=2).smem_bytes(192) - full.smem_bytes(192)
+    assert 0 <= freed - (64 * 192 + 96 * 64) * 2 < 1024
 
 
 @pytest.mark.parametrize("changes, field", [
