@@ -213,7 +213,7 @@ class Consumer:
     mma_dq: cute.TiledMma
     acc_dk: cute.Tensor
     acc_dv: cute.Tensor
-    st_coords: cute.Tensor  # (M, N) of each of the thread's score registers (score_shape)
+    score_coords: cute.Tensor  # (M, N) of each of the thread's score registers (score_shape)
     wg: Int32
     tid: Int32  # among the consumer threads
     smem: Buffers
@@ -671,8 +671,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         """One query block: all five GEMMs retired and the dQ partial handed to
         the writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)
-        The scores are Sᵀ (keys on M), or S with keys_on_n: `q(r, j)` is the
-        query index of a score register, the column or the row."""
+        The scores are Sᵀ (keys on M, a query per column), or with keys_on_n S
+        (a query per row): each register's statistics are indexed by its
+        column or its row."""
         tile_m, tile_n = self.tile_m, self.tile_n
         ops, pipes, smem = me.ops, me.pipes, me.smem
         keys_on_n = self.cfg.keys_on_n
@@ -685,7 +686,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         # issue: an LDS issued behind HGMMAs queues behind them until the
         # tensor core accepts them, so the first exp2 waited for the dPᵀ
         # GEMM to start (ncu: short-scoreboard stalls on that FFMA).
-        coords = wgmma.acc_rows_cols(me.st_coords)
+        coords = wgmma.acc_rows_cols(me.score_coords)
         lse2 = self.query_stats(smem.lse2, coords, q_state.index)
         # the scores and dP, both left in flight
         s_a, s_b = ops.scores(q_state.index)
@@ -700,13 +701,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cap_scores_with_slope(acc_s, me.pre_tanh, slope)
         if needs_mask:
             if cutlass.const_expr(self.features.block_sparse):
-                apply_bits(acc_s, me.st_coords, static_coords(me.mma_sdp, (tile_n, tile_m)),
+                apply_bits(acc_s, me.score_coords, static_coords(me.mma_sdp, (tile_n, tile_m)),
                            walk.sparse, entry, tile_n, tile_m)
             elif cutlass.const_expr(keys_on_n):
-                apply_mask(acc_s, me.st_coords, m_block, tile.n_block, tile.seqlen_q,
+                apply_mask(acc_s, me.score_coords, m_block, tile.n_block, tile.seqlen_q,
                            tile.seqlen_k, tile_m, tile_n, me.limits)
             else:
-                apply_mask_transposed(acc_s, me.st_coords, tile.n_block, m_block,
+                apply_mask_transposed(acc_s, me.score_coords, tile.n_block, m_block,
                                       tile.seqlen_q, tile.seqlen_k, tile_n, tile_m, me.limits)
         p = wgmma.acc_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):

@@ -223,20 +223,6 @@ class FwdConfig(_KernelConfig):
     def consumer_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
 
-    def score_buffers(self) -> int:
-        """Stages of the 16-bit (tile_n, tile_m) ring: dSᵀ in two (one step's
-        dQ GEMM of another warpgroup may still read it while the next step
-        writes), Pᵀ beside them where it goes through shared memory: two
-        with dim_split (both warpgroups read all of it), one with keys_on_n
-        (only its own warpgroup, whose GEMMs retire within the step)."""
-        if self.keys_on_n:
-            return self.ds_buffers + 1
-        return 4 if self.dim_split > 1 else 2
-
-    def dO_stages(self) -> int:
-        """The dO (+D) ring's depth."""
-        return self.do_stages or self.qdo_stages
-
     def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
                    fp8: bool = False) -> int:
         """Dynamic shared memory of the kernel's SharedStorage, as laid out there:
@@ -619,11 +605,12 @@ class BwdConfig(_KernelConfig):
         return -(-self.tile_m // 32) * 32
 
     def score_buffers(self) -> int:
-        """Stages of the 16-bit (tile_n, tile_m) ring: dSᵀ in two (one step's
-        dQ GEMM of another warpgroup may still read it while the next step
-        writes), Pᵀ beside them where it goes through shared memory: two
-        with dim_split (both warpgroups read all of it), one with keys_on_n
-        (only its own warpgroup, whose GEMMs retire within the step)."""
+        """Stages of the 16-bit (tile_n, tile_m) ring: dSᵀ in ds_buffers (two:
+        one step's dQ GEMM of another warpgroup may still read it while the
+        next step writes), Pᵀ beside them where it goes through shared
+        memory: two with dim_split (both warpgroups read all of it), one with
+        keys_on_n (only its own warpgroup, whose GEMMs retire within the
+        step)."""
         if self.keys_on_n:
             return self.ds_buffers + 1
         return 4 if self.dim_split > 1 else 2
