@@ -183,26 +183,16 @@ def make_operands(config: BwdConfig, sK, sV, sQ, sdO, sdSt, mma_sdp, mma_dk, mma
     return Operands(*s, *dp, *dv, *dk, *dq, config)
 
 
-def score_slab(config: BwdConfig, ring: cute.Tensor, wg):
-    """Warpgroup wg's part of one (tile_n, tile_m) stage of the ring, as the
-    (M, N) of its score accumulator, and whether stmatrix writes it
-    transposed: its 64 keys' rows; with dim_split its share of the query
-    columns; with keys_on_n its keys' rows, seen as (queries, keys)."""
+def warpgroup_slab(config: BwdConfig, buffer: cute.Tensor, cols: int, wg):
+    """Warpgroup wg's part of a (tile_n, cols) buffer with the keys on its rows
+    (a stage of the Pᵀ/dSᵀ ring, cols = tile_m; the K or V buffer that dK or
+    dV leaves through, cols = its head dim), as the (M, N) of the
+    accumulator that fills it, and whether stmatrix writes it transposed:
+    its 64 keys' rows; with dim_split its share of the columns; with
+    keys_on_n its keys' rows, seen as (cols, keys)."""
     if config.keys_on_n:
-        rows = cute.local_tile(ring, (config.tile_n // 2, config.tile_m), (wg, 0))
+        rows = cute.local_tile(buffer, (config.tile_n // 2, cols), (wg, 0))
         return wgmma.transpose_view(rows), True
     if config.dim_split > 1:
-        return cute.local_tile(ring, (64, config.tile_m // config.dim_split), (0, wg)), False
-    return cute.local_tile(ring, (64, config.tile_m), (wg, 0)), False
-
-
-def dkv_slab(config: BwdConfig, buffer: cute.Tensor, dim: int, wg):
-    """Warpgroup wg's part of the K or V buffer (tile_n, dim) that its dK or
-    dV accumulator fills, as that accumulator's (M, N), and whether stmatrix
-    writes it transposed."""
-    if config.keys_on_n:
-        rows = cute.local_tile(buffer, (config.tile_n // 2, dim), (wg, 0))
-        return wgmma.transpose_view(rows), True
-    if config.dim_split > 1:
-        return cute.local_tile(buffer, (64, dim // config.dim_split), (0, wg)), False
-    return cute.local_tile(buffer, (64, dim), (wg, 0)), False
+        return cute.local_tile(buffer, (64, cols // config.dim_split), (0, wg)), False
+    return cute.local_tile(buffer, (64, cols), (wg, 0)), False

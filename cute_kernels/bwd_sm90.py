@@ -69,9 +69,9 @@ from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
 from .block_sparse import SparseRow, apply_bits, static_coords
-from .bwd_partition import (Operands, dkv_shape, dkv_slab, dkv_tiled_mma, dq_gemm_shape,
-                            dq_tiled_mma, make_operands, pt_buffer, score_shape,
-                            score_slab, sdp_tiled_mma)
+from .bwd_partition import (Operands, dkv_shape, dkv_tiled_mma, dq_gemm_shape, dq_tiled_mma,
+                            make_operands, pt_buffer, score_shape, sdp_tiled_mma,
+                            warpgroup_slab)
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, Features
 from .dsl_struct import DslStruct
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, store_rows,
@@ -788,8 +788,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     def store_slab(self, me: Consumer, values: cute.Tensor, buffer):
         """This warpgroup's 16-bit score-shaped values (P or dS, accumulator
         order) into stage `buffer` of the (tile_n, tile_m) ring, transposed
-        where the scores are S (score_slab)."""
-        slab, transpose = score_slab(self.cfg, me.smem.dst[None, None, buffer], me.wg)
+        where the scores are S (warpgroup_slab)."""
+        slab, transpose = warpgroup_slab(self.cfg, me.smem.dst[None, None, buffer],
+                                         self.tile_m, me.wg)
         wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS,
                              transpose=transpose)
 
@@ -924,7 +925,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                           number_of_threads=self.consumer_threads)
         for values, s, dim in zip(outputs, (me.smem.k, me.smem.v),
                                   (self.head_dim, self.head_dim_v)):
-            slab, transpose = dkv_slab(self.cfg, s, dim, me.wg)
+            slab, transpose = warpgroup_slab(self.cfg, s, dim, me.wg)
             wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS,
                                  transpose=transpose)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.

@@ -693,7 +693,6 @@ class BwdConfig(_KernelConfig):
             raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
                                     f"this needs {self.smem_bytes(head_dim, head_dim_v)} B")
 
-
     def _validate_keys_on_n(self, bad, head_dim: int, head_dim_v: int) -> None:
         if self.dim_split != 1:
             raise bad("dim_split", "1 with keys_on_n (its two warpgroups split the keys)")
