@@ -365,9 +365,6 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                sV_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
-        if cutlass.const_expr(self.features.split_kv):
-            # the merge may launch now (split_combine.py: it waits for this grid)
-            cute.arch.griddepcontrol_launch_dependents()
         copies = Copies(tma_q, tma_k, tma_v, tma_o)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
