@@ -16,7 +16,7 @@ shuffles. Its lanes split PART_LANES ways over the parts and PIECE_LANES
 ways over its slice's 16-byte pieces (4 fp32): lane (s, p) sums the
 weighted O of parts s, s + 4, ... at its pieces, and the four sums of a
 piece meet by shuffles in a fixed order. `in_flight` of a lane's parts
-are loaded at once (16 up to head dim 128), the first of them before the
+are loaded at once (16 up to head dim 128, 8 above), the first before the
 LSEs are read and reduced (their values do not depend on the weights): a
 row of up to 4 · in_flight parts costs one round trip to memory. A
 batch-1 decode's partials are a few hundred KB, so the merge is a chain
@@ -61,7 +61,7 @@ class SplitCombine:
         self.pieces = head_dim_v // PIECE
         self.warp_pieces = -(-self.pieces // WARPS_PER_ROW)
         self.per_lane = -(-self.warp_pieces // PIECE_LANES)
-        # parts whose O a lane loads at once: 16 up to head dim 128, 8 at 256
+        # parts whose O a lane loads at once: 16 up to head dim 128, 8 above
         self.in_flight = IN_FLIGHT_REGS // (PIECE * self.per_lane)
         self.chunk = PART_LANES * self.in_flight
         # a chunk of parts spans whole 32-part LSE slots, so a part's slot is
