@@ -107,11 +107,10 @@ class SplitCombine:
         acc = cute.make_rmem_tensor((self.per_lane, PIECE), Float32)
         acc.fill(0.0)
         for c in cutlass.range_constexpr(-(-MAX_SPLITS // self.chunk)):
-            if cutlass.const_expr(c > 0):
-                if self.chunk * c < parts:
+            if self.chunk * c < parts:
+                if cutlass.const_expr(c > 0):
                     self._load_chunk(values, mOPart, parts, self.chunk * c, part_lane,
                                      piece_lane, first_piece, b, query, head)
-            if self.chunk * c < parts:
                 for u in cutlass.range_constexpr(self.in_flight):
                     # part chunk · c + s + 4 u: in LSE slot (chunk · c + 4 u) // 32
                     # of lane s + 4 u % 32

@@ -15,7 +15,6 @@ from .kernels.config import (PLAIN_FEATURES, BwdConfig, FwdConfig, Features,
 from .validate import check_cuda_device
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)  # asked on every forward and backward call
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
