@@ -322,11 +322,9 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
                       padded_q / v->tile_m * v->consumer_warpgroups)
       : v->dynamic_tiles ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, 1, 1, 1)
                          : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
-  // a packed batch's rows outside every sequence get zero gradients
-  const int32_t grad_init = varlen ? CUTE_FA_ZERO : CUTE_FA_EMPTY;
-  const int grad_q = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_q);
-  const int grad_k = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_k);
-  const int grad_v = b.buffer(CUTE_FA_INPUT_DTYPE, grad_init, 4, bshd_v);
+  const int grad_q = b.buffer(CUTE_FA_INPUT_DTYPE, CUTE_FA_EMPTY, 4, bshd_q);
+  const int grad_k = b.buffer(CUTE_FA_INPUT_DTYPE, CUTE_FA_EMPTY, 4, bshd_k);
+  const int grad_v = b.buffer(CUTE_FA_INPUT_DTYPE, CUTE_FA_EMPTY, 4, bshd_v);
   int dk_main = grad_k, dv_main = grad_v;
   if (v->split_gqa) {
     dk_main = b.buffer4(CUTE_FA_F32, B, SK, H, D);
@@ -364,6 +362,15 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   if (v->split_gqa) {
     CuteFaLaunch* group_sum = b.launch(3);
     b.tensors(group_sum, {dk_main, dv_main, grad_k, grad_v});
+  }
+  if (varlen) {
+    // a packed batch's rows outside every sequence get zero gradients; each
+    // gap (one per sequence and the tail) spread over about a wave of CTAs
+    CuteFaLaunch* row_gaps = b.launch(3);  // no group sum in a packed batch
+    b.tensors(row_gaps, {grad_q, grad_k, grad_v, seqs.cu_q, seqs.cu_k, seqs.used_q,
+                         seqs.used_k});
+    b.arg(row_gaps, CUTE_FA_ARG_INT, 0, seqs.seqused);
+    b.arg(row_gaps, CUTE_FA_ARG_INT, 0, ceil_div(num_sms, s->batch + 1));
   }
   b.output(grad_q);
   b.output(grad_k);

@@ -149,7 +149,9 @@ int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
 
 /* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
  * the call has none); packed: then the forward's four int32 tensors; sink:
- * then the sinks; block_sparse: then the backward's tile lists. Launches: preprocess, main, postprocess[, group_sum].
+ * then the sinks; block_sparse: then the backward's tile lists. Launches: preprocess, main,
+ * postprocess, then group_sum (split_gqa) or row_gaps (packed: zeroes the
+ * gradients' rows outside every sequence).
  * Outputs: grad_q, grad_k, grad_v; sink: then the sink gradient's partials,
  * fp32 (b, h, n), whose sum over b and n is d(sink) (the preprocess,
  * cute_kernels/bwd_pre_post.py). */

@@ -64,26 +64,29 @@ class CompiledBackward:
     main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale, num_sms,
          window_left, window_right, pre_tanh)
     postprocess(dq_accum, dq, scale)
-    group_sum(dk_partials, dv_partials, dk, dv)   (split_gqa configs only, else None)"""
+    group_sum(dk_partials, dv_partials, dk, dv)   (split_gqa configs only, else None)
+    row_gaps(dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqused,
+             ctas_per_gap)                        (packed batches only, else None)"""
     preprocess: object
     main: object
     postprocess: object
     group_sum: object | None
     compile_seconds: float  # compiling, or loading from the kernel store
     from_disk: bool = False
+    row_gaps: object | None = None
 
     def __post_init__(self):
         # in the order of the launch plan's kernel indices (csrc/launch_plan.h)
         self.launch_list = list(self.launches().values())
 
     def launches(self) -> dict:
-        names = ("preprocess", "main", "postprocess", "group_sum")
+        names = ("preprocess", "main", "postprocess", "group_sum", "row_gaps")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @classmethod
     def from_launches(cls, launches: dict, seconds: float, from_disk: bool) -> CompiledBackward:
         return cls(launches["preprocess"], launches["main"], launches["postprocess"],
-                   launches.get("group_sum"), seconds, from_disk)
+                   launches.get("group_sum"), seconds, from_disk, launches.get("row_gaps"))
 
 
 @dataclass

@@ -42,6 +42,7 @@ from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
 from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features  # noqa: E402
 from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 from .kernels.cache_append import CacheAppend  # noqa: E402
+from .kernels.row_gaps import RowGaps  # noqa: E402
 from .kernels.split_combine import SplitCombine  # noqa: E402
 
 TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
@@ -256,4 +257,10 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
         dv16 = _fake_bshd(cute_dtype, batch, seqlen_k, heads_kv, dv_dim)
         group_sum = _compile(GroupSum(cute_dtype, head_dim, dv_dim), dk, dv, dk16, dv16,
                              dump_dir=dump_dir and os.path.join(dump_dir, "group_sum"))
-    return CompiledBackward(*fns, group_sum, compile_seconds=time.perf_counter() - start)
+    row_gaps = None
+    if features.varlen:
+        row_gaps = _compile(RowGaps(cute_dtype, head_dim, dv_dim), dq, dk, dv, *seqlen_tensors,
+                            cutlass.Int32(0), cutlass.Int32(1),
+                            dump_dir=dump_dir and os.path.join(dump_dir, "row_gaps"))
+    return CompiledBackward(*fns, group_sum, compile_seconds=time.perf_counter() - start,
+                            row_gaps=row_gaps)

@@ -371,7 +371,7 @@ def test_split_gqa_backward_stores_fp32_partials(tmp_path, head_dim):
 
 def test_group_sum_only_for_split_configs(tmp_path):
     compile_bwd(torch.bfloat16, 64, True, default_bwd_config(64, True), dump_dir=str(tmp_path))
-    assert not (tmp_path / "group_sum").exists()
+    assert not (tmp_path / "group_sum").exists() and not (tmp_path / "row_gaps").exists()
 
 
 @pytest.mark.parametrize("head_dim,causal,features", [
@@ -437,6 +437,11 @@ def test_backward_varlen(tmp_path, head_dim, causal, deterministic):
     info = dumped_kernel_info(str(tmp_path / "main"))
     assert info.sass["hgmma"] > 0 and not info.wgmma_serialized
     _assert_no_spills(info)
+    # the rows outside every sequence are zeroed by a kernel of their own,
+    # in 16-byte stores, with no stack
+    gaps = tmp_path / "row_gaps"
+    assert re.search(r"st\.global\.v4\.b32", _ptx(gaps))
+    assert dumped_kernel_info(str(gaps)).counts["local_memory"] == 0
 
 
 @pytest.mark.parametrize("head_dim,causal,features", [

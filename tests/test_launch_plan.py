@@ -322,18 +322,22 @@ def test_packed_forward_plan():
 
 def test_packed_backward_plan():
     """Per-row buffers hold each sequence in whole query tiles (total +
-    batch · tile_m rows); the gradients are zeroed (rows outside every
-    sequence); the pre- and postprocess get the longest query sequence."""
+    batch · tile_m rows); the pre- and postprocess get the longest query
+    sequence; the gradients are not zeroed whole, a last launch zeroes
+    their rows outside every sequence (7 gaps over about a wave of CTAs)."""
     config = bwd_config_for_problem(128, True, False, 6, 900, 8, 2, 132, Features(varlen=True))
     assert config.dynamic_tiles and not config.split_gqa
     shape = (6, 1000, 900, 8, 2, 128, 128)
-    plan = launch_plan.plan_bwd(config, shape, 132, (-1, -1), (3000, 2500, False, False))
+    plan = launch_plan.plan_bwd(config, shape, 132, (-1, -1), (3000, 2500, False, True))
     assert plan.num_inputs == 11
     padded = -(-(3000 + 6 * config.tile_m) // config.tile_m) * config.tile_m
     assert _workspace(plan, 11).shape == (1, 8, padded)
-    assert all(_workspace(plan, i).init == launch_plan.ZERO for i in plan.outputs)
-    pre, main, post = (args for _, args in plan.launches)
+    assert all(_workspace(plan, i).init == launch_plan.EMPTY for i in plan.outputs)
+    assert [k for k, _ in plan.launches] == [0, 1, 2, 3]
+    pre, main, post, gaps = (args for _, args in plan.launches)
     assert pre[-1] == (launch_plan.ARG_INT, 0, 1000) and post[-1] == (launch_plan.ARG_INT, 0, 1000)
+    assert [i for _, i, _ in gaps[:7]] == list(plan.outputs) + [7, 8, 9, 10]
+    assert gaps[7:] == ((launch_plan.ARG_INT, 0, 2), (launch_plan.ARG_INT, 0, 19))
     with pytest.raises(ValueError):  # no split_gqa partials for a packed batch
         launch_plan.plan_bwd(config.replace(split_gqa=True), shape, 132, (-1, -1),
                              (3000, 2500, False, False))

@@ -118,6 +118,32 @@ def test_varlen_seqused():
     _check(lens, lens, used=([250, 0, 400], [300, 17, 129]), causal=True, seed=3)
 
 
+def test_rows_outside_every_sequence_get_zero_gradients():
+    """Rows before a sequence's start, past its seqused and past
+    cu_seqlens[-1] take no part: their gradients are exactly 0, also where
+    the allocator hands the gradients memory full of NaN (the gradients are
+    not zeroed whole; a kernel writes the gaps)."""
+    lens = [300, 200, 513]
+    used = ([250, 0, 400], [300, 17, 129])
+    q, k, v, g = _packed(lens + [77], lens + [45], 4, 2, 128, seed=13)  # rows past the last
+    cu_q, cu_k = _cu(lens), _cu(lens)
+    used_q, used_k = (torch.tensor(u, dtype=torch.int32, device="cuda") for u in used)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_seqlen_q=513, max_seqlen_k=513,
+                                 seqused_q=used_q, seqused_k=used_k, causal=True)
+    # freed NaN blocks of the gradients' sizes, for the backward to reuse
+    dirty = [torch.full_like(t, float("nan")) for t in leaves for _ in range(4)]
+    del dirty
+    (out.float() * g.float()).sum().backward()
+    for t, cu, u in zip(leaves, (cu_q, cu_k, cu_k), (used[0], used[1], used[1])):
+        inside = torch.zeros(t.shape[0], dtype=torch.bool, device="cuda")
+        for start, n in zip(cu.tolist(), u):
+            inside[start:start + n] = True
+        assert torch.isfinite(t.grad).all()
+        assert (t.grad[~inside] == 0).all() and (~inside).sum() > 0
+        assert t.grad[inside].abs().amax() > 0
+
+
 def test_varlen_head_dim_v_forward():
     q, k, v, _ = _packed([100, 300], [100, 300], 4, 4, 192, seed=5)
     out = flash_attn_varlen_func(q, k, v[..., :128].contiguous(), _cu([100, 300]),
