@@ -380,9 +380,10 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile: the 192-row one spills its window bounds.
-    - a packed batch (varlen) too: its tiles differ in length with their
-      sequences; at head dim 64 the 128-row tile (a sequence's last tile
-      is partly empty, half a tile on average).
+    - a packed batch (varlen) takes the causal choices too (its tiles
+      differ in length with their sequences) but keeps head dim 64's
+      192-row tile: a sequence's last tile is partly empty, yet the wider
+      tile's K/V reuse gains more.
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if features.block_sparse:
@@ -397,10 +398,10 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    if head_dim <= 64 and not local:
+    if head_dim <= 64 and not features.local:
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3, persistent=True,
-                         dynamic_tiles=causal, split_tail=not causal,
+                         dynamic_tiles=claimed, split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
                          rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)
     if head_dim <= 96 or claimed or short:

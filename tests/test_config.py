@@ -29,8 +29,14 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
     assert config(128, True, 512) == default_fwd_config(128, True)
     # a long key side makes the problem long
     assert fwd_config_for_problem(128, False, None, PLAIN_FEATURES, 1, 8192).tile_n == 160
+    # a packed batch: head dim 64's 192-row tile, claimed, never split; the
+    # short tile where no sequence is longer than SHORT_SEQLEN
     varlen = Features(varlen=True)
-    assert config(64, True, 512, varlen) == default_fwd_config(64, True, features=varlen)
+    for causal in (False, True):
+        packed = config(64, causal, 8192, varlen)
+        assert packed.tile_m == 192 and packed.dynamic_tiles and not packed.split_tail
+    assert config(64, True, 512, varlen).tile_m == 128
+    assert config(64, True, 8192, Features(varlen=True, local=True)).tile_m == 128
     for head_dim in SUPPORTED_HEAD_DIMS:
         for causal in (False, True):
             config(head_dim, causal, 256).validate(head_dim)
