@@ -54,6 +54,9 @@ from .variants import fwd_kernel_for, num_sms
 # The share of the SMs whose CTAs (one tile part each) already stream a
 # cache at the full rate: more parts only add partials and merge work.
 SPLIT_TARGET_SM_SHARE = 0.5
+# A split pays where the K/V blocks it takes off each tile's chain outweigh
+# the merge it adds: at least this many (docs/findings.md, "Decode").
+MIN_SPLIT_SAVED_BLOCKS = 6
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,13 @@ def choose_splits(tiles: int, n_blocks: int, sms: int) -> int:
     """Key ranges per tile from shapes only: the largest power of two whose
     tiles · splits stay within SPLIT_TARGET_SM_SHARE of the SMs, at most
     one K/V block a range and MAX_SPLITS; 1 where the tiles alone reach
-    that share (docs/findings.md, "Decode": the measured split counts)."""
+    that share, or where that split would take fewer than
+    MIN_SPLIT_SAVED_BLOCKS blocks off a tile (docs/findings.md, "Decode":
+    the measured split counts)."""
     most = max(1, min(MAX_SPLITS, n_blocks, int(SPLIT_TARGET_SM_SHARE * sms) // max(tiles, 1)))
-    return 1 << (most.bit_length() - 1)
+    splits = 1 << (most.bit_length() - 1)
+    saved_blocks = n_blocks - -(-n_blocks // splits)
+    return splits if saved_blocks >= MIN_SPLIT_SAVED_BLOCKS else 1
 
 
 @functools.lru_cache(maxsize=1024)

@@ -19,13 +19,22 @@ def test_splits_fill_half_the_sms_in_powers_of_two():
     assert decode.choose_splits(tiles=8, n_blocks=64, sms=132) == 8  # Llama-3-8B, batch 1
     assert decode.choose_splits(tiles=1, n_blocks=1024, sms=132) == 64  # one KV head
     assert decode.choose_splits(tiles=1, n_blocks=1024, sms=1024) == MAX_KV_SPLITS
+    # a split must take at least MIN_SPLIT_SAVED_BLOCKS blocks off a tile's
+    # chain to pay for the merge: a 1k cache at batch 4 (2 parts would save
+    # 4 of 8) runs unsplit, at batch 1 in 8 parts
+    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132) == 1
+    assert decode.choose_splits(tiles=8, n_blocks=8, sms=132) == 8
+    assert decode.choose_splits(tiles=32, n_blocks=16, sms=132) == 2
+    assert decode.choose_splits(tiles=1, n_blocks=6, sms=132) == 1
     for tiles in range(1, 200):
-        for n_blocks in (1, 3, 7, 64, 100, 1024):
+        for n_blocks in (1, 3, 7, 8, 12, 64, 100, 1024):
             splits = decode.choose_splits(tiles, n_blocks, 132)
             assert splits & (splits - 1) == 0 and 1 <= splits <= min(n_blocks, MAX_KV_SPLITS)
             assert splits == 1 or tiles * splits <= 66
-            # the next power of two would pass half the SMs or the blocks
-            assert tiles * 2 * splits > 66 or 2 * splits > n_blocks
+            if splits > 1:
+                # the next power of two would pass half the SMs or the blocks
+                assert tiles * 2 * splits > 66 or 2 * splits > n_blocks
+                assert n_blocks - -(-n_blocks // splits) >= decode.MIN_SPLIT_SAVED_BLOCKS
 
 
 @pytest.mark.parametrize("seqlen_q,heads,heads_kv", [
