@@ -297,18 +297,32 @@ class FwdConfig(_KernelConfig):
 # Sequences up to this many tokens (queries and keys) take the short-sequence
 # tiles of default_fwd_config.
 SHORT_SEQLEN = 1024
+# A sliding window whose rows see at least this many keys takes the wide
+# tiles of default_fwd_config (head dim 64).
+WIDE_WINDOW_KEYS = 2048
+
+
+def window_keys(window: tuple, seqlen_k: int) -> int:
+    """The most keys a row of a local kernel sees: left + right + 1, an
+    unbounded side (-1) counting every key."""
+    left, right = (seqlen_k if side < 0 else side for side in window)
+    return left + right + 1
 
 
 def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
                            features: Features, seqlen_q: int, seqlen_k: int,
-                           query_heads: int = 0, num_sms: int = 0) -> FwdConfig:
+                           query_heads: int = 0, num_sms: int = 0,
+                           window: tuple = (-1, -1)) -> FwdConfig:
     """The op's forward config for a problem: default_fwd_config, with the
-    short-sequence tiles where no sequence is longer than SHORT_SEQLEN, and
-    among those the narrower tile (narrow_fwd_config) where the short tile
-    leaves SMs idle: query_heads (batch x query heads) and num_sms give the
-    grid (0: unknown, no narrow tile)."""
+    short-sequence tiles where no sequence is longer than SHORT_SEQLEN, the
+    wide ones where a local kernel's window (left, right; -1 unbounded) lets
+    a row see WIDE_WINDOW_KEYS keys or more, and among the short ones the
+    narrower tile (narrow_fwd_config) where the short tile leaves SMs idle:
+    query_heads (batch x query heads) and num_sms give the grid (0: unknown,
+    no narrow tile)."""
     short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
-    config = default_fwd_config(head_dim, causal, head_dim_v, features, short)
+    wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
+    config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window)
     if not (short and query_heads > 0 and num_sms > 0 and features == PLAIN_FEATURES):
         return config
     narrow = narrow_fwd_config(head_dim, causal, head_dim_v)
@@ -356,7 +370,8 @@ def narrow_tiles_pay(tile_m: int, narrow_m: int, causal: bool, seqlen_q: int,
 
 @functools.lru_cache(maxsize=None)
 def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
-                       features: Features = PLAIN_FEATURES, short: bool = False) -> FwdConfig:
+                       features: Features = PLAIN_FEATURES, short: bool = False,
+                       wide_window: bool = False) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -379,7 +394,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       (160 split a 1k sequence into uneven steps);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
-      128-row tile: the 192-row one spills its window bounds.
+      128-row tile, unless the window is wide (wide_window: a row sees
+      WIDE_WINDOW_KEYS keys or more), where the 192-row tile's K/V reuse
+      outweighs the masked edges it adds.
     - a packed batch (varlen) takes the causal choices too (its tiles
       differ in length with their sequences) but keeps head dim 64's
       192-row tile: a sequence's last tile is partly empty, yet the wider
@@ -398,7 +415,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    if head_dim <= 64 and not features.local:
+    if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3, persistent=True,
                          dynamic_tiles=claimed, split_tail=not claimed,

@@ -145,7 +145,8 @@ def _fwd_plan(q, k, v, causal, window_left, window_right, softcap, sink) -> Nati
     scores = resolve(causal, window_left, window_right, softcap, q.shape[1], k.shape[1],
                      sink=sink)
     kernel, config, device_index = variants.fwd_kernel_for(q, v, scores.causal,
-                                                           features=scores.features)
+                                                           features=scores.features,
+                                                           window=scores.window)
     return NativeVariant(kernel, (_ffi_handle(kernel.fn),),
                          bytes(launch_plan.fwd_variant(config, v.shape[3])),
                          variants.num_sms(device_index),

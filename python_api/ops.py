@@ -79,7 +79,8 @@ def forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
         q, k = pad_head_dim(q, kernel_dim), pad_head_dim(k, kernel_dim)
     if kernel_dim_v != head_dim_v:  # zero columns of v give zero output columns
         v = pad_head_dim(v, kernel_dim_v)
-    kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.features)
+    kernel, config, device_index = fwd_kernel_for(q, v, scores.causal, config, scores.features,
+                                                  window=scores.window)
     if tail is not None:
         _check_forced_tail(config, q, tail)
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),

@@ -48,18 +48,19 @@ def _kernels():
 
 def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
                    config: FwdConfig | None = None, features: Features = PLAIN_FEATURES,
-                   out_dtype: torch.dtype | None = None):
+                   out_dtype: torch.dtype | None = None, window: tuple = (-1, -1)):
     """(compiled forward, its config, device index) for a problem: the device
     checked, `config` or the per-problem default. The op's Python path
     asks it per call, the C++ host layer's planner (native.py) once per problem.
-    out_dtype: the output's, for e4m3 inputs."""
+    out_dtype: the output's, for e4m3 inputs; window: a local kernel's
+    (scores.resolve's)."""
     device_index = _device_index(q)
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     if config is None:
         config = (fp8_fwd_config(head_dim, causal, features) if out_dtype is not None
                   else fwd_config_for_problem(head_dim, causal, head_dim_v, features,
                                               q.shape[1], v.shape[1], q.shape[0] * q.shape[2],
-                                              num_sms(device_index)))
+                                              num_sms(device_index), window))
     return (_kernels().get_fwd(q.dtype, head_dim, causal, config, head_dim_v, features,
                                out_dtype), config, device_index)
 

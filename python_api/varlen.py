@@ -157,8 +157,10 @@ def varlen_forward_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
     q, k = ops.pad_head_dim(q, kernel_dim), ops.pad_head_dim(k, kernel_dim)
     v = ops.pad_head_dim(v, kernel_dim_v)
     inputs = [_batch_of_one(q), _batch_of_one(k), _batch_of_one(v)]
+    # an unbounded side of the window reaches the longest sequence, not the batch
+    window = tuple(max_seqlen_k if side < 0 else side for side in scores.window)
     kernel, config, device_index = fwd_kernel_for(inputs[0], inputs[2], scores.causal, config,
-                                                  scores.features)
+                                                  scores.features, window=window)
     plan = launch_plan.plan_fwd(
         config, launch_plan.varlen_shape(q, k, v, batch, max_seqlen_q, max_seqlen_k),
         num_sms(device_index), None, scores.window,

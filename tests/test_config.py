@@ -36,7 +36,8 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
         packed = config(64, causal, 8192, varlen)
         assert packed.tile_m == 192 and packed.dynamic_tiles and not packed.split_tail
     assert config(64, True, 512, varlen).tile_m == 128
-    assert config(64, True, 8192, Features(varlen=True, local=True)).tile_m == 128
+    assert fwd_config_for_problem(64, False, None, Features(varlen=True, local=True), 8192,
+                                  8192, window=(1024, 0)).tile_m == 128
     for head_dim in SUPPORTED_HEAD_DIMS:
         for causal in (False, True):
             config(head_dim, causal, 256).validate(head_dim)
@@ -358,3 +359,28 @@ def test_head_dims_the_ops_take():
         [64, 64, 96, 96, 96, 128, 128, 128]  # zero-padded to the next kernel head dim
     assert [kernel_head_dim(d) for d in (136, 192, 200, 256)] == [192, 192, 256, 256]
     assert [kernel_head_dim(d) for d in (0, 4, 36, 100, 264, 512)] == [None] * 6
+
+
+def test_wide_windows_take_the_wide_tile_at_head_dim_64():
+    """A local kernel whose rows see WIDE_WINDOW_KEYS keys or more (an
+    unbounded side counting every key) takes head dim 64's 192-row tile,
+    claimed and never split; narrower windows and other head dims keep
+    their tiles."""
+    from cute_fa.kernels.config import WIDE_WINDOW_KEYS, fwd_config_for_problem, window_keys
+
+    local = Features(local=True)
+    assert window_keys((1024, 0), 8192) == 1025 and window_keys((-1, 100), 8192) == 8293
+
+    def tile_m(head_dim, window, features=local):
+        return fwd_config_for_problem(head_dim, False, None, features, 8192, 8192,
+                                      window=window).tile_m
+
+    assert tile_m(64, (WIDE_WINDOW_KEYS - 1, 0)) == 192
+    assert tile_m(64, (WIDE_WINDOW_KEYS - 2, 0)) == 128
+    assert tile_m(64, (1024, 1024)) == 192 and tile_m(64, (-1, 64)) == 192
+    assert tile_m(64, (1024, 0)) == 128 and tile_m(128, (4096, 0)) == 128
+    wide = fwd_config_for_problem(64, False, None, local, 8192, 8192, window=(4096, 0))
+    assert wide.dynamic_tiles and not wide.split_tail
+    wide.validate(64)
+    for features in (Features(local=True, softcap=True), Features(local=True, varlen=True)):
+        assert tile_m(64, (4096, 0), features) == 192

@@ -66,6 +66,15 @@ def test_window_forward_backward(head_dim, causal, window_size, seqlens):
     _check(q, k, v, g, causal, window_size, 0.0)
 
 
+@pytest.mark.parametrize("causal,window_size", [
+    (False, (2048, 0)), (True, (2100, -1)), (False, (1500, 700)), (False, (-1, 1000))])
+def test_wide_window_forward_backward(causal, window_size):
+    """Windows of 2048 keys or more take head dim 64's 192-row forward tile
+    (config.WIDE_WINDOW_KEYS)."""
+    q, k, v, g = _inputs(1, 2900, 3100, 4, 2, 64, torch.bfloat16, seed=window_size[0])
+    _check(q, k, v, g, causal, window_size, 0.0)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)),

@@ -108,6 +108,12 @@ def test_varlen_window_softcap(causal, window_size, softcap):
     _check(*RAGGED[0], causal=causal, window_size=window_size, softcap=softcap, seed=7)
 
 
+def test_varlen_wide_window():
+    """A window of 2048 keys or more at head dim 64 (the 192-row forward tile)."""
+    lens = [3000, 517, 2500]
+    _check(lens, lens, head_dim=64, causal=True, window_size=(2100, -1), seed=21)
+
+
 @pytest.mark.parametrize("heads,heads_kv", [(8, 1), (6, 6)])
 def test_varlen_gqa(heads, heads_kv):
     _check(*RAGGED[1], heads=heads, heads_kv=heads_kv, causal=True, seed=heads)
