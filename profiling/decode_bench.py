@@ -126,14 +126,55 @@ def _callable(name, q, k, v, table, lengths):
         run()  # a backend that refuses the shape says so here
         return run
     if name == "flashinfer":
-        try:
-            import flashinfer  # noqa: F401
-        except Exception as exc:
-            raise BackendUnavailable(f"flashinfer not importable here: {type(exc).__name__}: "
-                              f"{exc}") from None
-        raise BackendUnavailable("flashinfer is importable but its decode wrapper is not wired in "
-                          "this benchmark yet")
+        return _flashinfer(q, k, v, table, lengths)
     raise ValueError(f"backend: expected cute or one of {PEERS}, got {name!r}")
+
+
+# FlashInfer's recommended workspace for its split-KV decode
+FLASHINFER_WORKSPACE_BYTES = 128 << 20
+# the pages a contiguous cache is viewed as for FlashInfer (its split-KV
+# decode splits sequences at page boundaries; docs/findings.md, "Decode")
+FLASHINFER_PAGE_SIZE = 64
+
+
+def _flashinfer(q, k, v, table, lengths, page_size=FLASHINFER_PAGE_SIZE):
+    """FlashInfer's batch decode (BatchDecodeWithPagedKVCacheWrapper, one
+    query token) on the same cache: a paged one through its page table, a
+    contiguous one (b, n, h_kv, d) viewed as pages of `page_size` tokens (the
+    same memory, no copy). Planned once here, as a server plans a step's
+    batch; tensor cores where the GQA group is 4 or more, as its
+    documentation advises for large groups."""
+    try:
+        import flashinfer
+    except Exception as exc:
+        raise BackendUnavailable(f"flashinfer not importable here: {type(exc).__name__}: "
+                                 f"{exc}") from None
+    batch, seqlen_q, heads, head_dim = q.shape
+    if seqlen_q != 1:
+        raise BackendUnavailable("flashinfer: its batch decode takes one query token")
+    heads_kv = k.shape[2]
+    device = q.device
+    if table is None:
+        capacity = k.shape[1]
+        if capacity % page_size:
+            raise BackendUnavailable(f"flashinfer: a contiguous cache of {capacity} tokens is no "
+                                     f"whole number of {page_size}-token pages")
+        k, v = (t.view(batch * capacity // page_size, page_size, heads_kv, t.shape[3])
+                for t in (k, v))
+        pages_per_sequence = capacity // page_size
+        indices = torch.arange(batch * pages_per_sequence, dtype=torch.int32, device=device)
+    else:
+        page_size, pages_per_sequence = k.shape[1], table.shape[1]
+        indices = table.reshape(-1).int()
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per_sequence
+    last_page_len = (lengths - (pages_per_sequence - 1) * page_size).int()
+    workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=heads // heads_kv >= 4)
+    wrapper.plan(indptr, indices, last_page_len, heads, heads_kv, head_dim, page_size,
+                 q_data_type=q.dtype, kv_data_type=k.dtype)
+    tokens = q[:, 0]
+    return lambda: wrapper.run(tokens, (k, v))
 
 
 def build_parser():
