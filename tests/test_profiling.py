@@ -485,3 +485,49 @@ def test_decode_bench_pages_hold_the_dense_tokens():
                                           torch.device("cpu"))
     assert set(fns) == {"cute", "copy"}
     assert "no paged KV cache" in missing["sdpa_flash"] and "flashinfer" in missing
+
+
+class _FakeDecodeWrapper:
+    """Records what the decode benchmark plans and runs with FlashInfer."""
+
+    def __init__(self, workspace, layout, use_tensor_cores):
+        self.layout, self.use_tensor_cores = layout, use_tensor_cores
+
+    def plan(self, indptr, indices, last_page_len, heads, heads_kv, head_dim, page_size,
+             **kwargs):
+        self.planned = (indptr.tolist(), indices.tolist(), last_page_len.tolist(), heads,
+                        heads_kv, head_dim, page_size)
+
+    def run(self, q, caches):
+        self.ran = (q.shape, [t.shape for t in caches])
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_decode_bench_flashinfer_sees_the_same_pages(monkeypatch, page_size):
+    """FlashInfer's decode gets the benchmark's paged cache through its table,
+    and a contiguous cache viewed as pages of FLASHINFER_PAGE_SIZE tokens,
+    one query token per sequence; several are refused with the reason."""
+    import sys
+    import types
+
+    from cute_fa.profiling import decode_bench
+    from cute_fa.attention_backends import BackendUnavailable
+
+    wrappers = []
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=lambda *a, **kw: (
+        wrappers.append(_FakeDecodeWrapper(*a, **kw)) or wrappers[-1]))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    problem = dict(shape="70b_tp8", heads=8, heads_kv=1, batch=2, cache=256, seqlen_q=1,
+                   page_size=page_size, kv_bytes=decode_bench.kv_bytes(2, 256, 1))
+    q, k, v, table = decode_bench._caches(problem, torch.device("cpu"))
+    lengths = torch.full((2,), 256, dtype=torch.int32)
+    decode_bench._callable("flashinfer", q, k, v, table, lengths)()
+    w = wrappers[-1]
+    assert w.layout == "NHD" and w.use_tensor_cores  # a group of 8
+    page = page_size or decode_bench.FLASHINFER_PAGE_SIZE
+    pages = 256 // page
+    indices = table.reshape(-1).tolist() if page_size else list(range(2 * pages))
+    assert w.planned == ([0, pages, 2 * pages], indices, [page, page], 8, 1, 128, page)
+    assert w.ran == ((2, 8, 128), [(2 * pages, page, 1, 128)] * 2)
+    with pytest.raises(BackendUnavailable, match="one query token"):
+        decode_bench._callable("flashinfer", torch.cat([q, q], 1), k, v, table, lengths)
