@@ -500,12 +500,13 @@ def decode_fwd_config(head_dim: int, head_dim_v: int | None = None) -> FwdConfig
     warpgroup per tile (no ping-pong partner); tiles dealt in a fixed order
     (the split count aims at one wave of them, and no tile counter needs
     zeroing before each call); 128 keys a step in two stages, 64 above head
-    dim 128 (docs/findings.md, "Decode"); 40 registers for the producer,
-    whose page lookups spill at 24 (split and paged, head dim 64)."""
+    dim 128 (docs/findings.md, "Decode"); 56 registers for the producer,
+    which holds a block's page numbers (up to 8) through the wait for its
+    stage: they spill at 40 (pages of 16, split, head dim 128)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tile_n = 128 if max(head_dim, head_dim_v) <= 128 else 64
     return FwdConfig(tile_m=64, tile_n=tile_n, kv_stages=2, pingpong=False, persistent=True,
-                     dynamic_tiles=False, split_tail=False, producer_regs=40)
+                     dynamic_tiles=False, split_tail=False, producer_regs=56)
 
 
 @dataclass(frozen=True)

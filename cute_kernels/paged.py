@@ -74,22 +74,29 @@ class KvStream(DslStruct):
 
     @cute.jit
     def load(self, atom, pipe, state, n_block: Int32, blocks: KvBlocks):
-        pipe.producer_acquire(state)
-        barrier = pipe.producer_get_barrier(state)
+        # The block's pages are read from the table before the stage is
+        # waited for: their round trip to memory overlaps the wait instead of
+        # delaying the TMA loads after it.
         if cutlass.const_expr(self.load_rows == self.tile_n):
-            cute.copy(atom, blocks.block(self.g, self.batch, n_block), self.s[None, state.index],
-                      tma_bar_ptr=barrier)
+            g_block = blocks.block(self.g, self.batch, n_block)
+            pipe.producer_acquire(state)
+            cute.copy(atom, g_block, self.s[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
         else:
             per_block = self.tile_n // self.load_rows
             # a last block's pages past the table stay in it (their rows are masked)
             last = blocks.page_table.shape[2] - 1
+            pages = []
             for i in cutlass.range_constexpr(per_block):
-                page = blocks.page_table[0, self.batch,
-                                         cutlass.min(n_block * per_block + i, last)]
-                box = (self.load_rows, self.cols)
+                pages.append(blocks.page_table[0, self.batch,
+                                               cutlass.min(n_block * per_block + i, last)])
+            pipe.producer_acquire(state)
+            barrier = pipe.producer_get_barrier(state)
+            box = (self.load_rows, self.cols)
+            for i in cutlass.range_constexpr(per_block):
                 s_view, g_view = tma_views(
                     atom, cute.local_tile(self.s[None, None, state.index], box, (i, 0)),
-                    cute.local_tile(self.g[None, None, self.head_kv, page], box, (0, 0)),
+                    cute.local_tile(self.g[None, None, self.head_kv, pages[i]], box, (0, 0)),
                     staged=False)
                 cute.copy(atom, g_view, s_view, tma_bar_ptr=barrier)
         return state
