@@ -25,24 +25,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .head_rows import THREADS, HeadRowKernel
 from .varlen import Seqlens
 
-THREADS = 128
-PIECE_BYTES = 16
 
-
-class RowGaps:
-    """One compiled kernel per (dtype, head_dim, head_dim_v)."""
-
-    def __init__(self, dtype, head_dim: int, head_dim_v: int):
-        self.piece = PIECE_BYTES * 8 // dtype.width
-        for name, dim in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
-            if dim % self.piece:
-                raise ValueError(f"{name}: expected a multiple of {self.piece} ({PIECE_BYTES} "
-                                 f"bytes of {dtype}), got {dim}")
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
+class RowGaps(HeadRowKernel):
+    """The zeroing of the gaps (this module's docstring)."""
 
     @cute.jit
     def __call__(self, mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
