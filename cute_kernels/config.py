@@ -405,8 +405,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if features.block_sparse:
         return block_sparse_fwd_config(head_dim, head_dim_v)
-    local = features.local or features.varlen
-    claimed = causal or local
+    claimed = causal or features.local or features.varlen
     if head_dim > 128:
         tile_n = 80 if head_dim > 192 else 128 if head_dim_v <= 128 else 112
         # split_tail's merge spills there
