@@ -188,6 +188,10 @@ class FwdConfig(_KernelConfig):
         exponent within fp32's and bf16's range (softcap.py), the main loop
         keeps no running row maximum and never rescales O; otherwise, and
         False, a running maximum as for unbounded scores.
+    skip_unmoved_rescale: a warp none of whose rows raised its running
+        maximum on a step skips O's rescale (a vote and a branch; softmax.py):
+        fewer instructions in a softmax-bound step, but a branch that ptxas
+        does not schedule across.
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
@@ -213,6 +217,7 @@ class FwdConfig(_KernelConfig):
     rescale_o_before_pv: bool = False
     o_in_v_smem: bool = False
     bounded_softmax: bool = True
+    skip_unmoved_rescale: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -474,7 +479,10 @@ def fp8_fwd_config(head_dim: int, causal: bool,
     windows, the split tail otherwise. The FP8 GEMMs take half the 16-bit
     ones' time against the same softmax, so the key tile is wider where
     the registers allow (more independent work per softmax), and ping-pong
-    stays only where it measured faster (profiling.sweep, the FP8 report)."""
+    stays only where it measured faster (profiling.sweep, the FP8 report):
+    head dim 128 non-causal, with its 224-key tile. Without it a warp skips O's rescale on the
+    steps where none of its rows' maxima rose (skip_unmoved_rescale); with
+    it that branch measured slower than the multiplies."""
     claimed = causal or features.local
     producer_regs, consumer_regs = 56, 224
     if head_dim <= 64:
@@ -485,11 +493,14 @@ def fp8_fwd_config(head_dim: int, causal: bool,
         tile_n, pingpong, pv_wait = 224, True, 0
         producer_regs, consumer_regs = 40, 232  # tile_n 224 spills with 224
     else:
-        tile_n, pingpong, pv_wait = 64, True, 0
+        tile_n, pingpong, pv_wait = 64, False, 0
+        if head_dim > 192 and not claimed:  # the split tail's merge spills with 224
+            producer_regs, consumer_regs = 40, 232
     return FwdConfig(tile_m=128, tile_n=tile_n, kv_stages=2, pingpong=pingpong,
                      persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
-                     pv_wait_after_exp2=pv_wait, producer_regs=producer_regs,
-                     consumer_regs=consumer_regs, transpose_warps=3)
+                     pv_wait_after_exp2=pv_wait, skip_unmoved_rescale=not pingpong,
+                     producer_regs=producer_regs, consumer_regs=consumer_regs,
+                     transpose_warps=3)
 
 
 @functools.lru_cache(maxsize=None)

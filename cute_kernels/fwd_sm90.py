@@ -626,7 +626,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
         softmax = OnlineSoftmax.create(softmax_scale_log2,
                                        cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]),
-                                       per_tile_scale=self.fp8)
+                                       per_tile_scale=self.fp8,
+                                       skip_unmoved=self.cfg.skip_unmoved_rescale)
         pingpong = PingPong(self.consumer_wgs, self.cfg.pingpong)
         pingpong.start(wg)
         o_scale = cute.make_rmem_tensor(softmax.rows, Float32)
@@ -751,7 +752,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             release(pipes.q, q_state)
             # Last P·V.
             if cutlass.const_expr(self.rescales_before_pv(me)):
-                me.softmax.rescale_o(me.acc_o, me.o_scale)
+                me.softmax.rescale_o_where_moved(me.acc_o, me.o_scale)
             wait_full(pipes.v, kv_state)
             wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, kv_state.index],
                        zero_init=False, wait_groups=0)
@@ -814,7 +815,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                    zero_init=True, wait_groups=-1)
         if cutlass.const_expr(self.rescales_before_pv(me)):
             # for P_{j+1}'s maximum, while S_j's GEMM runs
-            me.softmax.rescale_o(me.acc_o, me.o_scale)
+            me.softmax.rescale_o_where_moved(me.acc_o, me.o_scale)
         wait_full(pipes.v, v_state)
         wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, v_state.index],
                    zero_init=False, wait_groups=-1)
@@ -834,7 +835,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(self.rescales_before_pv(me)):
             me.o_scale.store(rescale.load())
         elif cutlass.const_expr(me.softmax.rescales):
-            me.softmax.rescale_o(me.acc_o, rescale)
+            me.softmax.rescale_o_where_moved(me.acc_o, rescale)
         self._convert_p(acc_s, me.p)
         return kv_state
 
@@ -856,7 +857,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         rescale = me.softmax.update(acc_s, is_first=is_first)
         self._convert_p(acc_s, me.p)
         if cutlass.const_expr(me.softmax.rescales):
-            me.softmax.rescale_o(me.acc_o, rescale)
+            me.softmax.rescale_o_where_moved(me.acc_o, rescale)
         wait_full(pipes.v, kv_state)
         me.pingpong.wait_turn(me.wg)
         wgmma.gemm(me.mma_pv, me.acc_o, me.p, me.vt[None, None, None, kv_state.index],

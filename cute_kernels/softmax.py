@@ -6,6 +6,14 @@ constant so each probability is one FFMA and one ex2:
 A row is shared by the 4 threads of a quad: the running max is reduced with
 two butterfly shuffles per update; the running sum stays a per-thread partial
 until `finalize`, which reduces it once.
+
+With skip_unmoved, a row whose maximum did not rise on a step has the O
+rescale factor 1.0 exactly, and a warp whose rows all kept theirs skips O's
+rescale (`rescale_o_where_moved`): dv / 2 multiplies a thread at 64 rows,
+an issue slot each, on the path of a softmax-bound step. The plain rescale
+multiplies those rows by exp2's approximation of 2^0 (an ulp or so from
+1.0), which is all that differs.
+
 Rows with no visible key keep m = -inf and l = 0: they produce O = 0 and
 LSE = -inf (the log of an empty sum), never NaN.
 
@@ -50,12 +58,15 @@ class OnlineSoftmax(DslStruct):
     row_sum: cute.Tensor
     tile_scale: cute.Tensor | None = None
     fixed_offset: Float32 | None = None
+    skip_unmoved: bool = False
 
     @staticmethod
-    def create(scale_log2: Float32, rows: int, per_tile_scale: bool = False) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, rows: int, per_tile_scale: bool = False,
+               skip_unmoved: bool = False) -> "OnlineSoftmax":
         tile_scale = cute.make_rmem_tensor(1, Float32) if per_tile_scale else None
         return OnlineSoftmax(scale_log2, rows, cute.make_rmem_tensor(rows, Float32),
-                             cute.make_rmem_tensor(rows, Float32), tile_scale)
+                             cute.make_rmem_tensor(rows, Float32), tile_scale,
+                             skip_unmoved=skip_unmoved)
 
     def set_tile_scale(self, scale_log2: Float32):
         self.tile_scale[0] = scale_log2
@@ -69,7 +80,7 @@ class OnlineSoftmax(DslStruct):
         expression; a row with no visible key still ends with a zero sum."""
         self.row_max.fill(offset / self.scale)
         return OnlineSoftmax(self.scale_log2, self.rows, self.row_max, self.row_sum,
-                             self.tile_scale, offset)
+                             self.tile_scale, offset, self.skip_unmoved)
 
     @property
     def rescales(self) -> bool:
@@ -85,8 +96,9 @@ class OnlineSoftmax(DslStruct):
     def update(self, acc_s: cute.Tensor,
                is_first: cutlass.Constexpr[bool]) -> cute.Tensor | None:
         """Turn scores into probabilities in place; return each row's O
-        rescale factor (the old maximum's weight against the new one);
-        with a fixed reference, None: O keeps its scale."""
+        rescale factor (the old maximum's weight against the new one; with
+        skip_unmoved exactly 1.0 where it did not rise); with a fixed
+        reference, None: O keeps its scale."""
         s = acc_rows_cols(acc_s)
         rescale = None
         if cutlass.const_expr(self.rescales):
@@ -127,6 +139,10 @@ class OnlineSoftmax(DslStruct):
         else:
             factor = cute.math.exp2(self.row_max[r] * self.scale + neg_max_scaled,
                                     fastmath=True)
+            if cutlass.const_expr(self.skip_unmoved):
+                # exp2's approximation of exp2(0) need not be 1.0 exactly
+                factor = Float32(cutlass.select_(ref_max == self.row_max[r], Float32(1.0),
+                                                 factor))
             rescale[r] = factor
             self.row_sum[r] = self.row_sum[r] * factor + row_sum
         self.row_max[r] = ref_max
@@ -136,6 +152,21 @@ class OnlineSoftmax(DslStruct):
         o = acc_rows_cols(acc_o)
         for r in cutlass.range_constexpr(self.rows):
             o[r, None].store(o[r, None].load() * rescale[r])
+
+    @cute.jit
+    def rescale_o_where_moved(self, acc_o: cute.Tensor, rescale: cute.Tensor):
+        """With skip_unmoved, rescale_o skipped by a warp none of whose rows
+        moved its reference (every factor 1.0: the multiplies would change
+        nothing); otherwise rescale_o, which ptxas may interleave with the
+        exponentials."""
+        if cutlass.const_expr(not self.skip_unmoved):
+            self.rescale_o(acc_o, rescale)
+        else:
+            moved = cutlass.Boolean(False)
+            for r in cutlass.range_constexpr(self.rows):
+                moved = moved | (rescale[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                self.rescale_o(acc_o, rescale)
 
     @cute.jit
     def finalize(self, acc_o: cute.Tensor, o_factor: Float32 | None = None) -> cute.Tensor:
