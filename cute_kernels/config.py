@@ -467,9 +467,22 @@ def block_sparse_tiles(head_dim: int, head_dim_v: int) -> tuple:
 FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
+# Causal e4m3 problems whose rows see at least this many keys take the wide
+# key tile of fp8_fwd_config at head dim 128.
+FP8_WIDE_CAUSAL_KEYS = 4096
+
+
+def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
+                           seqlen_k: int) -> FwdConfig:
+    """The op's e4m3 forward config for a problem: fp8_fwd_config, with the
+    wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or more."""
+    wide_causal = causal and not features.local and seqlen_k >= FP8_WIDE_CAUSAL_KEYS
+    return fp8_fwd_config(head_dim, causal, features, wide_causal)
+
+
 @functools.lru_cache(maxsize=None)
-def fp8_fwd_config(head_dim: int, causal: bool,
-                   features: Features = PLAIN_FEATURES) -> FwdConfig:
+def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATURES,
+                   wide_causal: bool = False) -> FwdConfig:
     """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS): 128-row tiles of
     two consumer warpgroups, in two stages each of V and Vᵀ; the producer
     warpgroup's three spare warps transpose V with 56 registers per thread
@@ -482,13 +495,17 @@ def fp8_fwd_config(head_dim: int, causal: bool,
     stays only where it measured faster (profiling.sweep, the FP8 report):
     head dim 128 non-causal, with its 224-key tile. Without it a warp skips O's rescale on the
     steps where none of its rows' maxima rose (skip_unmoved_rescale); with
-    it that branch measured slower than the multiplies."""
+    it that branch measured slower than the multiplies. Causal at head dim
+    128 over long rows (wide_causal, fp8_config_for_problem): 192 keys a
+    step, whose masked diagonal costs less than the wider tile gains."""
     claimed = causal or features.local
     producer_regs, consumer_regs = 56, 224
     if head_dim <= 64:
         tile_n, pingpong, pv_wait = 192 if claimed else 256, False, 8
     elif head_dim <= 128 and claimed:
-        tile_n, pingpong, pv_wait = 128, False, 8
+        tile_n, pingpong, pv_wait = 192 if wide_causal else 128, False, 8
+        if wide_causal:
+            producer_regs = 40
     elif head_dim <= 128:
         tile_n, pingpong, pv_wait = 224, True, 0
         producer_regs, consumer_regs = 40, 232  # tile_n 224 spills with 224

@@ -13,7 +13,7 @@ on a short version of the problem (same config, head dim, causal, GQA;
 seqlen_q/k cut to --check-seqlen and made ragged): the output (forward) or
 dQ, dK, dV (backward) within twice torch's low-precision error; an e4m3
 forward (--dtype e4m3: q, k, v quantized per (batch, KV head), the base
-config fp8_fwd_config) within 1.5x the RMSE of the emulation of its
+config fp8_config_for_problem's) within 1.5x the RMSE of the emulation of its
 arithmetic (cute_fa.fp8), both against the dequantized inputs' attention; under
 --block-mask, the block-sparse kernels (base config: the op's for a block
 mask) on that mask of profiling.sparse_bench, checked against the reference
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, bwd_config_for_problem,
-                                    fp8_fwd_config, fwd_config_for_problem)
+                                    fp8_config_for_problem, fwd_config_for_problem)
 from cute_fa.variants import num_sms
 
 from .cli import (Progress, add_kernel_option, command_parser, config_vary, positive_int,
@@ -192,7 +192,7 @@ def main(argv=None):
                                       heads // args.gqa, num_sms(torch.cuda.current_device()),
                                       features, args.head_dim_v)
     elif args.dtype == "e4m3":
-        base = fp8_fwd_config(args.head_dim, causal)
+        base = fp8_config_for_problem(args.head_dim, causal, features, args.seqlen)
     else:
         base = fwd_config_for_problem(args.head_dim, causal, args.head_dim_v, features,
                                       args.seqlen, args.seqlen, batch * heads,

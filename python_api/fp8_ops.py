@@ -113,7 +113,7 @@ def _fwd_fp8_cpu(q, k, v, q_descale=None, k_descale=None, v_descale=None, softma
 def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
                      softmax_scale=None, causal=False, out_dtype=None, config=None, tail=None):
     """The e4m3 forward kernel by its launch plan; `config` overrides the
-    default (config.fp8_fwd_config), `tail` a split_tail config's split
+    default (config.fp8_config_for_problem), `tail` a split_tail config's split
     (profiling.sweep)."""
     out_dtype = out_dtype or torch.bfloat16
     batch, seqlen_q, heads, _ = q.shape

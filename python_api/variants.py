@@ -10,7 +10,7 @@ import functools
 import torch
 
 from .kernels.config import (PLAIN_FEATURES, BwdConfig, FwdConfig, Features,
-                             bwd_config_for_problem, fp8_fwd_config,
+                             bwd_config_for_problem, fp8_config_for_problem,
                              fwd_config_for_problem)
 from .validate import check_cuda_device
 
@@ -57,7 +57,8 @@ def fwd_kernel_for(q: torch.Tensor, v: torch.Tensor, causal: bool,
     device_index = _device_index(q)
     head_dim, head_dim_v = q.shape[3], v.shape[3]
     if config is None:
-        config = (fp8_fwd_config(head_dim, causal, features) if out_dtype is not None
+        config = (fp8_config_for_problem(head_dim, causal, features, v.shape[1])
+                  if out_dtype is not None
                   else fwd_config_for_problem(head_dim, causal, head_dim_v, features,
                                               q.shape[1], v.shape[1], q.shape[0] * q.shape[2],
                                               num_sms(device_index), window))

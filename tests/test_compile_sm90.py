@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd, get_fwd
-from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, FwdConfig, bwd_config_for_problem,
-                                    default_bwd_config, default_fwd_config, fp8_fwd_config)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_WIDE_CAUSAL_KEYS, PLAIN_FEATURES,
+                                    Features, FwdConfig, bwd_config_for_problem,
+                                    default_bwd_config, default_fwd_config,
+                                    fp8_config_for_problem)
 from cute_fa.profiling.kernel_info import dumped_kernel_info
 
 
@@ -89,7 +91,7 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
     where they differ from the long ones, and the narrower tiles of a grid
     short of SMs (batch 1, 16 query heads): warp-specialised, spill-free."""
-    from cute_fa.kernels.config import PLAIN_FEATURES, SHORT_SEQLEN, fwd_config_for_problem
+    from cute_fa.kernels.config import SHORT_SEQLEN, fwd_config_for_problem
 
     config = fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, SHORT_SEQLEN,
                                     SHORT_SEQLEN, query_heads, 132)
@@ -100,12 +102,13 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     _assert_no_spills(info)
 
 
-@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_fp8_forward_kernel(tmp_path, head_dim, causal):
+@pytest.mark.parametrize("head_dim, causal, seqlen_k", [
+    *((d, causal, 1024) for d in FP8_HEAD_DIMS for causal in (False, True)),
+    (128, True, FP8_WIDE_CAUSAL_KEYS)])
+def test_fp8_forward_kernel(tmp_path, head_dim, causal, seqlen_k):
     """e4m3 Q·Kᵀ and P·V on FP8 WGMMA (QGMMA), P converted to e4m3 in
     registers, V transposed in shared memory with byte permutes, O bf16."""
-    config = fp8_fwd_config(head_dim, causal)
+    config = fp8_config_for_problem(head_dim, causal, PLAIN_FEATURES, seqlen_k)
     compile_fwd(torch.float8_e4m3fn, head_dim, causal, config, dump_dir=str(tmp_path),
                 out_dtype=torch.bfloat16)
     ptx = _ptx(tmp_path)

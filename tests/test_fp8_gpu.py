@@ -66,6 +66,8 @@ SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv, d, causal
     (2, 129, 640, 2, 1, 256, False),
     (1, 190, 190, 4, 2, 96, False),
     (1, 511, 400, 2, 2, 192, True),
+    (1, 4097, 4097, 2, 2, 128, True),  # rows long enough for the wide causal tile
+    (1, 300, 4600, 2, 1, 128, True),
 ]
 
 
