@@ -486,18 +486,19 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
     """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS): 128-row tiles of
     two consumer warpgroups, in two stages each of V and Vᵀ; the producer
     warpgroup's three spare warps transpose V with 56 registers per thread
-    (40 where the consumers need 232), the consumers 224 (of the 504 that
-    three warpgroups have at launch).
+    (40 where the consumers need 232, and beside the wide causal tile), the
+    consumers 224 (of the 504 that three warpgroups have at launch).
     Scheduling as the 16-bit kernels': claimed tiles for causal and
     windows, the split tail otherwise. The FP8 GEMMs take half the 16-bit
     ones' time against the same softmax, so the key tile is wider where
     the registers allow (more independent work per softmax), and ping-pong
     stays only where it measured faster (profiling.sweep, the FP8 report):
-    head dim 128 non-causal, with its 224-key tile. Without it a warp skips O's rescale on the
-    steps where none of its rows' maxima rose (skip_unmoved_rescale); with
-    it that branch measured slower than the multiplies. Causal at head dim
-    128 over long rows (wide_causal, fp8_config_for_problem): 192 keys a
-    step, whose masked diagonal costs less than the wider tile gains."""
+    head dim 128 non-causal, with its 224-key tile. Without it a warp
+    skips O's rescale on the steps where none of its rows' maxima rose
+    (skip_unmoved_rescale); with it that branch measured slower than the
+    multiplies. Causal at head dim 128 over long rows (wide_causal,
+    fp8_config_for_problem): 192 keys a step, whose masked diagonal costs
+    less there than the wider tile gains."""
     claimed = causal or features.local
     producer_regs, consumer_regs = 56, 224
     if head_dim <= 64:
