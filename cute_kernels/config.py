@@ -195,7 +195,8 @@ class FwdConfig(_KernelConfig):
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
-        whose K/V fit in this many MB of L2 (scheduler.py).
+        whose K/V fit in this many MB of L2, a power of two of them
+        (scheduler.py).
     kv_load_rows: 0, or (paged_kv) the page size where it is below tile_n:
         each K/V block then arrives as tile_n / kv_load_rows TMA loads, one
         per page, into one stage (paged.py).
@@ -604,7 +605,8 @@ class BwdConfig(_KernelConfig):
         FwdConfig.dynamic_tiles; the preprocess zeroes the counter. Not with
         deterministic (its semaphore counts turns).
     l2_section_mb: causal key blocks run longest-first inside sections of
-        heads whose Q, dO and dQ accumulator fit in this many MB of L2.
+        heads whose Q, dO and dQ accumulator fit in this many MB of L2, a
+        power of two of them (scheduler.py).
     producer_regs / consumer_regs: setmaxnreg targets.
     """
 

@@ -22,10 +22,14 @@ the other roles. The order:
   forward the last query blocks visit the most K/V blocks; in the backward the
   first key blocks are seen by the most query blocks. Those start first and
   short ones fill the tail. A section holds as many (batch, head) pairs as
-  have their shared operands fitting in the config's `l2_section_mb`: all
-  blocks of those heads run close together in time and share them through L2
-  (with a global LPT order, CTAs running at once would all read different
-  heads and every block would re-read them from HBM).
+  have their shared operands fitting in the config's `l2_section_mb`, rounded
+  down to a power of two: all blocks of those heads run close together in
+  time and share them through L2 (with a global LPT order, CTAs running at
+  once would all read different heads and every block would re-read them
+  from HBM). With other counts the claims fell unevenly at the end: at 3
+  heads of 64 blocks a section (d192/128 causal 8k) the last section's
+  longest blocks started when each SM had less than that block's work
+  left, and SMs idled (docs/findings.md).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ class TileScheduler(DslStruct):
         """shared_rows · row_bytes: what the tiles of heads_per_share heads read in
         common (forward: seqlen_k rows of K and V, shared by a KV group's query heads)."""
         share_bytes = shared_rows * row_bytes
-        shares = cutlass.max(Int32(l2_section_bytes) // cutlass.max(share_bytes, 1), 1)
+        fitting = cutlass.max(Int32(l2_section_bytes) // cutlass.max(share_bytes, 1), 1)
+        shares = Int32(1) << (Int32(31) - Int32(cute.arch.clz(fitting)))  # a power of two
         return TileScheduler(num_blocks, num_heads, num_batch, shares * heads_per_share,
                              longest_first, first_block_longest)
 
