@@ -817,8 +817,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     - head dim 192: 96 keys per CTA with the scores untransposed (keys_on_n),
       64 queries per step, the dQ slabs, Q/dO rings of two stages at
       head_dim_v 128; at 192, where those do not fit in shared memory, one
-      dO stage and one dSᵀ buffer; with split_gqa or a block mask as head
-      dim 256:
+      dO stage and one dSᵀ buffer; causal L2 sections of 32 MB; with
+      split_gqa or a block mask as head dim 256:
     - head dim 256: 64 keys per CTA shared by two warpgroups that split dK
       and dV by head dim (dim_split 2), 64 queries per step, LSE₂ early,
       Q/dO rings of two stages with the dQ slabs where both fit in shared
@@ -832,7 +832,7 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
             and head_dim_v % WGMMA_M == 0):
         config = BwdConfig(tile_m=64, tile_n=96, keys_on_n=True, qdo_stages=2,
                            deterministic=deterministic, stats_early=True,
-                           dynamic_tiles=dynamic_tiles)
+                           dynamic_tiles=dynamic_tiles, l2_section_mb=32)
         # the dQ slabs over a second dO stage and dSᵀ buffer where not all fit
         # (dv 192)
         for fallback in (config, config.replace(do_stages=1, ds_buffers=1)):
