@@ -473,12 +473,38 @@ FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
 FP8_WIDE_CAUSAL_KEYS = 4096
 
 
+# The non-causal e4m3 key tiles at head dims 96 and 128 (ping-pong, 40 / 232
+# registers): the time of a key column in each, relative to the widest, on
+# rows long enough that a tile's pipeline fill and drain do not count
+# (measured at 128, docs/findings.md), and what fill and drain cost, in steps
+# of the tile's own width.
+FP8_KEY_TILE_COST = {128: 1.139, 160: 1.076, 192: 1.066, 224: 1.0}
+FP8_TILE_FIXED_STEPS = 2
+
+
+def fp8_key_tile(seqlen_k: int) -> int:
+    """The key tile of FP8_KEY_TILE_COST that finishes a row of seqlen_k keys
+    soonest: its steps (the last padded to the tile) and the fixed ones, each
+    its width at its rate. Short rows take narrower tiles, whose last step
+    pads less and whose fill and drain are shorter."""
+    def cost(tile_n: int) -> float:
+        steps = -(-seqlen_k // tile_n) + FP8_TILE_FIXED_STEPS
+        return steps * tile_n * FP8_KEY_TILE_COST[tile_n]
+
+    return min(FP8_KEY_TILE_COST, key=cost)
+
+
 def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
                            seqlen_k: int) -> FwdConfig:
     """The op's e4m3 forward config for a problem: fp8_fwd_config, with the
-    wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or more."""
+    wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or more,
+    and the non-causal key tile of head dims 96 and 128 fitted to the row
+    (fp8_key_tile)."""
     wide_causal = causal and not features.local and seqlen_k >= FP8_WIDE_CAUSAL_KEYS
-    return fp8_fwd_config(head_dim, causal, features, wide_causal)
+    config = fp8_fwd_config(head_dim, causal, features, wide_causal)
+    if config.tile_n in FP8_KEY_TILE_COST and config.pingpong:
+        config = config.replace(tile_n=fp8_key_tile(seqlen_k))
+    return config
 
 
 @functools.lru_cache(maxsize=None)
@@ -494,7 +520,8 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
     ones' time against the same softmax, so the key tile is wider where
     the registers allow (more independent work per softmax), and ping-pong
     stays only where it measured faster (profiling.sweep, the FP8 report):
-    head dim 128 non-causal, with its 224-key tile. Without it a warp
+    head dim 128 non-causal, with its 224-key tile (narrower on short rows:
+    fp8_config_for_problem). Without it a warp
     skips O's rescale on the steps where none of its rows' maxima rose
     (skip_unmoved_rescale); with it that branch measured slower than the
     multiplies. Causal at head dims 96 and 128 over long rows (wide_causal,

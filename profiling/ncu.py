@@ -4,13 +4,16 @@ by kernel name.
     python -m cute_fa.profiling.ncu --head-dim 128 --seqlen 8192 --causal
     python -m cute_fa.profiling.ncu --backend fa4 --seqlen 8192 --out ncu_out/fa4
     python -m cute_fa.profiling.ncu --direction bwd --causal --clocks none --source
+    python -m cute_fa.profiling.ncu --dtype e4m3 --seqlen 2048 --config tile_n=128
 
 Writes <out>.ncu-rep, <out>_raw.csv and <out>.txt (the metrics that matter
 for attention: tensor-pipe utilisation, SM/DRAM throughput, warp stall
 reasons, shared-memory bank conflicts, registers, local-memory spills) and
 prints the summary. The report is this command's product: without --out it
 goes into a fresh temporary folder, whose path is printed. The same problem,
-config and backend names as profiling.bench. --source adds the per-instruction view
+config and backend names as profiling.bench; --dtype e4m3 profiles our FP8
+forward (q, k, v quantized per (batch, KV head) as profiling.sweep does, the
+base config fp8_config_for_problem's). --source adds the per-instruction view
 (which SASS instruction each stall sits at); --clocks none profiles at the
 GPU's own clocks, where the benchmarks run (ncu otherwise locks the base
 clock, which can reorder two close kernels). Needs Nsight Compute (`ncu` on
@@ -33,8 +36,8 @@ import torch
 from .backends import BACKENDS, add_direction_option, backends_help, require_fa4
 from .cli import command_parser, config_overrides, config_with, require_cuda
 from .kernel_info import opcode
-from .problem import (add_causal_option, add_dtype_option, add_head_dim_option,
-                      add_head_dim_v_option, add_size_options, check_gqa, resolve_head_dim_v)
+from .problem import (DTYPES, add_causal_option, add_head_dim_option, add_head_dim_v_option,
+                      add_size_options, check_gqa, resolve_head_dim_v)
 
 # metric name -> label, in the order of the summary
 METRICS = {
@@ -72,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="cute",
                    help=f"the attention backend to profile (default: cute). "
                         f"{backends_help(BACKENDS)}")
-    add_dtype_option(p)
+    p.add_argument("--dtype", choices=[*DTYPES, "e4m3"], default="bf16",
+                   help="input dtype (default: bf16; e4m3: our FP8 forward)")
     add_head_dim_option(p)
     add_head_dim_v_option(p)
     add_size_options(p, 8192)
@@ -101,6 +105,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     check_gqa(p, args, [args.head_dim])
     resolve_head_dim_v(p, args)
+    if args.dtype == "e4m3":
+        from cute_fa.kernels.config import FP8_HEAD_DIMS
+        if (args.backend != "cute" or args.direction != "fwd"
+                or args.head_dim not in FP8_HEAD_DIMS or args.head_dim_v != args.head_dim):
+            p.error(f"--dtype e4m3: expected --backend cute, --direction fwd and --head-dim one "
+                    f"of {FP8_HEAD_DIMS} (v's the same), got --backend {args.backend}, "
+                    f"--direction {args.direction}, --head-dim {args.head_dim}, --head-dim-v "
+                    f"{args.head_dim_v}")
     args.overrides = {}
     if args.config:
         if args.backend != "cute":
@@ -109,22 +121,50 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.overrides = config_overrides([args.config], args.direction)
         except ValueError as exc:
             p.error(f"--config: {exc}")
-        config_with(p, "--config", args.direction, args.head_dim, args.causal == "yes",
-                    args.overrides, args.head_dim_v)
+        if args.dtype == "e4m3":
+            try:
+                _fp8_config(args).validate(args.head_dim, args.head_dim_v, fp8=True)
+            except ValueError as exc:
+                p.error(f"--config: {exc}")
+        else:
+            config_with(p, "--config", args.direction, args.head_dim, args.causal == "yes",
+                        args.overrides, args.head_dim_v)
     return args
+
+
+def _fp8_config(args):
+    """The e4m3 forward's config for the problem, with --config's overrides."""
+    from cute_fa.kernels.config import PLAIN_FEATURES, fp8_config_for_problem
+
+    return fp8_config_for_problem(args.head_dim, args.causal == "yes", PLAIN_FEATURES,
+                                  args.seqlen).replace(**args.overrides)
+
+
+def _fp8_forward(q, k, v, scale, causal, config):
+    """Our e4m3 forward on q, k, v quantized per (batch, KV head)."""
+    from cute_fa.fp8 import quantize_fp8
+    from cute_fa.fp8_ops import forward_fp8_cuda
+
+    q8, qs = quantize_fp8(q, k.shape[2])
+    (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
+    return lambda: forward_fp8_cuda(q8, k8, v8, qs, ks, vs, scale, causal, None, config)
 
 
 def run_workload(args) -> None:
     """The profiled process: warm up (compile), then the selected call once."""
     from .backends import make_callable
-    from .problem import DTYPES, make_qkv, problem_shape
+    from .problem import make_qkv, problem_shape
 
     causal = args.causal == "yes"
     batch, heads = problem_shape(args.head_dim, args.seqlen, args.total_tokens, args.heads)
+    fp8 = args.dtype == "e4m3"
     q, k, v = make_qkv(batch, args.seqlen, args.seqlen, heads, heads // args.gqa,
-                       args.head_dim, DTYPES[args.dtype], head_dim_v=args.head_dim_v)
+                       args.head_dim, torch.bfloat16 if fp8 else DTYPES[args.dtype],
+                       head_dim_v=args.head_dim_v)
     scale = args.head_dim ** -0.5
-    if args.backend == "cute" and args.overrides:
+    if fp8:
+        fn = _fp8_forward(q, k, v, scale, causal, _fp8_config(args) if args.overrides else None)
+    elif args.backend == "cute" and args.overrides:
         from cute_fa.kernels.config import default_config
         from cute_fa.ops import backward_cuda, forward_cuda
         config = default_config(args.direction, args.head_dim, causal,

@@ -104,7 +104,8 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
 
 @pytest.mark.parametrize("head_dim, causal, seqlen_k", [
     *((d, causal, 1024) for d in FP8_HEAD_DIMS for causal in (False, True)),
-    (128, True, FP8_WIDE_CAUSAL_KEYS)])
+    (128, True, FP8_WIDE_CAUSAL_KEYS), (128, False, 2048), (96, False, 16384),
+    (128, False, 16384)])
 def test_fp8_forward_kernel(tmp_path, head_dim, causal, seqlen_k):
     """e4m3 Q·Kᵀ and P·V on FP8 WGMMA (QGMMA), P converted to e4m3 in
     registers, V transposed in shared memory with byte permutes, O bf16."""

@@ -1,7 +1,9 @@
 import pytest
 
-from cute_fa.kernels.config import (Features, FwdConfig, bwd_config_for_problem,
-                                    default_bwd_config, default_fwd_config, split_gqa_pays)
+from cute_fa.kernels.config import (FP8_KEY_TILE_COST, PLAIN_FEATURES, Features, FwdConfig,
+                                    bwd_config_for_problem, default_bwd_config,
+                                    default_fwd_config, fp8_config_for_problem, fp8_fwd_config,
+                                    split_gqa_pays)
 
 
 def test_defaults_validate_for_every_head_dim():
@@ -384,3 +386,22 @@ def test_wide_windows_take_the_wide_tile_at_head_dim_64():
     wide.validate(64)
     for features in (Features(local=True, softcap=True), Features(local=True, varlen=True)):
         assert tile_m(64, (4096, 0), features) == 192
+
+
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_fp8_non_causal_key_tile_follows_the_row_length(head_dim):
+    """Short rows take a narrower e4m3 key tile (less padding in the last
+    step, shorter fill and drain); long rows keep the default's widest."""
+    widest = fp8_fwd_config(head_dim, False)
+    tiles = {}
+    for seqlen_k in (1, 100, 512, 1000, 1024, 2048, 3000, 4096, 16384, 1 << 20):
+        config = fp8_config_for_problem(head_dim, False, PLAIN_FEATURES, seqlen_k)
+        assert config.tile_n in FP8_KEY_TILE_COST
+        assert config == widest.replace(tile_n=config.tile_n)  # nothing else moves
+        config.validate(head_dim, fp8=True)
+        tiles[seqlen_k] = config.tile_n
+    assert tiles[1] == tiles[512] == tiles[1024] == min(FP8_KEY_TILE_COST)
+    assert tiles[2048] < tiles[16384] == tiles[1 << 20] == widest.tile_n
+    assert all(config.tile_n == fp8_fwd_config(d, causal).tile_n
+               for d in (64, 192, 256) for causal in (False, True)
+               for config in [fp8_config_for_problem(d, causal, PLAIN_FEATURES, 512)])
