@@ -502,7 +502,7 @@ def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
     (fp8_key_tile)."""
     wide_causal = causal and not features.local and seqlen_k >= FP8_WIDE_CAUSAL_KEYS
     config = fp8_fwd_config(head_dim, causal, features, wide_causal)
-    if config.tile_n in FP8_KEY_TILE_COST and config.pingpong:
+    if 64 < head_dim <= 128 and not (causal or features.local):  # the 224-key config
         config = config.replace(tile_n=fp8_key_tile(seqlen_k))
     return config
 

@@ -72,6 +72,9 @@ BAD_ARGUMENTS = [
     ("ncu", ["--backend", "nope"], "--backend"),
     ("ncu", ["--config", "tile_k=3"], "--config"),
     ("ncu", ["--backend", "fa4", "--config", "tile_n=128"], "--config"),
+    ("ncu", ["--dtype", "e4m3", "--backend", "fa4"], "--dtype e4m3"),
+    ("ncu", ["--dtype", "e4m3", "--direction", "bwd"], "--dtype e4m3"),
+    ("ncu", ["--dtype", "e4m3", "--config", "tile_n=144"], "--config"),  # e4m3: K steps of 32
     ("main", ["--head-dims", "80"], "--head-dims"),
     ("main", ["--dtypes", "fp8"], "--dtypes"),
     ("kernel_info", ["--head-dim", "80"], "--head-dim"),

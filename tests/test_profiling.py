@@ -193,6 +193,9 @@ def test_ncu_config_overrides_are_typed():
         "tile_n": 160, "pingpong": False}
     with pytest.raises(SystemExit):
         ncu.parse_args(["--config", "tile_k=3"])
+    # e4m3: over the FP8 forward's config for the problem, not the 16-bit one's
+    args = ncu.parse_args(["--dtype", "e4m3", "--seqlen", "1024", "--config", "kv_stages=2"])
+    assert ncu._fp8_config(args).tile_n == 128 and ncu._fp8_config(args).transpose_warps > 0
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd", "fwd_bwd"])
