@@ -323,19 +323,35 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     short-sequence tiles where no sequence is longer than SHORT_SEQLEN, the
     wide ones where a local kernel's window (left, right; -1 unbounded) lets
     a row see WIDE_WINDOW_KEYS keys or more, and among the short ones the
-    narrower tile (narrow_fwd_config) where the short tile leaves SMs idle:
-    query_heads (batch x query heads) and num_sms give the grid (0: unknown,
-    no narrow tile)."""
+    narrower tile (narrow_fwd_config) where the short tile leaves SMs idle,
+    and tiles dealt by index where a claimed-tile grid is one wave
+    (one_wave): query_heads (batch x query heads) and num_sms give the grid
+    (0: unknown, neither)."""
     short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
     wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
     config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window)
-    if not (short and query_heads > 0 and num_sms > 0 and features == PLAIN_FEATURES):
+    if query_heads <= 0 or num_sms <= 0:
         return config
-    narrow = narrow_fwd_config(head_dim, causal, head_dim_v)
-    if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal, seqlen_q,
-                                               query_heads, num_sms):
-        return narrow
+    if short and features == PLAIN_FEATURES:
+        narrow = narrow_fwd_config(head_dim, causal, head_dim_v)
+        if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,
+                                                   seqlen_q, query_heads, num_sms):
+            config = narrow
+    if one_wave(config, features, seqlen_q, query_heads, num_sms):
+        config = config.replace(dynamic_tiles=False)
     return config
+
+
+def one_wave(config: FwdConfig, features: Features, seqlen_q: int, query_heads: int,
+             num_sms: int) -> bool:
+    """Whether a claimed-tile config's dense grid has no more tiles than SMs:
+    every CTA then runs the tile of its index and claims nothing, and the
+    tiles dealt by index leave out the claim counter and the launch that
+    zeroes it before every call (a few µs, most of a call at batch 1)."""
+    dense = not (features.varlen or features.block_sparse or features.split_kv
+                 or features.paged_kv or features.local)
+    return (config.dynamic_tiles and dense
+            and -(-seqlen_q // config.tile_m) * query_heads <= num_sms)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,8 +9,9 @@
 
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and its short-sequence ones where the
-tiles differ: the short tiles, and the narrower ones a grid short of SMs
-takes) and the backward's default
+tiles differ: the short tiles, the narrower ones a grid short of SMs
+takes, and, where tiles are claimed, each of these with its tiles dealt by
+index, as a grid of one wave takes them) and the backward's default
 kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
@@ -61,6 +62,7 @@ class Variant:
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
+    by_index: bool = False  # fwd, causal: tiles dealt by index (a grid of one wave)
 
     @property
     def value_head_dim(self) -> int:
@@ -71,7 +73,8 @@ class Variant:
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
-                                   "block_sparse", "short", "narrow") if getattr(self, name)]
+                                   "block_sparse", "short", "narrow", "by_index")
+                 if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
         if self.rows_per_query > 1:
@@ -90,6 +93,10 @@ def _short_variants(long: Variant) -> list[Variant]:
         if config is not None and config not in configs:
             out.append(variant)
             configs.append(config)
+    # a claimed-tile grid of one wave deals its tiles by index (config.one_wave)
+    for variant in [long, *out]:
+        if config_of(variant).dynamic_tiles and not variant.block_sparse:
+            out.append(replace(variant, by_index=True))
     return out
 
 
@@ -148,9 +155,11 @@ def config_of(variant: Variant):
         if variant.block_sparse:
             return block_sparse_fwd_config(variant.head_dim, variant.value_head_dim)
         if variant.narrow:
-            return narrow_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
-        return default_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim,
-                                  short=variant.short)
+            config = narrow_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
+        else:
+            config = default_fwd_config(variant.head_dim, variant.causal,
+                                        variant.value_head_dim, short=variant.short)
+        return config.replace(dynamic_tiles=False) if variant.by_index else config
     # a block mask's backward takes the causal choices (config.bwd_config_for_problem)
     return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,
                               variant.deterministic, split_gqa=variant.split_gqa,

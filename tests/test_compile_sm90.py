@@ -86,11 +86,13 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
 
 @pytest.mark.parametrize("head_dim,causal,query_heads", [(64, True, 0), (128, False, 0),
                                                       (64, False, 16), (128, False, 16),
-                                                      (128, True, 16)])
+                                                      (128, True, 16), (64, True, 16),
+                                                      (128, True, 8)])
 def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
     where they differ from the long ones, and the narrower tiles of a grid
-    short of SMs (batch 1, 16 query heads): warp-specialised, spill-free."""
+    short of SMs (batch 1, 16 query heads), causal ones of one wave with their
+    tiles dealt by index (8 and 16 heads): warp-specialised, spill-free."""
     from cute_fa.kernels.config import SHORT_SEQLEN, fwd_config_for_problem
 
     config = fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, SHORT_SEQLEN,

@@ -1,6 +1,7 @@
 """The on-disk kernel store: hits, misses, keys, concurrent writers, damaged
 entries and the off switch (CPU; one test compiles a real kernel for sm_90a)."""
 
+import itertools
 import multiprocessing
 import os
 import subprocess
@@ -214,15 +215,26 @@ def test_precompile_command_line():
     assert len(todo) == 2 * 2 * (1 + 4)  # fwd + bwd x deterministic x split_gqa
     assert len({v.label() for v in todo}) == len(todo)
     # with the short tiles: those whose configs differ, the narrow ones of a
-    # batch-1 grid included (config.fwd_config_for_problem)
+    # batch-1 grid included, and the causal ones with tiles dealt by index,
+    # as a grid of one wave takes them (config.fwd_config_for_problem)
     short = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd"], False,
                                 short_tiles=True)
     assert [v.label() for v in short] == [
         "fwd bf16 d64 full", "fwd bf16 d64 full short narrow", "fwd bf16 d64 causal",
-        "fwd bf16 d64 causal short", "fwd bf16 d128 full", "fwd bf16 d128 full short",
+        "fwd bf16 d64 causal short", "fwd bf16 d64 causal by_index",
+        "fwd bf16 d64 causal short by_index", "fwd bf16 d128 full", "fwd bf16 d128 full short",
         "fwd bf16 d128 full short narrow", "fwd bf16 d128 causal",
-        "fwd bf16 d128 causal short narrow"]
+        "fwd bf16 d128 causal short narrow", "fwd bf16 d128 causal by_index",
+        "fwd bf16 d128 causal short narrow by_index"]
     assert precompile.config_of(short[-1]).tile_m == 64
+    assert not precompile.config_of(short[-1]).dynamic_tiles
+    # every config the op picks for these is among them
+    from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem
+    configs = {precompile.config_of(v) for v in short}
+    for head_dim, causal, seqlen, query_heads in itertools.product(
+            (64, 128), (False, True), (256, 512, 1024, 4096), (1, 16, 64, 4096)):
+        assert fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
+                                      query_heads, 132) in configs
     # the large head dims and a narrower v: forward and backward of each pair
     large = precompile.variants([128, 192, 256], ["bf16"], (False,), ["fwd", "bwd"], False,
                                 head_dims_v=[128, 192])
