@@ -315,6 +315,7 @@ def window_keys(window: tuple, seqlen_k: int) -> int:
     return left + right + 1
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every call
 def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
                            features: Features, seqlen_q: int, seqlen_k: int,
                            query_heads: int = 0, num_sms: int = 0,
@@ -338,8 +339,14 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
                                                    seqlen_q, query_heads, num_sms):
             config = narrow
     if one_wave(config, features, seqlen_q, query_heads, num_sms):
-        config = config.replace(dynamic_tiles=False)
+        config = dealt_by_index(config)
     return config
+
+
+@functools.lru_cache(maxsize=None)  # asked on every call of a one-wave grid
+def dealt_by_index(config: FwdConfig) -> FwdConfig:
+    """A claimed-tile config with its tiles dealt by index instead (one_wave)."""
+    return config.replace(dynamic_tiles=False)
 
 
 def one_wave(config: FwdConfig, features: Features, seqlen_q: int, query_heads: int,
@@ -510,6 +517,7 @@ def fp8_key_tile(seqlen_k: int) -> int:
     return min(FP8_KEY_TILE_COST, key=cost)
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every e4m3 call
 def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
                            seqlen_k: int) -> FwdConfig:
     """The op's e4m3 forward config for a problem: fp8_fwd_config, with the

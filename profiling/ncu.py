@@ -37,7 +37,7 @@ from .backends import BACKENDS, add_direction_option, backends_help, require_fa4
 from .cli import command_parser, config_overrides, config_with, require_cuda
 from .kernel_info import opcode
 from .problem import (DTYPES, add_causal_option, add_head_dim_option, add_head_dim_v_option,
-                      add_size_options, check_gqa, resolve_head_dim_v)
+                      add_size_options, check_gqa, quantized_qkv, resolve_head_dim_v)
 
 # metric name -> label, in the order of the summary
 METRICS = {
@@ -142,11 +142,9 @@ def _fp8_config(args):
 
 def _fp8_forward(q, k, v, scale, causal, config):
     """Our e4m3 forward on q, k, v quantized per (batch, KV head)."""
-    from cute_fa.fp8 import quantize_fp8
     from cute_fa.fp8_ops import forward_fp8_cuda
 
-    q8, qs = quantize_fp8(q, k.shape[2])
-    (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
+    q8, qs, k8, ks, v8, vs = quantized_qkv(q, k, v)
     return lambda: forward_fp8_cuda(q8, k8, v8, qs, ks, vs, scale, causal, None, config)
 
 

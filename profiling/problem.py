@@ -46,6 +46,14 @@ def make_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_kv: int
 
 # ------------------------------------------------------------ the options
 
+def quantized_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """[q8, q_descale, k8, k_descale, v8, v_descale]: q, k, v in e4m3 with a
+    descale per (batch, KV head), as our FP8 forward takes them."""
+    from cute_fa.fp8 import quantize_fp8
+
+    return [*quantize_fp8(q, k.shape[2]), *quantize_fp8(k), *quantize_fp8(v)]
+
+
 def add_dtype_option(p, default: str | list[str] | None = "bf16", multiple: bool = False,
                      help_default: str | None = None) -> None:
     """--dtype (one) or --dtypes (a comma-separated list) of DTYPES."""

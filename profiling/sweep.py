@@ -46,7 +46,7 @@ from .cli import (Progress, add_kernel_option, command_parser, config_vary, posi
 from .flops import attention_flops, tflops
 from .problem import (DTYPES, add_causal_option, add_head_dim_option,
                       add_head_dim_v_option, add_size_options, check_gqa, make_qkv,
-                      problem_shape, resolve_head_dim_v)
+                      problem_shape, quantized_qkv, resolve_head_dim_v)
 from .sparse_bench import MASKS, mask_mod
 
 # What a sweep without --vary compares, per kernel.
@@ -285,15 +285,11 @@ def _forward_case(check_inputs, problem, scale, causal, softcap, masks=None) -> 
 
 
 def _fp8_forward_case(check_inputs, problem, scale, causal) -> _Case:
-    from cute_fa.fp8 import dequantize_fp8, fp8_attention_emulation, quantize_fp8
+    from cute_fa.fp8 import dequantize_fp8, fp8_attention_emulation
     from cute_fa.fp8_ops import forward_fp8_cuda
     from cute_fa.reference import attention_reference
 
-    def quantized(inputs):
-        q, k, v = inputs
-        return [*quantize_fp8(q, k.shape[2]), *quantize_fp8(k), *quantize_fp8(v)]
-
-    q8, qs, k8, ks, v8, vs = quantized(check_inputs)
+    q8, qs, k8, ks, v8, vs = quantized_qkv(*check_inputs)
     exact, _ = attention_reference(dequantize_fp8(q8, qs), dequantize_fp8(k8, ks),
                                    dequantize_fp8(v8, vs), scale, causal)
     emulated, _ = fp8_attention_emulation(q8, k8, v8, qs, ks, vs, scale, causal)
@@ -304,7 +300,7 @@ def _fp8_forward_case(check_inputs, problem, scale, causal) -> _Case:
         rmse = (out.float() - exact).pow(2).mean().sqrt().item()
         return _errors_within([("out RMSE", rmse)], [tolerance])
 
-    p8, ps, pk8, pks, pv8, pvs = quantized(problem)
+    p8, ps, pk8, pks, pv8, pvs = quantized_qkv(*problem)
     return _Case(check, lambda config: forward_fp8_cuda(p8, pk8, pv8, ps, pks, pvs, scale,
                                                         causal, None, config))
 

@@ -144,7 +144,7 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
 
 def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
-    from .kernels.config import (block_sparse_fwd_config, default_bwd_config,
+    from .kernels.config import (block_sparse_fwd_config, dealt_by_index, default_bwd_config,
                                  default_fwd_config, narrow_fwd_config)
 
     if variant.direction == "decode":
@@ -159,7 +159,7 @@ def config_of(variant: Variant):
         else:
             config = default_fwd_config(variant.head_dim, variant.causal,
                                         variant.value_head_dim, short=variant.short)
-        return config.replace(dynamic_tiles=False) if variant.by_index else config
+        return dealt_by_index(config) if variant.by_index else config
     # a block mask's backward takes the causal choices (config.bwd_config_for_problem)
     return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,
                               variant.deterministic, split_gqa=variant.split_gqa,
