@@ -303,6 +303,9 @@ class FwdConfig(_KernelConfig):
 # Sequences up to this many tokens (queries and keys) take the short-sequence
 # tiles of default_fwd_config.
 SHORT_SEQLEN = 1024
+# Sequences of at least this many tokens (queries or keys) take the
+# long-sequence tiles of default_fwd_config (head dim 96 causal).
+LONG_SEQLEN = 8192
 # A sliding window whose rows see at least this many keys takes the wide
 # tiles of default_fwd_config (head dim 64).
 WIDE_WINDOW_KEYS = 2048
@@ -322,6 +325,7 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
                            window: tuple = (-1, -1)) -> FwdConfig:
     """The op's forward config for a problem: default_fwd_config, with the
     short-sequence tiles where no sequence is longer than SHORT_SEQLEN, the
+    long-sequence ones where one has LONG_SEQLEN tokens or more, the
     wide ones where a local kernel's window (left, right; -1 unbounded) lets
     a row see WIDE_WINDOW_KEYS keys or more, and among the short ones the
     narrower tile (narrow_fwd_config) where the short tile leaves SMs idle,
@@ -329,8 +333,10 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     (one_wave): query_heads (batch x query heads) and num_sms give the grid
     (0: unknown, neither)."""
     short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
+    long_rows = max(seqlen_q, seqlen_k) >= LONG_SEQLEN
     wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
-    config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window)
+    config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window,
+                                long_rows)
     if query_heads <= 0 or num_sms <= 0:
         return config
     if short and features == PLAIN_FEATURES:
@@ -400,7 +406,7 @@ def narrow_tiles_pay(tile_m: int, narrow_m: int, causal: bool, seqlen_q: int,
 @functools.lru_cache(maxsize=None)
 def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
                        features: Features = PLAIN_FEATURES, short: bool = False,
-                       wide_window: bool = False) -> FwdConfig:
+                       wide_window: bool = False, long_rows: bool = False) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -410,6 +416,11 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     - head dim 64: 192 query rows (three consumer warpgroups amortise each
       K/V tile), three K/V stages, 160 registers per consumer thread, the
       epilogue's addresses re-derived (held through the main loop they spill);
+    - head dim 96: 192 query rows of 112 keys a step (three consumer
+      warpgroups of 160 registers; 128 keys spill there) beyond short
+      sequences, causal only over long rows (long_rows: a sequence of
+      LONG_SEQLEN tokens or more); 128 x 128 otherwise, and in packed
+      batches and windows;
     - head dim 128 non-causal: 160 keys per step; causal keeps 128 (fewer
       masked columns on the diagonal);
     - head dims 192 and 256: O staged in the V ring (o_in_v_smem), which
@@ -449,6 +460,12 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          dynamic_tiles=claimed, split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
                          rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)
+    if head_dim <= 96 and not (features.local or features.varlen) \
+            and (long_rows if causal else not short):
+        return FwdConfig(tile_m=192, tile_n=112, kv_stages=3, persistent=True,
+                         dynamic_tiles=claimed, split_tail=not claimed, producer_regs=32,
+                         consumer_regs=160, rederive_epilogue_coords=True,
+                         pv_wait_after_exp2=4)
     if head_dim <= 96 or claimed or short:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True,
                          dynamic_tiles=claimed, split_tail=not claimed, pv_wait_after_exp2=8)

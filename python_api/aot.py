@@ -18,9 +18,10 @@ The variant options are python -m cute_fa.precompile's (the op's default
 config per dtype, head dim, causal flag and backward mode). The default list
 here is smaller: bf16 and fp16, every head dim, causal and not, the forward
 and, where the backward kernel has the head dim, the plain backward (not
-deterministic, no split_gqa): 32 variants. The forwards are the long-
-sequence tiles (the op takes others up to config.SHORT_SEQLEN tokens;
-those run here too, with these tiles). The
+deterministic, no split_gqa): 32 variants. The forwards are the default
+tiles (the op takes others up to config.SHORT_SEQLEN tokens and, at head
+dim 96 causal, from config.LONG_SEQLEN; those run here too, with these
+tiles). The
 kernels are built for the GPU that is visible, else for sm_90a.
 """
 

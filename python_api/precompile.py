@@ -8,10 +8,10 @@
     python -m cute_fa.precompile --directions block_sparse --head-dims 64,128 --dtypes bf16
 
 For each dtype, head dim (and value head dim, by default the same) and causal
-flag: the forward's default kernel (and its short-sequence ones where the
-tiles differ: the short tiles, the narrower ones a grid short of SMs
-takes, and, where tiles are claimed, each of these with its tiles dealt by
-index, as a grid of one wave takes them) and the backward's default
+flag: the forward's default kernel (and those of long and short sequences
+where the tiles differ: the long tiles, the short tiles, the narrower ones
+a grid short of SMs takes, and, where tiles are claimed, each of these with
+its tiles dealt by index, as a grid of one wave takes them) and the backward's default
 kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
@@ -63,6 +63,7 @@ class Variant:
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
     by_index: bool = False  # fwd, causal: tiles dealt by index (a grid of one wave)
+    long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
 
     @property
     def value_head_dim(self) -> int:
@@ -73,7 +74,7 @@ class Variant:
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
-                                   "block_sparse", "short", "narrow", "by_index")
+                                   "block_sparse", "long_rows", "short", "narrow", "by_index")
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
@@ -100,13 +101,25 @@ def _short_variants(long: Variant) -> list[Variant]:
     return out
 
 
+def _long_variants(base: Variant) -> list[Variant]:
+    """The forward of long sequences where its config differs from the
+    default one's (config.fwd_config_for_problem), and that with its tiles
+    dealt by index where they are claimed (a few heads make one wave)."""
+    variant = replace(base, long_rows=True)
+    if config_of(variant) == config_of(base):
+        return []
+    if config_of(variant).dynamic_tiles:
+        return [variant, replace(variant, by_index=True)]
+    return [variant]
+
+
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
              head_dims_v=None, page_sizes=(0,), query_groups=(1,),
-             short_tiles: bool = False) -> list[Variant]:
+             length_tiles: bool = False) -> list[Variant]:
     """The variants of every combination; head_dims_v None: each head dim's
     value head dim is its own, else every one of them no larger than it;
-    short_tiles: also the forwards of short sequences where their tiles
-    differ (config.fwd_config_for_problem);
+    length_tiles: also the forwards of long and short sequences where their
+    tiles differ (config.fwd_config_for_problem);
     page_sizes: the decode variants' (0: a contiguous cache); query_groups:
     the causal decode variants' query heads per KV head (a step of several
     tokens masks g rows per token; 1 also serves one token)."""
@@ -115,9 +128,10 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
     for dtype, (head_dim, head_dim_v), causal in itertools.product(dtypes, pairs, causal_flags):
         dv = None if head_dim_v == head_dim else head_dim_v
         if "fwd" in directions:
-            out.append(Variant("fwd", dtype, head_dim, causal, head_dim_v=dv))
-            if short_tiles:
-                out += _short_variants(out[-1])
+            base = Variant("fwd", dtype, head_dim, causal, head_dim_v=dv)
+            out.append(base)
+            if length_tiles:
+                out += _long_variants(base) + _short_variants(base)
         if "decode" in directions:
             from .decode import reads_pages_in_place
 
@@ -158,7 +172,8 @@ def config_of(variant: Variant):
             config = narrow_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
         else:
             config = default_fwd_config(variant.head_dim, variant.causal,
-                                        variant.value_head_dim, short=variant.short)
+                                        variant.value_head_dim, short=variant.short,
+                                        long_rows=variant.long_rows)
         return dealt_by_index(config) if variant.by_index else config
     # a block mask's backward takes the causal choices (config.bwd_config_for_problem)
     return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,
@@ -228,10 +243,10 @@ def add_variant_options(p: argparse.ArgumentParser, directions=("fwd", "bwd")) -
                    help="processes compiling at once (default: the CPU count, at most 8)")
 
 
-def chosen_variants(args: argparse.Namespace, short_tiles: bool = False) -> list[Variant]:
+def chosen_variants(args: argparse.Namespace, length_tiles: bool = False) -> list[Variant]:
     return variants(args.head_dims, args.dtypes, CAUSAL_VALUES[args.causal], args.directions,
                     args.lse_grad, args.head_dims_v, getattr(args, "page_sizes", (0,)),
-                    getattr(args, "query_groups", (1,)), short_tiles)
+                    getattr(args, "query_groups", (1,)), length_tiles)
 
 
 def _page_sizes(text: str) -> list[int]:
@@ -276,7 +291,7 @@ def main(argv=None) -> int:
     if not kernel_store.enabled():
         parser.error(f"the kernel store is off ({kernel_store.ENABLE_ENV_VAR}="
                      f"{os.environ[kernel_store.ENABLE_ENV_VAR]}): nothing to fill")
-    todo = chosen_variants(args, short_tiles=True)
+    todo = chosen_variants(args, length_tiles=True)
     print(f"{len(todo)} kernel variants into {kernel_store.folder()}", file=sys.stderr,
           flush=True)
     start, failures = time.perf_counter(), 0

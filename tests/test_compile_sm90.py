@@ -104,6 +104,23 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     _assert_no_spills(info)
 
 
+@pytest.mark.parametrize("causal,features", [(True, PLAIN_FEATURES),
+                                              (False, Features(softcap=True)),
+                                              (True, Features(sink=True))])
+def test_head_dim_96_wide_forwards(tmp_path, causal, features):
+    """Head dim 96 beyond short sequences (causal: from LONG_SEQLEN tokens):
+    192 query rows of 112 keys in three consumer warpgroups of 160
+    registers, warp-specialised and spill-free (128 keys a step spill)."""
+    from cute_fa.kernels.config import LONG_SEQLEN, fwd_config_for_problem
+
+    config = fwd_config_for_problem(96, causal, None, features, LONG_SEQLEN, LONG_SEQLEN)
+    assert (config.tile_m, config.tile_n, config.consumer_regs) == (192, 112, 160)
+    compile_fwd(torch.bfloat16, 96, causal, config, dump_dir=str(tmp_path), features=features)
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+
+
 @pytest.mark.parametrize("head_dim, causal, seqlen_k", [
     *((d, causal, 1024) for d in FP8_HEAD_DIMS for causal in (False, True)),
     (128, True, FP8_WIDE_CAUSAL_KEYS), (128, False, 2048), (96, False, 16384),

@@ -45,6 +45,29 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
             config(head_dim, causal, 256).validate(head_dim)
 
 
+def test_head_dim_96_takes_192_rows_beyond_short_sequences():
+    """Head dim 96: 192 query rows of 112 keys a step past SHORT_SEQLEN
+    tokens, causal only from LONG_SEQLEN (shorter causal rows and packed
+    batches and windows keep 128 x 128)."""
+    from cute_fa.kernels.config import LONG_SEQLEN, SHORT_SEQLEN, fwd_config_for_problem
+
+    def tiles(causal, seqlen, features=PLAIN_FEATURES, seqlen_q=None):
+        config = fwd_config_for_problem(96, causal, None, features, seqlen_q or seqlen,
+                                        seqlen)
+        config.validate(96)
+        return config.tile_m, config.tile_n
+
+    assert tiles(False, SHORT_SEQLEN) == (128, 128)
+    assert tiles(False, SHORT_SEQLEN + 1) == tiles(False, 16384) == (192, 112)
+    assert tiles(True, LONG_SEQLEN - 1) == (128, 128)
+    assert tiles(True, LONG_SEQLEN) == tiles(True, 1, seqlen_q=LONG_SEQLEN) == (192, 112)
+    assert tiles(False, 16384, Features(softcap=True)) == (192, 112)
+    assert tiles(True, 16384, Features(varlen=True)) == (128, 128)
+    assert tiles(False, 16384, Features(local=True)) == (128, 128)
+    assert default_fwd_config(96, False).tile_m == 192  # the op's long-sequence default
+    assert default_fwd_config(96, True).tile_m == 128
+
+
 def test_short_problems_short_of_sms_take_narrower_tiles():
     """Batch 1 (a grid short of SMs): head dim 128 takes 64 query rows, head
     dim 64 non-causal 128 (no split tail), where the measured batch-1 runs

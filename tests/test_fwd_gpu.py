@@ -9,7 +9,8 @@ import torch
 from cute_fa import flash_attn_func
 from cute_fa.ops import forward_cuda
 from cute_fa.reference import attention_reference, default_scale
-from cute_fa.kernels.config import FwdConfig, default_fwd_config
+from cute_fa.kernels.config import (LONG_SEQLEN, Features, FwdConfig, default_fwd_config,
+                                    fwd_config_for_problem)
 from cute_fa.kernels.tail_plan import TailPlan
 from shapes import random_problem
 
@@ -28,9 +29,10 @@ def _inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, seed,
     return q, k, v
 
 
-def _check(q, k, v, causal, out, lse):
-    ref_out, ref_lse = attention_reference(q, k, v, None, causal, compute_dtype=torch.float32)
-    low_out, _ = attention_reference(q, k, v, None, causal, compute_dtype=None)
+def _check(q, k, v, causal, out, lse, softcap=0.0):
+    ref_out, ref_lse = attention_reference(q, k, v, None, causal, compute_dtype=torch.float32,
+                                           softcap=softcap)
+    low_out, _ = attention_reference(q, k, v, None, causal, compute_dtype=None, softcap=softcap)
     assert torch.isfinite(out).all(), "output has NaN/Inf"
     err = (out.float() - ref_out.float()).abs().max().item()
     low_err = (low_out.float() - ref_out.float()).abs().max().item()
@@ -52,6 +54,17 @@ def test_forward_matches_reference(dtype, head_dim, causal, seqlens):
     q, k, v = _inputs(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, seed=seqlen_q * 7 + seqlen_k)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     _check(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("causal,seqlen,softcap", [(False, 2003, 0.0), (False, 2003, 30.0),
+                                                   (True, LONG_SEQLEN + 5, 0.0)])
+def test_head_dim_96_wide_tiles_match_reference(causal, seqlen, softcap):
+    # 192 query rows of 112 keys: past SHORT_SEQLEN, causal from LONG_SEQLEN
+    q, k, v = _inputs(1, seqlen, seqlen, 4, 2, 96, torch.bfloat16, seed=seqlen)
+    features = Features(softcap=softcap > 0)
+    assert fwd_config_for_problem(96, causal, None, features, seqlen, seqlen).tile_m == 192
+    out, lse = flash_attn_func(q, k, v, causal=causal, softcap=softcap, return_lse=True)
+    _check(q, k, v, causal, out, lse, softcap)
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112, 136, 200, 248])

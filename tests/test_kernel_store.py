@@ -218,7 +218,7 @@ def test_precompile_command_line():
     # batch-1 grid included, and the causal ones with tiles dealt by index,
     # as a grid of one wave takes them (config.fwd_config_for_problem)
     short = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd"], False,
-                                short_tiles=True)
+                                length_tiles=True)
     assert [v.label() for v in short] == [
         "fwd bf16 d64 full", "fwd bf16 d64 full short narrow", "fwd bf16 d64 causal",
         "fwd bf16 d64 causal short", "fwd bf16 d64 causal by_index",
@@ -228,11 +228,19 @@ def test_precompile_command_line():
         "fwd bf16 d128 causal short narrow by_index"]
     assert precompile.config_of(short[-1]).tile_m == 64
     assert not precompile.config_of(short[-1]).dynamic_tiles
+    # head dim 96: the long tiles of a causal problem, claimed and dealt by index
+    d96 = precompile.variants([96], ["bf16"], (False, True), ["fwd"], False, length_tiles=True)
+    assert [v.label() for v in d96] == [
+        "fwd bf16 d96 full", "fwd bf16 d96 full short", "fwd bf16 d96 causal",
+        "fwd bf16 d96 causal long_rows", "fwd bf16 d96 causal long_rows by_index",
+        "fwd bf16 d96 causal by_index"]
+    assert precompile.config_of(d96[3]).tile_m == 192
     # every config the op picks for these is among them
     from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem
-    configs = {precompile.config_of(v) for v in short}
+    configs = {precompile.config_of(v) for v in short + d96}
     for head_dim, causal, seqlen, query_heads in itertools.product(
-            (64, 128), (False, True), (256, 512, 1024, 4096), (1, 16, 64, 4096)):
+            (64, 96, 128), (False, True), (256, 512, 1024, 4096, 8192, 16384),
+            (1, 16, 64, 4096)):
         assert fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
                                       query_heads, 132) in configs
     # the large head dims and a narrower v: forward and backward of each pair
