@@ -20,6 +20,8 @@ WARPGROUP_THREADS = 128
 WGMMA_M = 64
 # Hopper: 228 KB of shared memory per SM, 227 KB usable by one CTA.
 SMEM_CAPACITY_BYTES = 227 * 1024
+# An SM's shared memory, of which each resident CTA also takes 1 KB.
+SMEM_PER_SM_BYTES = 228 * 1024
 # 64K 32-bit registers per SM; setmaxnreg moves them between warpgroups.
 REGISTERS_PER_SM = 65536
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # the forward kernel's own
@@ -101,9 +103,14 @@ def _align_1k(n: int) -> int:
     return -(-n // 1024) * 1024
 
 
-def _check_shared_fields(config, bad) -> None:
+def smem_capacity(ctas_per_sm: int = 1) -> int:
+    """Shared memory one CTA may take with ctas_per_sm of them on an SM."""
+    return SMEM_PER_SM_BYTES // ctas_per_sm - 1024
+
+
+def _check_shared_fields(config, bad, ctas_per_sm: int = 1) -> None:
     """The fields both kernels have: setmaxnreg targets, the register file they
-    divide, the scheduler's L2 section size."""
+    divide (among ctas_per_sm CTAs of an SM), the scheduler's L2 section size."""
     if not 1 <= config.l2_section_mb <= 1024:
         raise bad("l2_section_mb", "an integer in [1, 1024]")
     for field in ("producer_regs", "consumer_regs"):
@@ -114,7 +121,8 @@ def _check_shared_fields(config, bad) -> None:
     # thread's share of the file, a multiple of 8 (168 at 384 threads); an
     # increase beyond what the decrease freed waits forever
     warpgroups = 1 + config.consumer_warpgroups
-    per_thread = min(REGISTERS_PER_SM // (WARPGROUP_THREADS * warpgroups), 255) // 8 * 8
+    per_thread = min(REGISTERS_PER_SM // (WARPGROUP_THREADS * warpgroups * ctas_per_sm),
+                     255) // 8 * 8
     total = config.producer_regs + config.consumer_warpgroups * config.consumer_regs
     if total > warpgroups * per_thread:
         raise bad("consumer_regs", f"producer_regs + {config.consumer_warpgroups} * "
@@ -203,6 +211,11 @@ class FwdConfig(_KernelConfig):
     transpose_warps: (e4m3 inputs) the warps of the producer warpgroup,
         beside its TMA warp, that transpose each V stage into the Vᵀ ring
         the e4m3 P·V reads (fp8_operands.py); 1 to 3.
+    ctas_per_sm: CTAs resident on one SM, 1 or 2 (the persistent grid is
+        this many per SM, each with its share of the registers and shared
+        memory): two interleave one tile's prologue and epilogue with the
+        other's main loop, where short rows make those a large part of a
+        tile.
     """
 
     tile_m: int = 128
@@ -224,6 +237,7 @@ class FwdConfig(_KernelConfig):
     l2_section_mb: int = 16
     kv_load_rows: int = 0
     transpose_warps: int = 3
+    ctas_per_sm: int = 1
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -291,10 +305,17 @@ class FwdConfig(_KernelConfig):
         if self.split_tail and (self.dynamic_tiles or not self.persistent):
             raise bad("split_tail", "False unless persistent, and False with dynamic_tiles (a "
                                     "claimed order has no fixed last round to split)")
-        _check_shared_fields(self, bad)
+        if self.ctas_per_sm not in (1, 2):
+            raise bad("ctas_per_sm", "1 or 2")
+        if self.ctas_per_sm > 1 and (self.split_tail or fp8):
+            raise bad("ctas_per_sm", "1 with split_tail or e4m3 inputs (the tail plan counts "
+                                     "one CTA per SM; the e4m3 kernel's transposer takes "
+                                     "the producer warpgroup's registers)")
+        _check_shared_fields(self, bad, self.ctas_per_sm)
         smem = self.smem_bytes(head_dim, head_dim_v, fp8)
-        if smem > SMEM_CAPACITY_BYTES:
-            raise bad("kv_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
+        capacity = smem_capacity(self.ctas_per_sm)
+        if smem > capacity:
+            raise bad("kv_stages", f"a shared-memory footprint <= {capacity} B, "
                                    f"this needs {smem} B at head dims {head_dim}/{head_dim_v}"
                                    + ("" if self.o_in_v_smem else " (o_in_v_smem saves the "
                                       "O slabs)"))
@@ -364,20 +385,16 @@ def one_wave(config: FwdConfig, features: Features, seqlen_q: int, query_heads: 
     dense = not (features.varlen or features.block_sparse or features.split_kv
                  or features.paged_kv or features.local)
     return (config.dynamic_tiles and dense
-            and -(-seqlen_q // config.tile_m) * query_heads <= num_sms)
+            and -(-seqlen_q // config.tile_m) * query_heads <= num_sms * config.ctas_per_sm)
 
 
 @functools.lru_cache(maxsize=None)
 def narrow_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     """The short-sequence config with fewer query rows a tile, where one was
     measured faster on a GPU the short tiles leave partly idle (batch 1,
-    docs/findings.md): head dim 64 non-causal 128 rows in two warpgroups,
-    no split tail; head dim 128 64 rows in one warpgroup. None elsewhere
-    (head dim 64 causal lost at 64 rows)."""
+    docs/findings.md): head dim 128 64 rows in one warpgroup. None elsewhere
+    (head dim 64's short tiles have 64 rows already)."""
     config = default_fwd_config(head_dim, causal, head_dim_v, short=True)
-    if head_dim == 64 and not causal:
-        return config.replace(tile_m=128, split_tail=False, producer_regs=24,
-                              consumer_regs=240)
     if head_dim == 128 and (head_dim_v or head_dim) == 128:
         return config.replace(tile_m=WGMMA_M)
     return None
@@ -428,10 +445,12 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       keys at 192/192, and 80 at 256 (FlashAttention-3's tiles there); at a
       256-wide V, O rescaled before the P·V issue (rescale_o_before_pv).
     - short sequences (short: none longer than SHORT_SEQLEN): head dim 64
-      causal the 128-row tile, two consumer warpgroups of 240 registers (a
-      192-row tile leaves a third of its last tile empty at 1k, and fewer
-      tiles than SMs at batch 1); head dim 128 non-causal 128 keys a step
-      (160 split a 1k sequence into uneven steps);
+      64-row tiles, two CTAs an SM (ctas_per_sm) of one consumer warpgroup
+      of 232 registers each, whose tiles' prologues and epilogues, a large
+      part of a short tile, run under the other's main loop (in packed
+      batches and under a cap the 128-row tile, two consumer warpgroups of
+      240 registers, causal); head dim 128 non-causal 128 keys a step (160
+      split a 1k sequence into uneven steps);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees
@@ -454,6 +473,12 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
+    if head_dim <= 64 and short and not (features.local or features.varlen or features.softcap):
+        # two CTAs an SM: one's prologue and epilogue under the other's steps
+        return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, persistent=True,
+                         dynamic_tiles=claimed, producer_regs=24, consumer_regs=232,
+                         rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4,
+                         ctas_per_sm=2)
     if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3, persistent=True,

@@ -276,8 +276,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             num_tiles = cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3]
         # Built whatever the config; only split_tail kernels read it.
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
-        grid = TileScheduler.grid(self._num_units(num_tiles, tail), num_sms,
-                                  self.cfg.persistent)
+        grid = TileScheduler.grid(self._num_units(num_tiles, tail),
+                                  num_sms * self.cfg.ctas_per_sm, self.cfg.persistent)
         self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, mDescale, mBlockSparse, tail,
                     seqlens,
                     kv_blocks, tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
@@ -285,7 +285,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     sQ_layout, sK_layout, sV_layout, sVt_layout, sO_layout,
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
-            min_blocks_per_mp=1)
+            min_blocks_per_mp=self.cfg.ctas_per_sm,
+            # every CTA's share of the largest carveout (None: the DSL asks the device)
+            preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
 
     @property
     def bounded_scores(self) -> bool:

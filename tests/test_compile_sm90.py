@@ -90,9 +90,10 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
                                                       (128, True, 8)])
 def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
-    where they differ from the long ones, and the narrower tiles of a grid
-    short of SMs (batch 1, 16 query heads), causal ones of one wave with their
-    tiles dealt by index (8 and 16 heads): warp-specialised, spill-free."""
+    where they differ from the long ones (head dim 64: two CTAs an SM), and
+    the narrower tiles of a grid short of SMs (batch 1, 16 query heads),
+    causal ones of one wave with their tiles dealt by index (8 and 16
+    heads): warp-specialised, spill-free."""
     from cute_fa.kernels.config import SHORT_SEQLEN, fwd_config_for_problem
 
     config = fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, SHORT_SEQLEN,
@@ -102,6 +103,9 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     info = dumped_kernel_info(str(tmp_path))
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)
+    # head dim 64: two CTAs an SM, each register budget within its half
+    assert f".minnctapersm {config.ctas_per_sm}" in _ptx(tmp_path)
+    assert config.ctas_per_sm == (2 if head_dim == 64 else 1)
 
 
 @pytest.mark.parametrize("causal,features", [(True, PLAIN_FEATURES),

@@ -15,19 +15,22 @@ def test_defaults_validate_for_every_head_dim():
 
 
 def test_short_sequences_take_smaller_tiles_where_they_differ():
-    """Up to SHORT_SEQLEN tokens: head dim 64 causal 128 query rows, head dim
-    128 non-causal 128 keys a step; every other problem the long-sequence
-    config, and each short one valid."""
+    """Up to SHORT_SEQLEN tokens: head dim 64 64 query rows, two CTAs an SM
+    (a packed batch's causal tiles 128 rows), head dim 128 non-causal 128
+    keys a step; every other problem the long-sequence config, and each
+    short one valid."""
     from cute_fa.kernels.config import (PLAIN_FEATURES, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS,
                                         fwd_config_for_problem)
 
     def config(head_dim, causal, seqlen, features=PLAIN_FEATURES):
         return fwd_config_for_problem(head_dim, causal, None, features, seqlen, seqlen)
 
-    assert config(64, True, SHORT_SEQLEN).tile_m == 128
-    assert config(64, True, SHORT_SEQLEN + 1).tile_m == 192
+    for causal in (False, True):
+        short = config(64, causal, SHORT_SEQLEN)
+        assert (short.tile_m, short.ctas_per_sm, short.split_tail) == (64, 2, False)
+        assert config(64, causal, SHORT_SEQLEN + 1) == default_fwd_config(64, causal)
+    assert config(64, True, 512, Features(softcap=True)).tile_m == 128
     assert config(128, False, 512).tile_n == 128 and config(128, False, 4096).tile_n == 160
-    assert config(64, False, 512) == default_fwd_config(64, False)
     assert config(128, True, 512) == default_fwd_config(128, True)
     # a long key side makes the problem long
     assert fwd_config_for_problem(128, False, None, PLAIN_FEATURES, 1, 8192).tile_n == 160
@@ -43,6 +46,23 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
     for head_dim in SUPPORTED_HEAD_DIMS:
         for causal in (False, True):
             config(head_dim, causal, 256).validate(head_dim)
+
+
+def test_two_ctas_an_sm_share_its_registers_and_shared_memory():
+    """ctas_per_sm 2: the setmaxnreg targets within half the register file,
+    the shared memory within half an SM's (less a KB a CTA), no split tail."""
+    from cute_fa.kernels.config import smem_capacity
+    two = FwdConfig(tile_m=64, tile_n=128, producer_regs=24, consumer_regs=232, ctas_per_sm=2)
+    two.validate(64)
+    assert smem_capacity(2) == 113 * 1024 and smem_capacity(1) == 227 * 1024
+    for bad, field in ((dict(consumer_regs=240), "consumer_regs"),
+                       (dict(split_tail=True), "ctas_per_sm"), (dict(ctas_per_sm=3), "ctas_per_sm"),
+                       (dict(kv_stages=4), "kv_stages")):
+        with pytest.raises(ValueError, match=f"FwdConfig.{field}: expected"):
+            two.replace(**bad).validate(64)
+    with pytest.raises(ValueError, match="kv_stages: expected a shared-memory footprint <= "
+                                         "115712 B"):
+        two.validate(128)  # two stages of 128 keys at head dim 128: 146 KB
 
 
 def test_head_dim_96_takes_192_rows_beyond_short_sequences():
@@ -69,12 +89,12 @@ def test_head_dim_96_takes_192_rows_beyond_short_sequences():
 
 
 def test_short_problems_short_of_sms_take_narrower_tiles():
-    """Batch 1 (a grid short of SMs): head dim 128 takes 64 query rows, head
-    dim 64 non-causal 128 (no split tail), where the measured batch-1 runs
-    gained (docs/findings.md); a causal grid only while all of its tiles
-    start at once, a non-causal one where the narrower tiles fill the waves
-    by a tenth more; never for long sequences, a full GPU, other features or
-    head dim 64 causal."""
+    """Batch 1 (a grid short of SMs): head dim 128 takes 64 query rows,
+    where the measured batch-1 runs gained (docs/findings.md); a causal grid
+    only while all of its tiles start at once, a non-causal one where the
+    narrower tiles fill the waves by a tenth more; never for long sequences,
+    a full GPU or other features. Head dim 64's short tiles have 64 rows
+    (two CTAs an SM) at any grid."""
     from cute_fa.kernels.config import (PLAIN_FEATURES, default_fwd_config,
                                         fwd_config_for_problem, narrow_tiles_pay)
 
@@ -85,17 +105,15 @@ def test_short_problems_short_of_sms_take_narrower_tiles():
     assert tile_m(128, True, 512, 16) == tile_m(128, True, 1024, 16) == 64
     assert tile_m(128, False, 512, 16) == 64
     assert tile_m(128, False, 1024, 16) == 128  # 128 tiles already fill 132 SMs
-    assert tile_m(64, False, 512, 32) == tile_m(64, False, 1024, 32) == 128
-    narrow = fwd_config_for_problem(64, False, None, PLAIN_FEATURES, 512, 512, 32, 132)
-    assert not narrow.split_tail and narrow.consumer_warpgroups == 2
-    assert tile_m(64, True, 512, 32) == 128  # the short tile: 64 rows lost
-    assert tile_m(128, True, 512, 512) == 128 and tile_m(64, False, 512, 1024) == 192
+    for causal in (False, True):
+        assert tile_m(64, causal, 512, 32) == tile_m(64, causal, 512, 1024) == 64
+    assert tile_m(128, True, 512, 512) == 128
     assert tile_m(128, True, 4096, 1) == 128 and tile_m(64, False, 2048, 1) == 192
     assert tile_m(128, True, 512, 16, Features(softcap=True)) == 128
     assert fwd_config_for_problem(128, True, None, PLAIN_FEATURES, 512, 512) == \
         default_fwd_config(128, True, short=True)  # grid unknown
     assert not narrow_tiles_pay(128, 64, True, 1024, 17, 132)  # 136 tiles: some wait
-    for head_dim, causal in ((64, False), (128, False), (128, True)):
+    for head_dim, causal in ((128, False), (128, True)):
         config = fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, 512, 512, 1,
                                         132)
         assert config.tile_m < default_fwd_config(head_dim, causal, short=True).tile_m
@@ -441,11 +459,11 @@ def test_claimed_tiles_of_one_wave_are_dealt_by_index():
         return fwd_config_for_problem(head_dim, True, None, features, seqlen, seqlen,
                                       query_heads, num_sms)
 
-    by_index = config(64, 512, 32)  # 4 tiles of 128 rows x 32 heads
-    assert (by_index.tile_m, by_index.dynamic_tiles) == (128, False)
+    by_index = config(64, 512, 32)  # 8 tiles of 64 rows x 32 heads, two CTAs an SM
+    assert (by_index.tile_m, by_index.dynamic_tiles, by_index.ctas_per_sm) == (64, False, 2)
     assert by_index == config(64, 512, 0).replace(dynamic_tiles=False)
     assert not config(128, 8192, 2).dynamic_tiles  # long rows, few heads: 128 tiles
-    assert config(64, 512, 34).dynamic_tiles  # 136 tiles
+    assert config(64, 512, 34).dynamic_tiles  # 272 tiles
     assert config(64, 512, 32, num_sms=0).dynamic_tiles  # grid unknown
     assert config(64, 512, 32, Features(local=True)).dynamic_tiles
     assert config(64, 512, 32, Features(varlen=True)).dynamic_tiles

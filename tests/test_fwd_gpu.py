@@ -109,6 +109,8 @@ def test_forward_random_shapes(trial):
     dict(), dict(pingpong=False), dict(intra_wg_overlap=False), dict(persistent=False),
     dict(kv_stages=3, tile_n=64), dict(tile_m=64), dict(tile_m=192, producer_regs=32,
                                                         consumer_regs=160),
+    dict(tile_m=64, ctas_per_sm=2, consumer_regs=232), dict(tile_m=64, ctas_per_sm=2,
+                                                            consumer_regs=232, dynamic_tiles=True),
     dict(intra_wg_overlap=False, pingpong=False, persistent=False),
     dict(pv_wait_after_exp2=8), dict(pv_wait_after_exp2=32),
     dict(pv_wait_after_exp2=1, tile_m=192, producer_regs=32, consumer_regs=160),
