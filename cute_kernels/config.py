@@ -350,9 +350,9 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     wide ones where a local kernel's window (left, right; -1 unbounded) lets
     a row see WIDE_WINDOW_KEYS keys or more, and among the short ones the
     narrower tile (narrow_fwd_config) where the short tile leaves SMs idle,
-    and tiles dealt by index where a claimed-tile grid is one wave
-    (one_wave): query_heads (batch x query heads) and num_sms give the grid
-    (0: unknown, neither)."""
+    and tiles dealt by index where a claimed-tile grid is two waves at
+    most (fixed_deal_balances): query_heads (batch x query heads) and
+    num_sms give the grid (0: unknown, neither)."""
     short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
     long_rows = max(seqlen_q, seqlen_k) >= LONG_SEQLEN
     wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
@@ -365,27 +365,31 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
         if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,
                                                    seqlen_q, query_heads, num_sms):
             config = narrow
-    if one_wave(config, features, seqlen_q, query_heads, num_sms):
+    if fixed_deal_balances(config, features, seqlen_q, query_heads, num_sms):
         config = dealt_by_index(config)
     return config
 
 
-@functools.lru_cache(maxsize=None)  # asked on every call of a one-wave grid
+@functools.lru_cache(maxsize=None)  # asked on every call of a grid of two waves or less
 def dealt_by_index(config: FwdConfig) -> FwdConfig:
-    """A claimed-tile config with its tiles dealt by index instead (one_wave)."""
+    """A claimed-tile config with its tiles dealt by index instead
+    (fixed_deal_balances)."""
     return config.replace(dynamic_tiles=False)
 
 
-def one_wave(config: FwdConfig, features: Features, seqlen_q: int, query_heads: int,
-             num_sms: int) -> bool:
-    """Whether a claimed-tile config's dense grid has no more tiles than SMs:
-    every CTA then runs the tile of its index and claims nothing, and the
-    tiles dealt by index leave out the claim counter and the launch that
-    zeroes it before every call (a few µs, most of a call at batch 1)."""
+def fixed_deal_balances(config: FwdConfig, features: Features, seqlen_q: int,
+                        query_heads: int, num_sms: int) -> bool:
+    """Whether a claimed-tile config's dense grid runs at most two waves of
+    tiles. The fixed deal then balances them as claiming would: in one wave
+    every CTA runs the tile of its index; in two its snake hands the CTA
+    with round 0's longest tile round 1's shortest (scheduler.py). And it
+    leaves out the claim counter and the launch that zeroes it before every
+    call (a few µs, much of a call at batch 1). Past two waves the last,
+    partial round unbalances it (docs/findings.md)."""
     dense = not (features.varlen or features.block_sparse or features.split_kv
                  or features.paged_kv or features.local)
-    return (config.dynamic_tiles and dense
-            and -(-seqlen_q // config.tile_m) * query_heads <= num_sms * config.ctas_per_sm)
+    tiles = -(-seqlen_q // config.tile_m) * query_heads
+    return config.dynamic_tiles and dense and tiles <= 2 * num_sms * config.ctas_per_sm
 
 
 @functools.lru_cache(maxsize=None)

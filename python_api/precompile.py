@@ -11,8 +11,8 @@ For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and those of long and short sequences
 where the tiles differ: the long tiles, the short tiles, the narrower ones
 a grid short of SMs takes, and, where tiles are claimed, each of these with
-its tiles dealt by index, as a grid of one wave takes them) and the backward's default
-kernels with and without `deterministic`, each with
+its tiles dealt by index, as a grid of two waves or less takes them) and
+the backward's default kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
 take a gradient through the LSE output. --directions decode (not in the
@@ -62,7 +62,7 @@ class Variant:
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
-    by_index: bool = False  # fwd, causal: tiles dealt by index (a grid of one wave)
+    by_index: bool = False  # fwd, causal: tiles dealt by index (two waves at most)
     long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
 
     @property
@@ -94,7 +94,8 @@ def _short_variants(long: Variant) -> list[Variant]:
         if config is not None and config not in configs:
             out.append(variant)
             configs.append(config)
-    # a claimed-tile grid of one wave deals its tiles by index (config.one_wave)
+    # a claimed-tile grid of two waves or less deals its tiles by index
+    # (config.fixed_deal_balances)
     for variant in [long, *out]:
         if config_of(variant).dynamic_tiles and not variant.block_sparse:
             out.append(replace(variant, by_index=True))
@@ -104,7 +105,7 @@ def _short_variants(long: Variant) -> list[Variant]:
 def _long_variants(base: Variant) -> list[Variant]:
     """The forward of long sequences where its config differs from the
     default one's (config.fwd_config_for_problem), and that with its tiles
-    dealt by index where they are claimed (a few heads make one wave)."""
+    dealt by index where they are claimed (a few heads make two waves)."""
     variant = replace(base, long_rows=True)
     if config_of(variant) == config_of(base):
         return []

@@ -448,12 +448,13 @@ def test_fp8_non_causal_key_tile_follows_the_row_length(head_dim):
                for config in [fp8_config_for_problem(d, causal, PLAIN_FEATURES, 512)])
 
 
-def test_claimed_tiles_of_one_wave_are_dealt_by_index():
-    """A causal grid with no more tiles than SMs claims nothing (every CTA
-    runs the tile of its index): those tiles go by index, which leaves out
-    the claim counter and its zeroing launch. More tiles, an unknown grid,
-    packed batches and windows keep claiming."""
-    from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem, one_wave
+def test_claimed_tiles_of_two_waves_or_less_are_dealt_by_index():
+    """A causal grid of at most two waves of tiles claims nothing: the fixed
+    deal's snake balances it, without the claim counter and its zeroing
+    launch. More tiles, an unknown grid, packed batches and windows keep
+    claiming."""
+    from cute_fa.kernels.config import (PLAIN_FEATURES, fixed_deal_balances,
+                                        fwd_config_for_problem)
 
     def config(head_dim, seqlen, query_heads, features=PLAIN_FEATURES, num_sms=132):
         return fwd_config_for_problem(head_dim, True, None, features, seqlen, seqlen,
@@ -462,13 +463,15 @@ def test_claimed_tiles_of_one_wave_are_dealt_by_index():
     by_index = config(64, 512, 32)  # 8 tiles of 64 rows x 32 heads, two CTAs an SM
     assert (by_index.tile_m, by_index.dynamic_tiles, by_index.ctas_per_sm) == (64, False, 2)
     assert by_index == config(64, 512, 0).replace(dynamic_tiles=False)
-    assert not config(128, 8192, 2).dynamic_tiles  # long rows, few heads: 128 tiles
-    assert config(64, 512, 34).dynamic_tiles  # 272 tiles
+    assert not config(128, 8192, 4).dynamic_tiles  # long rows, few heads: 256 tiles
+    assert not config(64, 512, 66).dynamic_tiles  # 528 tiles on 264 CTAs: two waves
+    assert config(64, 512, 67).dynamic_tiles  # 536 tiles
+    assert config(128, 2048, 17).dynamic_tiles  # 272 tiles on 132
     assert config(64, 512, 32, num_sms=0).dynamic_tiles  # grid unknown
     assert config(64, 512, 32, Features(local=True)).dynamic_tiles
     assert config(64, 512, 32, Features(varlen=True)).dynamic_tiles
     assert not config(64, 512, 32, Features(softcap=True)).dynamic_tiles
-    assert not one_wave(config(128, 512, 1).replace(dynamic_tiles=False), PLAIN_FEATURES,
-                        512, 1, 132)  # nothing to change where nothing is claimed
+    assert not fixed_deal_balances(config(128, 512, 1).replace(dynamic_tiles=False),
+                                   PLAIN_FEATURES, 512, 1, 132)  # nothing is claimed
     assert fwd_config_for_problem(64, False, None, PLAIN_FEATURES, 8192, 8192, 2,
                                   132) == default_fwd_config(64, False)  # non-causal: fixed
