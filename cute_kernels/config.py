@@ -308,9 +308,9 @@ class FwdConfig(_KernelConfig):
         if self.ctas_per_sm not in (1, 2):
             raise bad("ctas_per_sm", "1 or 2")
         if self.ctas_per_sm > 1 and (self.split_tail or fp8):
-            raise bad("ctas_per_sm", "1 with split_tail or e4m3 inputs (the tail plan counts "
-                                     "one CTA per SM; the e4m3 kernel's transposer takes "
-                                     "the producer warpgroup's registers)")
+            raise bad("ctas_per_sm", "1 with split_tail (its plan counts one CTA an SM) or "
+                                     "e4m3 inputs (two CTAs an SM are built for 16-bit "
+                                     "inputs only)")
         _check_shared_fields(self, bad, self.ctas_per_sm)
         smem = self.smem_bytes(head_dim, head_dim_v, fp8)
         capacity = smem_capacity(self.ctas_per_sm)
@@ -441,7 +441,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       warpgroups of 160 registers; 128 keys spill there) beyond short
       sequences, causal only over long rows (long_rows: a sequence of
       LONG_SEQLEN tokens or more); 128 x 128 otherwise, and in packed
-      batches and windows;
+      batches, windows and with sinks;
     - head dim 128 non-causal: 160 keys per step; causal keeps 128 (fewer
       masked columns on the diagonal);
     - head dims 192 and 256: O staged in the V ring (o_in_v_smem), which
@@ -452,9 +452,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       64-row tiles, two CTAs an SM (ctas_per_sm) of one consumer warpgroup
       of 232 registers each, whose tiles' prologues and epilogues, a large
       part of a short tile, run under the other's main loop (in packed
-      batches and under a cap the 128-row tile, two consumer warpgroups of
-      240 registers, causal); head dim 128 non-causal 128 keys a step (160
-      split a 1k sequence into uneven steps);
+      batches, under a cap and with sinks the 128-row tile, two consumer
+      warpgroups of 240 registers, causal); head dim 128 non-causal 128
+      keys a step (160 split a 1k sequence into uneven steps);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees
@@ -477,7 +477,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    if head_dim <= 64 and short and not (features.local or features.varlen or features.softcap):
+    if head_dim <= 64 and short and not (features.local or features.varlen or features.softcap
+                                         or features.sink):
         # two CTAs an SM: one's prologue and epilogue under the other's steps
         return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, persistent=True,
                          dynamic_tiles=claimed, producer_regs=24, consumer_regs=232,
@@ -489,7 +490,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          dynamic_tiles=claimed, split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
                          rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)
-    if head_dim <= 96 and not (features.local or features.varlen) \
+    if head_dim <= 96 and not (features.local or features.varlen or features.sink) \
             and (long_rows if causal else not short):
         return FwdConfig(tile_m=192, tile_n=112, kv_stages=3, persistent=True,
                          dynamic_tiles=claimed, split_tail=not claimed, producer_regs=32,

@@ -286,7 +286,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                     tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.cfg.ctas_per_sm,
-            # every CTA's share of the largest carveout (None: the DSL asks the device)
+            # two CTAs take the largest carveout; named here, the DSL need not
+            # ask a device for it (compiling where there is none)
             preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
 
     @property

@@ -109,8 +109,7 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
 
 
 @pytest.mark.parametrize("causal,features", [(True, PLAIN_FEATURES),
-                                              (False, Features(softcap=True)),
-                                              (True, Features(sink=True))])
+                                              (False, Features(softcap=True))])
 def test_head_dim_96_wide_forwards(tmp_path, causal, features):
     """Head dim 96 beyond short sequences (causal: from LONG_SEQLEN tokens):
     192 query rows of 112 keys in three consumer warpgroups of 160

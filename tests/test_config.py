@@ -29,7 +29,8 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
         short = config(64, causal, SHORT_SEQLEN)
         assert (short.tile_m, short.ctas_per_sm, short.split_tail) == (64, 2, False)
         assert config(64, causal, SHORT_SEQLEN + 1) == default_fwd_config(64, causal)
-    assert config(64, True, 512, Features(softcap=True)).tile_m == 128
+    for features in (Features(softcap=True), Features(sink=True)):
+        assert config(64, True, 512, features).ctas_per_sm == 1
     assert config(128, False, 512).tile_n == 128 and config(128, False, 4096).tile_n == 160
     assert config(128, True, 512) == default_fwd_config(128, True)
     # a long key side makes the problem long
@@ -83,6 +84,7 @@ def test_head_dim_96_takes_192_rows_beyond_short_sequences():
     assert tiles(True, LONG_SEQLEN) == tiles(True, 1, seqlen_q=LONG_SEQLEN) == (192, 112)
     assert tiles(False, 16384, Features(softcap=True)) == (192, 112)
     assert tiles(True, 16384, Features(varlen=True)) == (128, 128)
+    assert tiles(False, 16384, Features(sink=True)) == (128, 128)
     assert tiles(False, 16384, Features(local=True)) == (128, 128)
     assert default_fwd_config(96, False).tile_m == 192  # the op's long-sequence default
     assert default_fwd_config(96, True).tile_m == 128
