@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 WARPGROUP_THREADS = 128
 WGMMA_M = 64
-# Hopper: 228 KB of shared memory per SM, 227 KB usable by one CTA.
-SMEM_CAPACITY_BYTES = 227 * 1024
-# An SM's shared memory, of which each resident CTA also takes 1 KB.
+# Hopper: 228 KB of shared memory per SM, of which each resident CTA also
+# takes 1 KB: 227 KB usable by one CTA.
 SMEM_PER_SM_BYTES = 228 * 1024
+SMEM_CAPACITY_BYTES = SMEM_PER_SM_BYTES - 1024
 # 64K 32-bit registers per SM; setmaxnreg moves them between warpgroups.
 REGISTERS_PER_SM = 65536
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # the forward kernel's own

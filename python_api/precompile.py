@@ -86,7 +86,8 @@ class Variant:
 def _short_variants(long: Variant) -> list[Variant]:
     """The forwards of short sequences whose configs differ from the long
     one's: the short tiles, and the narrow tiles where a small grid takes
-    them (config.fwd_config_for_problem)."""
+    them (config.fwd_config_for_problem); then each of these and the long
+    one dealt by index where its tiles are claimed."""
     out, configs = [], [config_of(long)]
     for narrow in (False, True):
         variant = replace(long, short=True, narrow=narrow)
@@ -94,12 +95,7 @@ def _short_variants(long: Variant) -> list[Variant]:
         if config is not None and config not in configs:
             out.append(variant)
             configs.append(config)
-    # a claimed-tile grid of two waves or less deals its tiles by index
-    # (config.fixed_deal_balances)
-    for variant in [long, *out]:
-        if config_of(variant).dynamic_tiles and not variant.block_sparse:
-            out.append(replace(variant, by_index=True))
-    return out
+    return out + _by_index([long, *out])
 
 
 def _long_variants(base: Variant) -> list[Variant]:
@@ -109,9 +105,13 @@ def _long_variants(base: Variant) -> list[Variant]:
     variant = replace(base, long_rows=True)
     if config_of(variant) == config_of(base):
         return []
-    if config_of(variant).dynamic_tiles:
-        return [variant, replace(variant, by_index=True)]
-    return [variant]
+    return [variant, *_by_index([variant])]
+
+
+def _by_index(forwards: list[Variant]) -> list[Variant]:
+    """Those of `forwards` whose tiles are claimed, dealt by index instead,
+    as a grid of two waves or less takes them (config.fixed_deal_balances)."""
+    return [replace(v, by_index=True) for v in forwards if config_of(v).dynamic_tiles]
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
