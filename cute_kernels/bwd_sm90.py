@@ -329,7 +329,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         @cute.struct
         class SharedStorage:
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            tile_slots: cute.struct.MemRange[Int32, 2]  # TileQueue (dynamic_tiles)
+            # TileQueue (dynamic_tiles), carried by the K/V barrier of one stage
+            tile_slots: cute.struct.MemRange[Int32, TileQueue.slots_for(1)]
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
@@ -412,7 +413,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         )
         tiles = _Tiles(TileSequence(self._scheduler(mQ, mK, seqlens),
                                     TileQueue(mSemaphore, storage.tile_slots.get_tensor(
-                                        cute.make_layout(2))),
+                                        cute.make_layout(TileQueue.slots_for(1)))),
                                     self.cfg.dynamic_tiles),
                        seqlens, mQ.shape[2] // mK.shape[2], self.cfg.split_gqa, mBlockSparse)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them

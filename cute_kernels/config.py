@@ -159,6 +159,10 @@ class FwdConfig(_KernelConfig):
         so tile_m // 64 consumer warpgroups are launched.
     tile_n: key/value rows per main-loop step (WGMMA N of S = Q·Kᵀ).
     kv_stages: depth of the K and V shared-memory rings filled by TMA.
+    q_stages: depth of the Q ring, 1 or 2: with 2 the producer loads the next
+        tile's Q as soon as it has the tile, under the current tile's main
+        loop, instead of after the consumers' last Q·Kᵀ of it (where short
+        rows leave too little work after that release to hide the load).
     pingpong: consumer warpgroups take turns issuing their GEMMs (named
         barriers), so one warpgroup's softmax runs under the other's WGMMA.
     intra_wg_overlap: inside a warpgroup, issue the next block's S = Q·Kᵀ
@@ -221,6 +225,7 @@ class FwdConfig(_KernelConfig):
     tile_m: int = 128
     tile_n: int = 128
     kv_stages: int = 2
+    q_stages: int = 1
     pingpong: bool = True
     intra_wg_overlap: bool = True
     persistent: bool = True
@@ -255,8 +260,8 @@ class FwdConfig(_KernelConfig):
         if fp8:
             v_ring = _align_1k(v_ring) * 2                                    # V, Vᵀ
         o_slabs = self.tile_m * head_dim_v * 2
-        size = 8 * (3 + 6 * self.kv_stages) + 4 * 8                      # mbarriers, words
-        size = _align_1k(size) + self.tile_m * head_dim * elem_bytes          # Q
+        size = 8 * (1 + 2 * self.q_stages + 6 * self.kv_stages) + 4 * 8  # mbarriers, words
+        size = _align_1k(size) + self.q_stages * self.tile_m * head_dim * elem_bytes  # Q
         size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # K
         if self.o_in_v_smem:
             return _align_1k(size) + max(v_ring, o_slabs)                     # V / O
@@ -283,6 +288,9 @@ class FwdConfig(_KernelConfig):
             raise bad("tile_n", "a multiple of 16 in [16, 256] (WGMMA N, and the P·V K step)")
         if not 1 <= self.kv_stages <= 8:
             raise bad("kv_stages", "an integer in [1, 8]")
+        if self.q_stages not in (1, 2):
+            raise bad("q_stages", "1 or 2 (scheduler.TileQueue passes a claimed tile through "
+                                  "two slots)")
         if self.intra_wg_overlap and self.kv_stages < 2:
             raise bad("kv_stages", ">= 2 when intra_wg_overlap is on (K_{j+1} and V_j are "
                                    "in flight together)")
@@ -315,7 +323,10 @@ class FwdConfig(_KernelConfig):
         smem = self.smem_bytes(head_dim, head_dim_v, fp8)
         capacity = smem_capacity(self.ctas_per_sm)
         if smem > capacity:
-            raise bad("kv_stages", f"a shared-memory footprint <= {capacity} B, "
+            # the field whose depth broke the budget: Q's second stage where it alone did
+            field = ("q_stages" if self.q_stages > 1 and self.replace(q_stages=1).smem_bytes(
+                head_dim, head_dim_v, fp8) <= capacity else "kv_stages")
+            raise bad(field, f"a shared-memory footprint <= {capacity} B, "
                                    f"this needs {smem} B at head dims {head_dim}/{head_dim_v}"
                                    + ("" if self.o_in_v_smem else " (o_in_v_smem saves the "
                                       "O slabs)"))
@@ -454,7 +465,11 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       part of a short tile, run under the other's main loop (in packed
       batches, under a cap and with sinks the 128-row tile, two consumer
       warpgroups of 240 registers, causal); head dim 128 non-causal 128
-      keys a step (160 split a 1k sequence into uneven steps);
+      keys a step (160 split a 1k sequence into uneven steps); causal, a
+      second Q stage (q_stages) at head dims 64-128, where the diagonal's
+      tiles of one to eight key blocks leave too little work after the
+      last Q·Kᵀ to hide the next tile's Q load (not in packed batches,
+      windows, caps or sinks: not measured there);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees
@@ -477,13 +492,15 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    if head_dim <= 64 and short and not (features.local or features.varlen or features.softcap
-                                         or features.sink):
+    plain = not (features.local or features.varlen or features.softcap or features.sink)
+    # short causal tiles of one to eight key blocks: the next tile's Q loads under this one's
+    q_stages = 2 if short and causal and plain else 1
+    if head_dim <= 64 and short and plain:
         # two CTAs an SM: one's prologue and epilogue under the other's steps
-        return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, persistent=True,
-                         dynamic_tiles=claimed, producer_regs=24, consumer_regs=232,
-                         rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4,
-                         ctas_per_sm=2)
+        return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,
+                         persistent=True, dynamic_tiles=claimed, producer_regs=24,
+                         consumer_regs=232, rederive_epilogue_coords=True,
+                         pv_wait_after_exp2=2 if causal else 4, ctas_per_sm=2)
     if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3, persistent=True,
@@ -497,8 +514,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          consumer_regs=160, rederive_epilogue_coords=True,
                          pv_wait_after_exp2=4)
     if head_dim <= 96 or claimed or short:
-        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True,
-                         dynamic_tiles=claimed, split_tail=not claimed, pv_wait_after_exp2=8)
+        return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, q_stages=q_stages,
+                         persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
+                         pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=160, kv_stages=2, persistent=True, split_tail=True,
                      pv_wait_after_exp2=8)
 

@@ -53,8 +53,8 @@ from cutlass.memory import SmemAllocator
 from . import fp8_operands, wgmma
 from .block_sparse import SparseRow, SparseScoreMask, static_coords
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
-from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute,
-                          store_rows, tma_store_tile, tma_views)
+from .fwd_epilogue import ForwardEpilogue
+from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute, tma_views
 from .mask import BlockRange, Limits, ScoreMask, Window
 from .paged import KvBlocks, KvStream
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_thread_pipeline,
@@ -137,7 +137,7 @@ class Consumer:
     wg: Int32
 
 
-class FlashAttentionForwardSm90(Sm90AttentionKernel):
+class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
     """One compiled kernel per (dtype, out_dtype, head_dim, head_dim_v, causal,
     features, config: FwdConfig). dtype is that of Q, K, V; out_dtype that
     of O (None: dtype), bf16 or fp16 where the inputs are e4m3."""
@@ -242,7 +242,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         mLSE = permute(mLSE, [2, 1, 0])
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
-        sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d)
+        sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, self.q_ring_stages)
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
         sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, self.cfg.kv_stages)
         # e4m3: Vᵀ, K-major for P·V, filled by the transposer (fp8_operands.py)
@@ -257,7 +257,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             tiled_mma_pv = wgmma.tiled_mma_rs(self.dtype, self.consumer_wgs, dv)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
+        tma_q, tQ = cpasync.make_tiled_tma_atom(load, mQ, self._q_stage_layout(sQ_layout),
+                                                (tile_m, d))
         tma_k, tK = cpasync.make_tiled_tma_atom(load, mK, self._kv_box(sK_layout, d), (
             self.kv_load_rows, d))
         tma_v, tV = cpasync.make_tiled_tma_atom(load, mV, self._kv_box(sV_layout, dv), (
@@ -303,6 +304,23 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         return self.cfg.rescale_o_before_pv and me.softmax.rescales
 
     @property
+    def q_ring_stages(self) -> int | None:
+        """The Q ring's stage mode (q_stages), or None: one unstaged tile."""
+        return self.cfg.q_stages if self.cfg.q_stages > 1 else None
+
+    def _q_stage_layout(self, sQ_layout):
+        """One stage of Q's shared-memory layout (what one TMA load fills)."""
+        if self.q_ring_stages is None:
+            return sQ_layout
+        return cute.select(sQ_layout, mode=[0, 1])
+
+    def _q_stage(self, t: cute.Tensor, q_state) -> cute.Tensor:
+        """t (a view of the Q ring, its stage mode last) at q_state's stage."""
+        if cutlass.const_expr(self.q_ring_stages is None):
+            return t
+        return t[(None,) * (cute.rank(t) - 1) + (q_state.index,)]
+
+    @property
     def splits_tiles(self) -> bool:
         """Tiles come in key ranges: the last round's (split_tail) or all
         (split_kv), units of work dealt through TailSplit."""
@@ -334,11 +352,11 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
 
         mem = cute.struct.MemRange
         fields = {
-            "q_barriers": mem[cutlass.Int64, 2],
+            "q_barriers": mem[cutlass.Int64, 2 * self.cfg.q_stages],
             "k_barriers": mem[cutlass.Int64, 2 * stages],
             "v_barriers": mem[cutlass.Int64, 2 * stages],
             "o_read": mem[cutlass.Int64, 1],  # O staged in V has been stored (o_in_v_smem)
-            "tile_slots": mem[Int32, 2],  # TileQueue (dynamic_tiles)
+            "tile_slots": mem[Int32, TileQueue.slots_for(self.cfg.q_stages)],  # dynamic_tiles
             "split_arrivals": mem[Int32, 4],  # per consumer warpgroup (split_tail)
         }
         if self.fp8:
@@ -379,8 +397,8 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         # e4m3: the transposer frees V stages, and fills the Vᵀ ring
         v_arrivals = self.transpose_threads if cutlass.const_expr(self.fp8) else arrivals
         pipes = Pipes(
-            make_tma_pipeline(storage.q_barriers.data_ptr(), 1, arrivals,
-                              cute.size_in_bytes(self.dtype, sQ_layout)),
+            make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.q_stages, arrivals,
+                              cute.size_in_bytes(self.dtype, self._q_stage_layout(sQ_layout))),
             make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))),
             make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, v_arrivals,
@@ -420,7 +438,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
         tiles = TileSequence(scheduler,
                              TileQueue(mCounters, storage.tile_slots.get_tensor(
-                                 cute.make_layout(2))),
+                                 cute.make_layout(TileQueue.slots_for(self.cfg.q_stages)))),
                              self.cfg.dynamic_tiles)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
         limits = Limits(self.causal, self.features.local, window, self.features.rows_per_query)
@@ -463,7 +481,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 done: Int32 | None, mBlockSparse: cute.Tensor):
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
         q_per_kv = mQ.shape[2] // mK.shape[2]
-        q_state = producer_state(1)
+        q_state = producer_state(self.cfg.q_stages)
         kv_state = producer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
         num_units = self._num_units(tiles.scheduler.num_tiles(), tail)
@@ -476,14 +494,16 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             head_kv = work.head // q_per_kv
             gQ = cute.local_tile(seqlens.q_rows(mQ, work.head, work.batch),
                                  (self.tile_m, self.head_dim), (work.m_block, 0))
-            tQs, tQg = tma_views(copies.q, smem.q, gQ, staged=False)
+            tQs, tQg = tma_views(copies.q, smem.q, gQ, staged=self.q_ring_stages is not None,
+                                 g_tile_modes=2)
             k_blocks = self._kv_stream(copies.k, mK, smem.k, kv, seqlens, head_kv, work.batch,
                                        self.head_dim)
             v_blocks = self._kv_stream(copies.v, mV, smem.v, kv, seqlens, head_kv, work.batch,
                                        self.head_dim_v)
 
             pipes.q.producer_acquire(q_state)
-            cute.copy(copies.q, tQg, tQs, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+            cute.copy(copies.q, tQg, self._q_stage(tQs, q_state),
+                      tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
             q_state.advance()
 
             n_lo, n_max = work.n_lo, work.n_max
@@ -641,7 +661,7 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             reference = FixedReference.for_cap(softmax_scale_log2)
 
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
-        q_state = consumer_state(1)
+        q_state = consumer_state(self.cfg.q_stages)
         kv_state = consumer_state(self.cfg.kv_stages)
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
         num_units = self._num_units(tiles.scheduler.num_tiles(), tail)
@@ -663,6 +683,9 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
             softmax.row_sum.fill(0.0)
             if not dynamic:  # a claimed tile's Q was waited for with the tile
                 wait_full(pipes.q, q_state)
+            tile_me = me
+            if cutlass.const_expr(self.q_ring_stages is not None):
+                tile_me = replace(me, q=self._q_stage(me.q, q_state))
             if work.n_max > work.n_lo:
                 if cutlass.const_expr(self.features.block_sparse):
                     mask = SparseScoreMask(s_coords, static_coords(
@@ -674,13 +697,13 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
                 if cutlass.const_expr(self.bounded_scores):
                     if reference.fits:
                         kv_state = self.mainloop(
-                            replace(me, softmax=softmax.fixed_reference(reference.offset)), pipes,
-                            q_state, kv_state, mask, blocks, work.n_lo, work.n_max)
+                            replace(tile_me, softmax=softmax.fixed_reference(reference.offset)),
+                            pipes, q_state, kv_state, mask, blocks, work.n_lo, work.n_max)
                     else:
-                        kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks,
+                        kv_state = self.mainloop(tile_me, pipes, q_state, kv_state, mask, blocks,
                                                  work.n_lo, work.n_max)
                 else:
-                    kv_state = self.mainloop(me, pipes, q_state, kv_state, mask, blocks,
+                    kv_state = self.mainloop(tile_me, pipes, q_state, kv_state, mask, blocks,
                                              work.n_lo, work.n_max)
             else:
                 release(pipes.q, q_state)
@@ -868,128 +891,3 @@ class FlashAttentionForwardSm90(Sm90AttentionKernel):
         release(pipes.v, kv_state)
         kv_state.advance()
         return kv_state
-
-    # -------------------------------------------------------------- epilogue
-    @cute.jit
-    def _store_partial(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                       mO_part: cute.Tensor, mLSE_part: cute.Tensor, tid: Int32, work: Work,
-                       seqlens: Seqlens, dense_batch: Int32):
-        """A split_kv part's rows, straight from registers to the fp32
-        workspaces: O (normalised over the part's keys) and LSE, rows past
-        the sequence left out. A few rows per tile in decoding: no staging."""
-        index = work.part * dense_batch + seqlens.buffer_batch(work.batch)
-        if cutlass.const_expr(self.features.varlen):
-            index = work.part
-        start = seqlens.start_q(work.batch)
-        o_rows = cute.domain_offset((start, 0), mO_part[None, None, work.head, index])
-        coords = wgmma.acc_rows_cols(tiled_mma_pv.get_slice(tid).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-        o = wgmma.acc_rows_cols(acc_o)
-        first = work.m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-            row = first + coords[r, 0][0]
-            if row < work.seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    o_rows[row, coords[r, c][1]] = o[r, c]
-                if coords[0, 0][1] == 0:
-                    mLSE_part[start + row, work.head, index] = lse[r]
-
-    @cute.jit
-    def _store_slab(self, slab: cute.Tensor, tma_o: cute.CopyAtom, out_rows: cute.Tensor,
-                    row_block: Int32, rows_out: Int32, wg: Int32, is_store_warp):
-        """The store warp's TMA store of this warpgroup's O slab, once the
-        others' stmatrix writes are in (they arrive, it waits)."""
-        if is_store_warp:
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
-                              number_of_threads=WARPGROUP_THREADS)
-            if rows_out > 0:  # TMA clips the rows past the tensor's end
-                tma_store_tile(tma_o, slab, cute.local_tile(out_rows, (WGMMA_M, self.head_dim_v),
-                                                            (row_block, 0)))
-            cute.arch.cp_async_bulk_commit_group()
-        else:
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
-                                     number_of_threads=WARPGROUP_THREADS)
-
-    @cute.jit
-    def _o_staging_free(self):
-        """With O staged in the V ring: every consumer warpgroup's last P·V
-        has completed before any of them writes O over the V stages it read."""
-        if cutlass.const_expr(self.cfg.o_in_v_smem):
-            cute.arch.barrier(barrier_id=int(NamedBarrier.O_IN_V),
-                              number_of_threads=self.consumer_threads)
-
-    @cute.jit
-    def _o_left(self, o_read: cute.Pointer, tid: Int32):
-        """With O staged in the V ring: this warpgroup's O store (if any) has
-        read its slab, so the producer may load V there again; one arrival
-        per warpgroup and tile, from its store warp."""
-        if cutlass.const_expr(self.cfg.o_in_v_smem):
-            if tid % WARPGROUP_THREADS < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()  # the lane that issued the store has waited
-                if tid % WARPGROUP_THREADS == 0:
-                    cute.arch.mbarrier_arrive(o_read)
-
-    @cute.jit
-    def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                 mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor,
-                 tma_o: cute.CopyAtom, wg: Int32, tid: Int32, work: Work, seqlens: Seqlens,
-                 o_read: cute.Pointer):
-        """O (registers) -> this warpgroup's smem slab -> TMA store; LSE -> global.
-        A packed sequence's last, partial slab is stored row by row instead
-        (kernel_base.store_rows), by the whole warpgroup.
-
-        A slab of its own: the slab's previous store is awaited here, not
-        right after issuing it, so the store drains while the next tile's
-        main loop runs. A slab in the V ring: awaited right after (_o_left),
-        as the producer's next V load waits for it."""
-        m_block, head, batch, seqlen_q = work.m_block, work.head, work.batch, work.seqlen_q
-        r_o = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
-        wgmma.convert_to_16bit(acc_o, r_o)
-        if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
-            # An opaque copy of the thread index (a shuffle from its own
-            # lane): what derives from it (stmatrix addresses, LSE rows) is
-            # then computed here, not hoisted by LLVM out of the persistent
-            # tile loop into registers held through every main-loop step.
-            tid = cute.arch.shuffle_sync(tid, cute.arch.lane_idx())
-        wg_tid = tid % WARPGROUP_THREADS
-        is_store_warp = wg_tid < 32
-        if cutlass.const_expr(not self.cfg.o_in_v_smem):
-            if is_store_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
-                              number_of_threads=WARPGROUP_THREADS)
-        slab = sO[None, None, wg]
-        wgmma.stmatrix_store(self.out_dtype, r_o, slab, wg_tid)
-        # stmatrix writes go through the generic proxy; TMA reads through the async one.
-        cute.arch.fence_view_async_shared()
-
-        # LSE: the thread holding column 0 of a row writes it.
-        o_coords = tiled_mma_pv.get_slice(tid).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
-        rows = wgmma.acc_rows_cols(o_coords)
-        if rows[0, 0][1] == 0:
-            first_row = seqlens.start_q(batch) + m_block * self.tile_m
-            for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
-                if m_block * self.tile_m + rows[r, 0][0] < seqlen_q:
-                    mLSE[first_row + rows[r, 0][0], head, seqlens.buffer_batch(batch)] = lse[r]
-
-        row_block = m_block * self.consumer_wgs + wg
-        rows_out = seqlen_q - row_block * WGMMA_M
-        out_rows = seqlens.q_rows(mO, head, batch)
-        if cutlass.const_expr(self.features.varlen):
-            if rows_out > 0 and rows_out < WGMMA_M:
-                cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
-                                  number_of_threads=WARPGROUP_THREADS)
-                store_rows(slab, cute.local_tile(seqlens.q_rows(mO_rows, head, batch),
-                                                 (WGMMA_M, self.head_dim_v), (row_block, 0)),
-                           rows_out, wg_tid, WARPGROUP_THREADS)
-                if cutlass.const_expr(self.cfg.o_in_v_smem):
-                    # every thread's reads of the slab are done before V may load over it
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
-                                      number_of_threads=WARPGROUP_THREADS)
-            else:
-                self._store_slab(slab, tma_o, out_rows, row_block, rows_out, wg, is_store_warp)
-        else:
-            self._store_slab(slab, tma_o, out_rows, row_block, rows_out, wg, is_store_warp)
-        self._o_left(o_read, tid)

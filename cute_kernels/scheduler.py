@@ -129,17 +129,25 @@ class TileQueue(DslStruct):
     atomic's round trip, and the tile goes to the CTA about to be free
     (claiming it when tile r starts lost 1.9 % at d128 causal 16k: a whole
     tile early, the claim often went to a CTA that was not the next one
-    free). It writes tile r into slot r % 2 before
-    its arrive on Q's full barrier for round r, and the consumers read the
-    slot after waiting on that barrier, whose phase completes only after the
+    free). With a Q ring of S stages there are N = S + 1 slots
+    (slots_for). The producer writes tile r into slot r % N before its
+    arrive on Q's full barrier for round r, and the consumers read the slot
+    after waiting on that barrier, whose phase completes only after the
     arrive (release/acquire through the mbarrier). The slot is free again:
-    its previous tile (r - 2) was read before the consumers released Q of
-    round r - 2, which the producer's acquire of round r - 1 waited for. A
-    tile index >= num_tiles ends the loop: for it the producer arrives on Q's
-    barrier without a load."""
+    its previous tile (r - N = r - 1 - S) was read before the consumers
+    released Q of that round, which the producer's acquire of round r - 1
+    (the same stage) waited for. With N = S the producer, running ahead over
+    tiles of one block, could overwrite a tile the consumers had not read.
+    A tile index >= num_tiles ends the loop: for it the producer arrives on
+    Q's barrier without a load."""
 
     counter: cute.Tensor  # global Int32 (1,), zero at launch
-    slots: cute.Tensor  # shared Int32 (2,)
+    slots: cute.Tensor  # shared Int32 (slots_for(stages),)
+
+    @staticmethod
+    def slots_for(stages: int) -> int:
+        """Slots a ring of `stages` stages needs (above)."""
+        return stages + 1
 
     @cute.jit
     def claim(self) -> Int32:
@@ -156,7 +164,7 @@ class TileQueue(DslStruct):
     def publish(self, round_idx: Int32, tile: Int32):
         """Before the producer's arrive on Q's full barrier of this round."""
         if cute.arch.lane_idx() == 0:
-            self.slots[round_idx % 2] = tile
+            self.slots[round_idx % cute.size(self.slots)] = tile
         cute.arch.sync_warp()  # ordered before the arrive, whichever lane makes it
 
     @cute.jit
@@ -174,7 +182,7 @@ class TileQueue(DslStruct):
         """A reader's tile of this round: its wait on the barrier that carries
         it, then the slot."""
         wait_full(pipe, state)
-        return cute.arch.make_warp_uniform(self.slots[round_idx % 2])
+        return cute.arch.make_warp_uniform(self.slots[round_idx % cute.size(self.slots)])
 
 
 @dataclass

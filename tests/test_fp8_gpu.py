@@ -111,6 +111,19 @@ def test_fp8_forward_persistent_tail_split(split):
     _check(q8, k8, v8, qs, ks, vs, False, out, lse)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_q_ring_of_two_stages(causal):
+    """Short tiles on the e4m3 kernel with a second Q stage: within the bound,
+    and the one-stage kernel's bits."""
+    q8, k8, v8, qs, ks, vs = _inputs("normal", 12, 300, 300, 8, 2, 128, seed=13)
+    config = fp8_fwd_config(128, causal).replace(q_stages=2, split_tail=False, tile_n=128)
+    out, lse = forward_fp8_cuda(q8, k8, v8, qs, ks, vs, None, causal, None, config)
+    _check(q8, k8, v8, qs, ks, vs, causal, out, lse)
+    one_stage = forward_fp8_cuda(q8, k8, v8, qs, ks, vs, None, causal, None,
+                                 config.replace(q_stages=1))
+    assert torch.equal(out, one_stage[0]) and torch.equal(lse, one_stage[1])
+
+
 def test_fp8_forward_under_torch_compile_and_no_backward():
     q8, k8, v8, qs, ks, vs = _inputs("normal", 1, 256, 256, 2, 2, 64, seed=3)
     f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True, q_descale=qs,

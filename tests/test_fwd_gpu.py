@@ -138,6 +138,24 @@ def test_forward_config_variants(overrides, causal):
     _check(q, k, v, causal, out, lse)
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(dynamic_tiles=True), dict(dynamic_tiles=True, pingpong=False,
+                                           intra_wg_overlap=False),
+    dict(tile_m=64, ctas_per_sm=2, consumer_regs=232, dynamic_tiles=True),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_q_ring_of_two_stages(overrides, causal):
+    """Tiles of one or two key blocks, several rounds a CTA: the producer runs
+    rounds ahead of the consumers (what TileQueue's slots are counted for).
+    A second Q stage changes no arithmetic: the one-stage kernel's bits."""
+    config = FwdConfig(q_stages=2).replace(**overrides)
+    q, k, v = _inputs(16, 200, 200, 16, 4, 64, torch.bfloat16, seed=11)
+    out, lse = forward_cuda(q, k, v, default_scale(64), causal, config)
+    _check(q, k, v, causal, out, lse)
+    one_stage = forward_cuda(q, k, v, default_scale(64), causal, config.replace(q_stages=1))
+    assert torch.equal(out, one_stage[0]) and torch.equal(lse, one_stage[1])
+
+
 @pytest.mark.parametrize("heads, heads_kv, batch", [(5, 5, 3), (8, 2, 3), (7, 1, 2)])
 def test_causal_multi_section_schedule(heads, heads_kv, batch):
     # A 1 MB section holds 4 (batch, head) pairs of 1000 x 64 K/V: several

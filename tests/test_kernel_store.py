@@ -223,9 +223,9 @@ def test_precompile_command_line():
         "fwd bf16 d64 full", "fwd bf16 d64 full short", "fwd bf16 d64 causal",
         "fwd bf16 d64 causal short", "fwd bf16 d64 causal by_index",
         "fwd bf16 d64 causal short by_index", "fwd bf16 d128 full", "fwd bf16 d128 full short",
-        "fwd bf16 d128 full short narrow", "fwd bf16 d128 causal",
+        "fwd bf16 d128 full short narrow", "fwd bf16 d128 causal", "fwd bf16 d128 causal short",
         "fwd bf16 d128 causal short narrow", "fwd bf16 d128 causal by_index",
-        "fwd bf16 d128 causal short narrow by_index"]
+        "fwd bf16 d128 causal short by_index", "fwd bf16 d128 causal short narrow by_index"]
     assert precompile.config_of(short[-1]).tile_m == 64
     assert not precompile.config_of(short[-1]).dynamic_tiles
     # head dim 96: the long tiles of a causal problem, claimed and dealt by index
@@ -233,7 +233,8 @@ def test_precompile_command_line():
     assert [v.label() for v in d96] == [
         "fwd bf16 d96 full", "fwd bf16 d96 full short", "fwd bf16 d96 causal",
         "fwd bf16 d96 causal long_rows", "fwd bf16 d96 causal long_rows by_index",
-        "fwd bf16 d96 causal by_index"]
+        "fwd bf16 d96 causal short", "fwd bf16 d96 causal by_index",
+        "fwd bf16 d96 causal short by_index"]
     assert precompile.config_of(d96[3]).tile_m == 192
     # every config the op picks for these is among them
     from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem
