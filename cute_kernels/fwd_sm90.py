@@ -749,8 +749,9 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
     def mainloop(self, me: Consumer, pipes: Pipes, q_state, kv_state, mask: ScoreMask,
                  blocks: BlockRange, n_lo: Int32, n_max: Int32):
         """K/V blocks [n_lo, n_max) of one tile, last block first. Releases Q as soon as the
-        last Q·Kᵀ is done, so the next tile's Q loads under the last P·V and the
-        epilogue. Returns the K/V ring state."""
+        last Q·Kᵀ is done, so that with one Q stage the next tile's Q loads under the
+        last P·V and the epilogue (with two it may have loaded already). Returns the
+        K/V ring state."""
         n_masked_end, n_unmasked_lo = mask.masked_bounds(blocks, n_lo, n_max)
         if cutlass.const_expr(self.cfg.intra_wg_overlap):
             # First block: S, mask (seqlen edge and diagonal), softmax; its P·V

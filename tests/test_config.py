@@ -74,6 +74,26 @@ def test_two_ctas_an_sm_share_its_registers_and_shared_memory():
         two.validate(128)  # two stages of 128 keys at head dim 128: 146 KB
 
 
+def test_q_ring_depth_and_its_shared_memory():
+    """q_stages: 1 or 2 (TileQueue's slots are counted for that), a second
+    Q tile in the footprint, and the field named where that stage alone
+    breaks the budget."""
+    from cute_fa.kernels.config import SMEM_CAPACITY_BYTES
+    one, two = FwdConfig(), FwdConfig(q_stages=2)
+    assert two.smem_bytes(128) - one.smem_bytes(128) == 128 * 128 * 2
+    two.validate(128)
+    assert two.smem_bytes(128) <= SMEM_CAPACITY_BYTES
+    for depth in (0, 3):
+        with pytest.raises(ValueError, match="FwdConfig.q_stages: expected 1 or 2"):
+            FwdConfig(q_stages=depth).validate(64)
+    wide = default_fwd_config(256, True)
+    wide.validate(256)
+    with pytest.raises(ValueError, match="FwdConfig.q_stages: expected a shared-memory"):
+        wide.replace(q_stages=2).validate(256)
+    with pytest.raises(ValueError, match="FwdConfig.kv_stages: expected a shared-memory"):
+        wide.replace(q_stages=2, kv_stages=4).validate(256)
+
+
 def test_head_dim_96_takes_192_rows_beyond_short_sequences():
     """Head dim 96: 192 query rows of 112 keys a step past SHORT_SEQLEN
     tokens, causal only from LONG_SEQLEN (shorter causal rows and packed
