@@ -26,6 +26,8 @@ ops.py keeps its Python kernels, with a warning saying why.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import glob
 import os
@@ -100,20 +102,50 @@ def prebuilt():
     return module
 
 
+# torch's cpp_extension marks a build in progress by creating this file in the
+# build folder and waits, without end, while it exists; a build killed midway
+# leaves it behind.
+TORCH_BUILD_MARK = "lock"
+
+
+@contextlib.contextmanager
+def _sole_builder(folder: str):
+    """Hold the build folder's flock for the build. The kernel drops it when
+    its holder dies, so a process holding it is the only one of ours
+    building there, and a TORCH_BUILD_MARK it finds was left by a build that
+    was killed: removed, with a warning, instead of waited on forever."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "build.flock"), "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            mark = os.path.join(folder, TORCH_BUILD_MARK)
+            if os.path.exists(mark):
+                warnings.warn(f"cute_fa: removing {mark}, left by a build of the C++ op "
+                              f"layer that did not finish; building again", stacklevel=3)
+                os.remove(mark)
+            yield
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = False):
-    """Compile (or load the cached build of) the extension module."""
+    """Compile (or load the cached build of) the extension module, one of our
+    processes at a time (_sole_builder)."""
     import tvm_ffi
     from torch.utils.cpp_extension import load
 
     ffi_root = os.path.dirname(tvm_ffi.__file__)
     ffi_lib = os.path.join(ffi_root, "lib")
     folder = source_folder()
-    return load(name="cute_fa_native", sources=[os.path.join(folder, n) for n in SOURCES],
-                build_directory=build_folder(),
-                extra_include_paths=[folder, os.path.join(ffi_root, "include"), _nvtx_include()],
-                extra_cflags=["-O2"],
-                extra_ldflags=[f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"],
-                verbose=verbose)
+    build_directory = build_folder()
+    with _sole_builder(build_directory):
+        return load(name="cute_fa_native", sources=[os.path.join(folder, n) for n in SOURCES],
+                    build_directory=build_directory,
+                    extra_include_paths=[folder, os.path.join(ffi_root, "include"),
+                                         _nvtx_include()],
+                    extra_cflags=["-O2"],
+                    extra_ldflags=[f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"],
+                    verbose=verbose)
 
 
 def _ffi_handle(compiled) -> int:

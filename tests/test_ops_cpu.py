@@ -1,5 +1,7 @@
 """The torch op on the CPU: registration, opcheck, torch.compile, NVTX."""
 
+import os
+
 import pytest
 import torch
 
@@ -138,6 +140,31 @@ def test_native_extension_builds():
                  "cached_plans"):
         assert callable(getattr(module, name))
     assert module.cached_plans() == 0
+
+
+def test_native_build_removes_the_mark_of_a_killed_build(monkeypatch, tmp_path):
+    """A build killed midway leaves torch's build-in-progress mark, on which
+    the next build would wait forever; holding the folder's flock, the next
+    build removes it (with a warning) and builds."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from cute_fa import native
+
+    (tmp_path / native.TORCH_BUILD_MARK).write_text("")
+    seen = []
+
+    def load(**kwargs):
+        seen.append(os.path.exists(os.path.join(kwargs["build_directory"],
+                                                native.TORCH_BUILD_MARK)))
+        return "module"
+
+    monkeypatch.setattr(native, "build_folder", lambda: str(tmp_path))
+    monkeypatch.setattr(native, "_nvtx_include", lambda: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with pytest.warns(UserWarning, match="did not finish"):
+        assert native.build() == "module"
+    assert seen == [False]
+    assert native.build() == "module" and seen == [False, False]  # no mark: no warning
 
 
 def test_native_is_not_built_without_cuda_or_when_switched_off(monkeypatch):
