@@ -469,8 +469,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       second Q stage (q_stages) at head dims 64-128, where the diagonal's
       tiles of one to eight key blocks leave too little work after the
       last Q·Kᵀ to hide the next tile's Q load (not in packed batches,
-      windows, caps or sinks: not measured there); head dim 64 causal
-      keeps it at every length;
+      windows, caps or sinks: not measured there);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees
@@ -494,10 +493,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
     plain = not (features.local or features.varlen or features.softcap or features.sink)
-    # short causal tiles of one to eight key blocks: the next tile's Q loads under this
-    # one's (and at head dim 64, whose 192-row tiles run a step in the least time, at
-    # every length)
-    q_stages = 2 if causal and plain and (short or head_dim <= 64) else 1
+    # short causal tiles of one to eight key blocks: the next tile's Q loads under this one's
+    q_stages = 2 if short and causal and plain else 1
     if head_dim <= 64 and short and plain:
         # two CTAs an SM: one's prologue and epilogue under the other's steps
         return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,
@@ -506,8 +503,7 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=2 if causal else 4, ctas_per_sm=2)
     if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
-        return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,
-                         q_stages=q_stages, persistent=True,
+        return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3, persistent=True,
                          dynamic_tiles=claimed, split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
                          rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)

@@ -17,9 +17,8 @@ def test_defaults_validate_for_every_head_dim():
 def test_short_sequences_take_smaller_tiles_where_they_differ():
     """Up to SHORT_SEQLEN tokens: head dim 64 64 query rows, two CTAs an SM
     (a packed batch's causal tiles 128 rows), head dim 128 non-causal 128
-    keys a step, causal tiles of head dims 64-128 a second Q stage (head
-    dim 64 at every length; not under a cap, with sinks or in a packed
-    batch); every other problem the
+    keys a step, causal tiles of head dims 64-128 a second Q stage (not
+    under a cap, with sinks or in a packed batch); every other problem the
     long-sequence config, and each short one valid."""
     from cute_fa.kernels.config import (PLAIN_FEATURES, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS,
                                         fwd_config_for_problem)
@@ -38,7 +37,7 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
     for head_dim in (64, 96, 128):
         assert config(head_dim, True, 512).q_stages == 2
         assert config(head_dim, False, 512).q_stages == 1
-        assert config(head_dim, True, 2048).q_stages == (2 if head_dim == 64 else 1)
+        assert config(head_dim, True, 2048).q_stages == 1
         for features in (Features(softcap=True), Features(sink=True), Features(varlen=True)):
             assert config(head_dim, True, 512, features).q_stages == 1
     # a long key side makes the problem long
