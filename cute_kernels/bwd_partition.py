@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import cutlass.cute as cute
 
 from . import wgmma
-from .config import WARPGROUP_THREADS, BwdConfig
+from .config import WARPGROUP_THREADS
+from .bwd_config import BwdConfig
 
 
 def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):

@@ -47,7 +47,8 @@ from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
 from .bwd_partition import dq_gemm_shape, dq_tiled_mma
-from .config import WARPGROUP_THREADS, WGMMA_M, BwdConfig
+from .config import WARPGROUP_THREADS, WGMMA_M
+from .bwd_config import BwdConfig
 from .kernel_base import SMEM_ALIGN, permute, store_rows, tma_store_tile
 from .varlen import Seqlens
 

@@ -144,7 +144,7 @@ def add_kernel_option(p: argparse.ArgumentParser, default: str | None = "fwd",
 def _assignment(item: str, kind: str, several: bool) -> tuple[str, list]:
     """'field=v' (or 'field=v1,v2' when several) -> (field, [values]);
     ValueError naming the item, the valid fields or the valid values."""
-    from cute_fa.kernels.config import KERNEL_CONFIGS, config_fields, parse_field
+    from cute_fa.kernels.config_fields import KERNEL_CONFIGS, config_fields, parse_field
 
     name, eq, text = item.partition("=")
     form = "FIELD=V1,V2,..." if several else "FIELD=VALUE, one value per field"
@@ -192,7 +192,7 @@ def config_with(parser: argparse.ArgumentParser, flag: str, kind: str, head_dim:
                 causal: bool, overrides: dict, head_dim_v: int | None = None):
     """The op's default config for the problem with `overrides`, validated;
     a combination the kernel refuses is a parser error naming `flag`."""
-    from cute_fa.kernels.config import default_config
+    from cute_fa.kernels.config_fields import default_config
 
     config = default_config(kind, head_dim, causal, head_dim_v).replace(**overrides)
     try:

@@ -20,7 +20,8 @@ import tempfile
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd
-from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS, default_bwd_config, default_fwd_config
+from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS, default_fwd_config
+from cute_fa.kernels.bwd_config import default_bwd_config
 
 from .cli import command_parser, progress
 from .kernel_info import dumped_kernel_info

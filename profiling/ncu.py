@@ -163,7 +163,7 @@ def run_workload(args) -> None:
     if fp8:
         fn = _fp8_forward(q, k, v, scale, causal, _fp8_config(args) if args.overrides else None)
     elif args.backend == "cute" and args.overrides:
-        from cute_fa.kernels.config import default_config
+        from cute_fa.kernels.config_fields import default_config
         from cute_fa.ops import backward_cuda, forward_cuda
         config = default_config(args.direction, args.head_dim, causal,
                                 args.head_dim_v).replace(**args.overrides)

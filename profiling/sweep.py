@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, bwd_config_for_problem,
-                                    fp8_config_for_problem, fwd_config_for_problem)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, Features, fp8_config_for_problem,
+                                    fwd_config_for_problem)
+from cute_fa.kernels.bwd_config import bwd_config_for_problem
 from cute_fa.variants import num_sms
 
 from .cli import (Progress, add_kernel_option, command_parser, config_vary, positive_int,

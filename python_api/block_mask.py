@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.config import SPARSE_BLOCK, SUPPORTED_HEAD_DIMS, block_sparse_tiles
+from .kernels.config import SPARSE_BLOCK, SUPPORTED_HEAD_DIMS
+from .kernels.bwd_config import block_sparse_tiles
 from .validate import describe
 
 EMPTY, PARTIAL, FULL = 0, 1, 2

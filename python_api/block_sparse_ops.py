@@ -30,7 +30,8 @@ import torch
 from . import ops
 from . import nvtx as nvtx_ranges
 from .block_mask import BlockSparseMask, lists_dense
-from .kernels.config import block_sparse_tiles, kernel_head_dim
+from .kernels.config import kernel_head_dim
+from .kernels.bwd_config import block_sparse_tiles
 from .reference import attention_backward_reference, attention_reference, resolve_scale
 from .scores import check_score_args, check_sink, resolve
 from .validate import check_attention_inputs, check_backward_inputs, describe

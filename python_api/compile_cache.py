@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from . import kernel_store
-from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features
+from .kernels.bwd_config import BwdConfig
+from .kernels.config import PLAIN_FEATURES, Features, FwdConfig
 
 # The kernels' target where no GPU is visible to detect one from.
 CPU_TARGET_ARCH = "sm_90a"

@@ -39,7 +39,8 @@ import cutlass.cute as cute  # noqa: E402
 from .kernels.bwd_pre_post import (BackwardPostprocess, BackwardPreprocess,  # noqa: E402
                                        GroupSum)
 from .kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
-from .kernels.config import PLAIN_FEATURES, BwdConfig, FwdConfig, Features  # noqa: E402
+from .kernels.bwd_config import BwdConfig  # noqa: E402
+from .kernels.config import PLAIN_FEATURES, Features, FwdConfig  # noqa: E402
 from .kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 from .kernels.cache_append import CacheAppend  # noqa: E402
 from .kernels.row_gaps import RowGaps  # noqa: E402

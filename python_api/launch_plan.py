@@ -30,7 +30,8 @@ import torch
 
 from . import user_cache
 from .kernels import tail_plan
-from .kernels.config import WARPGROUP_THREADS, BwdConfig, FwdConfig
+from .kernels.bwd_config import BwdConfig
+from .kernels.config import WARPGROUP_THREADS, FwdConfig
 
 LAYOUT_VERSION = 7
 MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 24, 24, 4, 4

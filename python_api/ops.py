@@ -30,7 +30,8 @@ import torch
 
 from . import launch_plan, native
 from .kernels import tail_plan
-from .kernels.config import BwdConfig, FwdConfig, kernel_head_dim
+from .kernels.config import FwdConfig, kernel_head_dim
+from .kernels.bwd_config import BwdConfig
 from . import nvtx as nvtx_ranges
 from .reference import attention_backward_reference, attention_reference, resolve_scale
 from .scores import check_score_args, check_sink, resolve

@@ -159,8 +159,9 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
 
 def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
-    from .kernels.config import (block_sparse_fwd_config, dealt_by_index, default_bwd_config,
-                                 default_fwd_config, narrow_fwd_config)
+    from .kernels.config import (block_sparse_fwd_config, dealt_by_index, default_fwd_config,
+                                 narrow_fwd_config)
+    from .kernels.bwd_config import default_bwd_config
 
     if variant.direction == "decode":
         from . import decode
@@ -176,7 +177,7 @@ def config_of(variant: Variant):
                                         variant.value_head_dim, short=variant.short,
                                         long_rows=variant.long_rows)
         return dealt_by_index(config) if variant.by_index else config
-    # a block mask's backward takes the causal choices (config.bwd_config_for_problem)
+    # a block mask's backward takes the causal choices (bwd_config.bwd_config_for_problem)
     return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,
                               variant.deterministic, split_gqa=variant.split_gqa,
                               head_dim_v=variant.value_head_dim,

@@ -9,9 +9,9 @@ import functools
 
 import torch
 
-from .kernels.config import (PLAIN_FEATURES, BwdConfig, FwdConfig, Features,
-                             bwd_config_for_problem, fp8_config_for_problem,
+from .kernels.config import (PLAIN_FEATURES, FwdConfig, Features, fp8_config_for_problem,
                              fwd_config_for_problem)
+from .kernels.bwd_config import BwdConfig, bwd_config_for_problem
 from .validate import check_cuda_device
 
 

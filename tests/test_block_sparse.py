@@ -13,7 +13,7 @@ from cute_fa.block_mask import EMPTY, FULL, PARTIAL, lists_dense
 from cute_fa.block_sparse_ops import lists_for
 from cute_fa.reference import attention_reference
 
-# the tiles the kernels pack lists for (kernels.config.block_sparse_tiles)
+# the tiles the kernels pack lists for (kernels.bwd_config.block_sparse_tiles)
 TILES = [(128, 128, False), (128, 64, False), (128, 64, True), (128, 128, True), (64, 64, True)]
 
 

@@ -135,7 +135,8 @@ def test_fp16_and_block_size_64():
 def test_gqa_groups_walked_by_one_cta():
     """Enough key tiles that the backward keeps one CTA per (key tile, KV
     head) and walks each query head of the group with its own list."""
-    from cute_fa.kernels.config import Features, bwd_config_for_problem
+    from cute_fa.kernels.config import Features
+    from cute_fa.kernels.bwd_config import bwd_config_for_problem
 
     batch, seqlen, heads, heads_kv = 3, 4096, 8, 4
     config = bwd_config_for_problem(64, False, False, batch, seqlen, heads, heads_kv,

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from cute_fa.kernels.config import BwdConfig, default_bwd_config
+from cute_fa.kernels.bwd_config import BwdConfig, default_bwd_config
 from shapes import random_problem
 from cute_fa import flash_attn_func
 from cute_fa.ops import backward_cuda

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd, get_fwd
-from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_WIDE_CAUSAL_KEYS, PLAIN_FEATURES,
-                                    Features, FwdConfig, bwd_config_for_problem,
-                                    default_bwd_config, default_fwd_config,
-                                    fp8_config_for_problem)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_WIDE_CAUSAL_KEYS, PLAIN_FEATURES, Features,
+                                    FwdConfig, default_fwd_config, fp8_config_for_problem)
+from cute_fa.kernels.bwd_config import bwd_config_for_problem, default_bwd_config
 from cute_fa.profiling.kernel_info import dumped_kernel_info
 
 

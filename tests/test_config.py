@@ -1,9 +1,8 @@
 import pytest
 
 from cute_fa.kernels.config import (FP8_KEY_TILE_COST, PLAIN_FEATURES, Features, FwdConfig,
-                                    bwd_config_for_problem, default_bwd_config,
-                                    default_fwd_config, fp8_config_for_problem, fp8_fwd_config,
-                                    split_gqa_pays)
+                                    default_fwd_config, fp8_config_for_problem, fp8_fwd_config)
+from cute_fa.kernels.bwd_config import bwd_config_for_problem, default_bwd_config, split_gqa_pays
 
 
 def test_defaults_validate_for_every_head_dim():
@@ -166,7 +165,7 @@ def test_large_head_dims_stage_o_in_the_v_ring():
 
 
 def test_backward_kernel_head_dims():
-    from cute_fa.kernels.config import BwdConfig
+    from cute_fa.kernels.bwd_config import BwdConfig
     with pytest.raises(ValueError, match="head_dim: expected one of .64, 96, 128, 192, 256. "
                                          "for the backward kernel"):
         BwdConfig().validate(320)
@@ -276,7 +275,8 @@ def test_invalid_configs_name_the_field(changes, field):
 def test_every_default_fits_the_registers_of_its_launch():
     """producer + consumers' setmaxnreg targets within the CTA's launch share
     (what an increase beyond would hang on), for every config the op picks."""
-    from cute_fa.kernels.config import decode_fwd_config, default_bwd_config
+    from cute_fa.kernels.config import decode_fwd_config
+    from cute_fa.kernels.bwd_config import default_bwd_config
 
     for head_dim in (64, 96, 128, 192, 256):
         for causal in (False, True):
@@ -294,7 +294,8 @@ def test_smem_accounts_for_every_buffer():
 
 
 def test_backward_defaults_validate_and_fit():
-    from cute_fa.kernels.config import SMEM_CAPACITY_BYTES, default_bwd_config
+    from cute_fa.kernels.config import SMEM_CAPACITY_BYTES
+    from cute_fa.kernels.bwd_config import default_bwd_config
     for head_dim in (64, 96, 128):
         for causal in (False, True):
             for deterministic in (False, True):
@@ -313,13 +314,13 @@ def test_backward_defaults_validate_and_fit():
     (dict(dynamic_tiles=True, deterministic=True), "dynamic_tiles"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
-    from cute_fa.kernels.config import BwdConfig
+    from cute_fa.kernels.bwd_config import BwdConfig
     with pytest.raises(ValueError, match=rf"BwdConfig\.{field}: expected"):
         BwdConfig().replace(**changes).validate(128)
 
 
 def test_backward_dq_split_follows_the_tile():
-    from cute_fa.kernels.config import BwdConfig
+    from cute_fa.kernels.bwd_config import BwdConfig
     assert BwdConfig(tile_m=128, tile_n=128).dq_split_m()      # one 64-row slice per warpgroup
     assert not BwdConfig(tile_m=64, tile_n=128).dq_split_m()   # warpgroups split head_dim
     BwdConfig(tile_m=64, tile_n=192, consumer_regs=160, producer_regs=32).validate(96)
@@ -338,7 +339,7 @@ def test_backward_statistics_stages_start_128_byte_aligned():
     """Each LSE₂/D stage is a TMA destination: 80 rows (320 bytes) gave the
     H100 a misaligned address (cudaErrorMisalignedAddress) before the stride
     was rounded up."""
-    from cute_fa.kernels.config import BwdConfig
+    from cute_fa.kernels.bwd_config import BwdConfig
     for tile_m in (16, 64, 80, 112, 128):
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() * 4 % 128 == 0
         assert BwdConfig(tile_m=tile_m).stat_stage_floats() >= tile_m
@@ -348,7 +349,7 @@ def test_backward_statistics_stages_start_128_byte_aligned():
 def test_causal_backward_claims_key_blocks_unless_deterministic():
     # BwdConfig.dynamic_tiles: won at every causal head dim and length timed
     # on the H100, even non-causal; the deterministic semaphore counts turns
-    from cute_fa.kernels.config import default_bwd_config
+    from cute_fa.kernels.bwd_config import default_bwd_config
     for head_dim in (64, 96, 128):
         for causal in (False, True):
             for deterministic in (False, True):
@@ -359,7 +360,7 @@ def test_causal_backward_claims_key_blocks_unless_deterministic():
 
 
 def test_parse_field_per_kernel():
-    from cute_fa.kernels.config import parse_field
+    from cute_fa.kernels.config_fields import parse_field
     assert parse_field("deterministic", "yes", "bwd") is True
     assert parse_field("qdo_stages", "3", "bwd") == 3
     assert parse_field("pingpong", "off") is False and parse_field("pingpong", "On") is True
@@ -372,8 +373,9 @@ def test_parse_field_per_kernel():
 
 
 def test_default_config_by_kind():
-    from cute_fa.kernels.config import (BwdConfig, FwdConfig, default_bwd_config, default_config,
-                                     default_fwd_config)
+    from cute_fa.kernels.config import FwdConfig, default_fwd_config
+    from cute_fa.kernels.bwd_config import BwdConfig, default_bwd_config
+    from cute_fa.kernels.config_fields import default_config
     assert default_config("fwd", 128, True) == default_fwd_config(128, True)
     assert default_config("bwd", 64, False) == default_bwd_config(64, False)
     assert isinstance(default_config("fwd", 64, False), FwdConfig)

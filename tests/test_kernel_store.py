@@ -309,7 +309,8 @@ def test_precompile_builds_the_block_sparse_kernels_the_op_picks(monkeypatch):
     not) with the (config, features) the block-sparse op asks for; no causal
     variants (the mask holds every limit)."""
     from cute_fa import precompile
-    from cute_fa.kernels.config import Features, bwd_config_for_problem, default_fwd_config
+    from cute_fa.kernels.config import Features, default_fwd_config
+    from cute_fa.kernels.bwd_config import bwd_config_for_problem
 
     args = precompile.build_parser().parse_args(
         ["--directions", "block_sparse", "--head-dims", "128", "--dtypes", "bf16",

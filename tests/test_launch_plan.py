@@ -11,8 +11,8 @@ import torch
 
 from cute_fa import launch_plan
 from cute_fa.kernels import tail_plan
-from cute_fa.kernels.config import (Features, bwd_config_for_problem, default_bwd_config,
-                                    default_fwd_config)
+from cute_fa.kernels.config import Features, default_fwd_config
+from cute_fa.kernels.bwd_config import bwd_config_for_problem, default_bwd_config
 from cute_fa.launch_plan import tail_parts
 
 
@@ -72,7 +72,8 @@ def test_fp8_forward_plan_takes_descales_and_gives_the_output_dtype():
 
 
 def test_block_sparse_plans_take_the_tile_lists():
-    from cute_fa.kernels.config import Features, block_sparse_fwd_config, bwd_config_for_problem
+    from cute_fa.kernels.config import Features, block_sparse_fwd_config
+    from cute_fa.kernels.bwd_config import bwd_config_for_problem
 
     shape = (2, 1000, 1000, 8, 2, 128, 128)
     fwd = launch_plan.plan_fwd(block_sparse_fwd_config(128, 128), shape, 132,

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from cute_fa import launch_plan
-from cute_fa.kernels.config import default_bwd_config, default_fwd_config
+from cute_fa.kernels.config import default_fwd_config
+from cute_fa.kernels.bwd_config import default_bwd_config
 
 REPO = Path(__file__).resolve().parents[1]
 # one small variant set keeps the export short: bf16, d64, non-causal, fwd + bwd
