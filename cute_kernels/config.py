@@ -361,8 +361,9 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     wide ones where a local kernel's window (left, right; -1 unbounded) lets
     a row see WIDE_WINDOW_KEYS keys or more, and among the short ones the
     narrower tile (narrow_fwd_config) where the short tile leaves SMs idle,
-    and tiles dealt by index where a claimed-tile grid is two waves at
-    most (fixed_deal_balances): query_heads (batch x query heads) and
+    one Q stage where a grid is one round (one_round), and tiles dealt by
+    index where a claimed-tile grid is two waves at most
+    (fixed_deal_balances): query_heads (batch x query heads) and
     num_sms give the grid (0: unknown, neither)."""
     short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
     long_rows = max(seqlen_q, seqlen_k) >= LONG_SEQLEN
@@ -376,9 +377,24 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
         if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,
                                                    seqlen_q, query_heads, num_sms):
             config = narrow
+    if config.q_stages > 1 and one_round(config, seqlen_q, query_heads, num_sms):
+        config = one_q_stage(config)
     if fixed_deal_balances(config, features, seqlen_q, query_heads, num_sms):
         config = dealt_by_index(config)
     return config
+
+
+def one_round(config: FwdConfig, seqlen_q: int, query_heads: int, num_sms: int) -> bool:
+    """Whether a dense grid gives each CTA one tile at most: a Q ring's
+    second stage then has no next tile to load (docs/findings.md)."""
+    tiles = -(-seqlen_q // config.tile_m) * query_heads
+    return tiles <= num_sms * config.ctas_per_sm
+
+
+@functools.lru_cache(maxsize=None)  # asked on every call of a grid of one round
+def one_q_stage(config: FwdConfig) -> FwdConfig:
+    """A Q-ring config with one Q stage (one_round)."""
+    return config.replace(q_stages=1)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call of a grid of two waves or less
@@ -465,11 +481,13 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       part of a short tile, run under the other's main loop (in packed
       batches, under a cap and with sinks the 128-row tile, two consumer
       warpgroups of 240 registers, causal); head dim 128 non-causal 128
-      keys a step (160 split a 1k sequence into uneven steps); causal, a
-      second Q stage (q_stages) at head dims 64-128, where the diagonal's
-      tiles of one to eight key blocks leave too little work after the
-      last Q·Kᵀ to hide the next tile's Q load (not in packed batches,
-      windows, caps or sinks: not measured there);
+      keys a step (160 split a 1k sequence into uneven steps); a second Q
+      stage (q_stages) at head dims 64-128, where short rows (causal: the
+      diagonal's tiles of one to eight key blocks) leave too little work
+      after the last Q·Kᵀ to hide the next tile's Q load; at head dim 64
+      causal at every length too (not in packed batches, windows, caps or
+      sinks: not measured there; fwd_config_for_problem takes it back
+      where a grid of one round has no next tile);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees
@@ -493,8 +511,10 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
     plain = not (features.local or features.varlen or features.softcap or features.sink)
-    # short causal tiles of one to eight key blocks: the next tile's Q loads under this one's
-    q_stages = 2 if short and causal and plain else 1
+    # the next tile's Q loads under this one's: where a tile's rows are short
+    # (causal diagonal tiles of one to eight key blocks, or short rows) and at
+    # head dim 64 causal (its three K/V stages still fit)
+    q_stages = 2 if plain and (short or (causal and head_dim <= 64)) else 1
     if head_dim <= 64 and short and plain:
         # two CTAs an SM: one's prologue and epilogue under the other's steps
         return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,
@@ -503,8 +523,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=2 if causal else 4, ctas_per_sm=2)
     if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
-        return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3, persistent=True,
-                         dynamic_tiles=claimed, split_tail=not claimed,
+        return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,
+                         q_stages=q_stages, persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
                          rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)
     if head_dim <= 96 and not (features.local or features.varlen or features.sink) \

@@ -54,7 +54,8 @@ from . import fp8_operands, wgmma
 from .block_sparse import SparseRow, SparseScoreMask, static_coords
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .fwd_epilogue import ForwardEpilogue
-from .kernel_base import SMEM_ALIGN, Sm90AttentionKernel, mma_operand_view, permute, tma_views
+from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_at, mma_operand_view,
+                          permute, tma_views)
 from .mask import BlockRange, Limits, ScoreMask, Window
 from .paged import KvBlocks, KvStream
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_thread_pipeline,
@@ -471,7 +472,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                          softmax_scale_log2, score_pre_tanh,
                          limits, mma_smem, consumer_pipes, tiles, tail,
                          storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
-                         tiled_mma_qk, tiled_mma_pv)
+                         tiled_mma_qk, tiled_mma_pv, storage.sQ.data_ptr().toint(),
+                         self._q_stage_layout(sQ_layout))
 
     # -------------------------------------------------------------- producer
     @cute.jit
@@ -630,14 +632,17 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 limits: Limits,
                 smem: Buffers, pipes: Pipes,
                 tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
-                o_read: cute.Pointer, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+                o_read: cute.Pointer, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                q_ring_base: Int32, sQ_stage: cute.ComposedLayout):
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
         # WGMMA operands are per warpgroup (descriptors / register A); the
         # accumulator coordinates are per thread.
         wg_qk = tiled_mma_qk.get_slice(wg * WARPGROUP_THREADS)
         wg_pv = tiled_mma_pv.get_slice(wg * WARPGROUP_THREADS)
-        q = wg_qk.make_fragment_A(wg_qk.partition_A(smem.q))
+        # with a Q ring, stage 0's view (each tile takes its own stage's: consume's loop)
+        q_view = smem.q if cutlass.const_expr(self.q_ring_stages is None) else smem.q[None, None, 0]
+        q = wg_qk.make_fragment_A(wg_qk.partition_A(q_view))
         k = wg_qk.make_fragment_B(wg_qk.partition_B(smem.k))
         p = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         # smem.v: V, read MN-major through a transposed view; e4m3: Vᵀ itself
@@ -685,7 +690,11 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 wait_full(pipes.q, q_state)
             tile_me = me
             if cutlass.const_expr(self.q_ring_stages is not None):
-                tile_me = replace(me, q=self._q_stage(me.q, q_state))
+                # this tile's Q stage, at an opaque address (kernel_base.mma_operand_at)
+                q_stage = mma_operand_at(
+                    q_ring_base + q_state.index * cute.size_in_bytes(self.dtype, sQ_stage),
+                    sQ_stage, self.dtype)
+                tile_me = replace(me, q=wg_qk.make_fragment_A(wg_qk.partition_A(q_stage)))
             if work.n_max > work.n_lo:
                 if cutlass.const_expr(self.features.block_sparse):
                     mask = SparseScoreMask(s_coords, static_coords(

@@ -89,7 +89,15 @@ def mma_operand_view(mem_range, layout: cute.ComposedLayout, dtype) -> cute.Tens
     rebuilt at every main-loop step instead of once: 4-5 uniform
     instructions per operand and step (forward d=128 128x128 K/V step: 470
     SASS instructions, 456 with these views; fa4: 457)."""
-    address = cute.arch.make_warp_uniform(mem_range.data_ptr().toint())
+    return mma_operand_at(mem_range.data_ptr().toint(), layout, dtype)
+
+
+def mma_operand_at(address: Int32, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
+    """mma_operand_view's tensor at a shared-memory address: one stage of a
+    ring whose stage changes per tile, its address made opaque after the
+    stage's offset is added (else LLVM sinks that addition, and the
+    descriptors after it, into every main-loop step)."""
+    address = cute.arch.make_warp_uniform(address)
     base = cute.make_ptr(dtype, address, cute.AddressSpace.smem, assumed_align=SMEM_ALIGN)
     return cute.make_tensor(cute.recast_ptr(base, layout.inner), layout.outer)
 

@@ -11,7 +11,8 @@ For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and those of long and short sequences
 where the tiles differ: the long tiles, the short tiles, the narrower ones
 a grid short of SMs takes, and, where tiles are claimed, each of these with
-its tiles dealt by index, as a grid of two waves or less takes them) and
+its tiles dealt by index, as a grid of two waves or less takes them, and
+each with a Q ring with one Q stage, as a grid of one round takes it) and
 the backward's default kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
@@ -63,6 +64,7 @@ class Variant:
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
     by_index: bool = False  # fwd, causal: tiles dealt by index (two waves at most)
+    one_round: bool = False  # fwd: one Q stage, as a grid of one round takes it
     long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
 
     @property
@@ -74,7 +76,8 @@ class Variant:
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
-                                   "block_sparse", "long_rows", "short", "narrow", "by_index")
+                                   "block_sparse", "long_rows", "short", "narrow", "one_round",
+                                   "by_index")
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
@@ -114,6 +117,18 @@ def _by_index(forwards: list[Variant]) -> list[Variant]:
     return [replace(v, by_index=True) for v in forwards if config_of(v).dynamic_tiles]
 
 
+def _one_round(forwards: list[Variant]) -> list[Variant]:
+    """Those of `forwards` with a Q ring, with one Q stage as a grid of one
+    round takes them (config.one_round), their tiles dealt by index where
+    claimed: one round is less than two waves (config.fixed_deal_balances)."""
+    out = []
+    for variant in forwards:
+        config = config_of(variant)
+        if config.q_stages > 1 and not variant.by_index:
+            out.append(replace(variant, one_round=True, by_index=config.dynamic_tiles))
+    return out
+
+
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
              head_dims_v=None, page_sizes=(0,), query_groups=(1,),
              length_tiles: bool = False) -> list[Variant]:
@@ -132,7 +147,8 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
             base = Variant("fwd", dtype, head_dim, causal, head_dim_v=dv)
             out.append(base)
             if length_tiles:
-                out += _long_variants(base) + _short_variants(base)
+                lengths = _long_variants(base) + _short_variants(base)
+                out += lengths + _one_round([base, *lengths])
         if "decode" in directions:
             from .decode import reads_pages_in_place
 
@@ -160,7 +176,7 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
 def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
     from .kernels.config import (block_sparse_fwd_config, dealt_by_index, default_fwd_config,
-                                 narrow_fwd_config)
+                                 narrow_fwd_config, one_q_stage)
     from .kernels.bwd_config import default_bwd_config
 
     if variant.direction == "decode":
@@ -176,6 +192,8 @@ def config_of(variant: Variant):
             config = default_fwd_config(variant.head_dim, variant.causal,
                                         variant.value_head_dim, short=variant.short,
                                         long_rows=variant.long_rows)
+        if variant.one_round:
+            config = one_q_stage(config)
         return dealt_by_index(config) if variant.by_index else config
     # a block mask's backward takes the causal choices (bwd_config.bwd_config_for_problem)
     return default_bwd_config(variant.head_dim, variant.causal or variant.block_sparse,

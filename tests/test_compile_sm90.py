@@ -188,14 +188,17 @@ def test_config_variants_compile(tmp_path, overrides):
     _assert_warp_specialised(info, config)
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False),
-                                             (128, True)])
-def test_forward_step_bookkeeping(tmp_path, head_dim, causal):
+@pytest.mark.parametrize("head_dim,causal,short", [(64, False, False), (64, True, False),
+                                                   (128, False, False), (128, True, False),
+                                                   (64, True, True), (128, True, True)])
+def test_forward_step_bookkeeping(tmp_path, head_dim, causal, short):
     """One K/V step of the main loop: WGMMA descriptors stay in uniform
     registers (no 64-bit vector adds: the causal tile order's divisions are
-    marked warp-uniform), the K/V waits spin without a sleep path and the
+    marked warp-uniform, and so is the Q ring's stage address in the short
+    causal configs), the K/V waits spin without a sleep path and the
     releases read no thread index, and nothing is spilled."""
-    config = default_fwd_config(head_dim, causal)
+    config = default_fwd_config(head_dim, causal, short=short)
+    assert config.q_stages == (2 if short else 1) or not causal
     mix, body = _step("fwd", head_dim, causal, config, tmp_path)
     assert mix["HGMMA"] > 0
     assert not any("IMAD.X" in inst for inst in body)

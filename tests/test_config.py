@@ -35,8 +35,9 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
     assert config(128, True, 512) == default_fwd_config(128, True).replace(q_stages=2)
     for head_dim in (64, 96, 128):
         assert config(head_dim, True, 512).q_stages == 2
-        assert config(head_dim, False, 512).q_stages == 1
-        assert config(head_dim, True, 2048).q_stages == 1
+        assert config(head_dim, False, 512).q_stages == 2
+        assert config(head_dim, True, 2048).q_stages == (2 if head_dim == 64 else 1)
+        assert config(head_dim, False, 2048).q_stages == 1
         for features in (Features(softcap=True), Features(sink=True), Features(varlen=True)):
             assert config(head_dim, True, 512, features).q_stages == 1
     # a long key side makes the problem long
@@ -479,6 +480,24 @@ def test_fp8_non_causal_key_tile_follows_the_row_length(head_dim):
                for config in [fp8_config_for_problem(d, causal, PLAIN_FEATURES, 512)])
 
 
+def test_a_grid_of_one_round_takes_one_q_stage():
+    """A Q ring's second stage loads the next tile's Q: where every CTA has
+    one tile at most there is none, and the config keeps one stage."""
+    from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem
+
+    def q_stages(head_dim, causal, seqlen, query_heads):
+        return fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
+                                      query_heads, 132).q_stages
+
+    assert q_stages(128, False, 1024, 16) == 1  # 128 tiles of 128 rows
+    assert q_stages(128, False, 1024, 17) == 2  # 136 tiles
+    assert q_stages(64, False, 512, 33) == 1  # 264 tiles of 64 rows, two CTAs an SM
+    assert q_stages(64, False, 512, 34) == 2
+    assert q_stages(64, True, 2048, 12) == 1  # 132 tiles of 192 rows
+    assert q_stages(64, True, 2048, 13) == 2
+    assert q_stages(64, True, 2048, 0) == 2  # an unknown grid keeps the ring
+
+
 def test_claimed_tiles_of_two_waves_or_less_are_dealt_by_index():
     """A causal grid of at most two waves of tiles claims nothing: the fixed
     deal's snake balances it, without the claim counter and its zeroing
@@ -491,7 +510,7 @@ def test_claimed_tiles_of_two_waves_or_less_are_dealt_by_index():
         return fwd_config_for_problem(head_dim, True, None, features, seqlen, seqlen,
                                       query_heads, num_sms)
 
-    by_index = config(64, 512, 32)  # 8 tiles of 64 rows x 32 heads, two CTAs an SM
+    by_index = config(64, 512, 40)  # 8 tiles of 64 rows x 40 heads, two CTAs an SM
     assert (by_index.tile_m, by_index.dynamic_tiles, by_index.ctas_per_sm) == (64, False, 2)
     assert by_index == config(64, 512, 0).replace(dynamic_tiles=False)
     assert not config(128, 8192, 4).dynamic_tiles  # long rows, few heads: 256 tiles

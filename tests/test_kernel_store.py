@@ -219,23 +219,31 @@ def test_precompile_command_line():
     # as a grid of one wave takes them (config.fwd_config_for_problem)
     short = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd"], False,
                                 length_tiles=True)
+    # and those with a Q ring with one Q stage, as a grid of one round takes them
     assert [v.label() for v in short] == [
-        "fwd bf16 d64 full", "fwd bf16 d64 full short", "fwd bf16 d64 causal",
-        "fwd bf16 d64 causal short", "fwd bf16 d64 causal by_index",
-        "fwd bf16 d64 causal short by_index", "fwd bf16 d128 full", "fwd bf16 d128 full short",
-        "fwd bf16 d128 full short narrow", "fwd bf16 d128 causal", "fwd bf16 d128 causal short",
-        "fwd bf16 d128 causal short narrow", "fwd bf16 d128 causal by_index",
-        "fwd bf16 d128 causal short by_index", "fwd bf16 d128 causal short narrow by_index"]
-    assert precompile.config_of(short[-1]).tile_m == 64
-    assert not precompile.config_of(short[-1]).dynamic_tiles
+        "fwd bf16 d64 full", "fwd bf16 d64 full short", "fwd bf16 d64 full short one_round",
+        "fwd bf16 d64 causal", "fwd bf16 d64 causal short", "fwd bf16 d64 causal by_index",
+        "fwd bf16 d64 causal short by_index", "fwd bf16 d64 causal one_round by_index",
+        "fwd bf16 d64 causal short one_round by_index", "fwd bf16 d128 full",
+        "fwd bf16 d128 full short", "fwd bf16 d128 full short narrow",
+        "fwd bf16 d128 full short one_round", "fwd bf16 d128 full short narrow one_round",
+        "fwd bf16 d128 causal", "fwd bf16 d128 causal short", "fwd bf16 d128 causal short narrow",
+        "fwd bf16 d128 causal by_index", "fwd bf16 d128 causal short by_index",
+        "fwd bf16 d128 causal short narrow by_index",
+        "fwd bf16 d128 causal short one_round by_index",
+        "fwd bf16 d128 causal short narrow one_round by_index"]
+    narrow_one_round = precompile.config_of(short[-1])
+    assert (narrow_one_round.tile_m, narrow_one_round.q_stages) == (64, 1)
+    assert not narrow_one_round.dynamic_tiles
     # head dim 96: the long tiles of a causal problem, claimed and dealt by index
     d96 = precompile.variants([96], ["bf16"], (False, True), ["fwd"], False, length_tiles=True)
     assert [v.label() for v in d96] == [
-        "fwd bf16 d96 full", "fwd bf16 d96 full short", "fwd bf16 d96 causal",
-        "fwd bf16 d96 causal long_rows", "fwd bf16 d96 causal long_rows by_index",
-        "fwd bf16 d96 causal short", "fwd bf16 d96 causal by_index",
-        "fwd bf16 d96 causal short by_index"]
-    assert precompile.config_of(d96[3]).tile_m == 192
+        "fwd bf16 d96 full", "fwd bf16 d96 full short", "fwd bf16 d96 full short one_round",
+        "fwd bf16 d96 causal", "fwd bf16 d96 causal long_rows",
+        "fwd bf16 d96 causal long_rows by_index", "fwd bf16 d96 causal short",
+        "fwd bf16 d96 causal by_index", "fwd bf16 d96 causal short by_index",
+        "fwd bf16 d96 causal short one_round by_index"]
+    assert precompile.config_of(d96[4]).tile_m == 192
     # every config the op picks for these is among them
     from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem
     configs = {precompile.config_of(v) for v in short + d96}
