@@ -485,9 +485,10 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       stage (q_stages) at head dims 64-128, where short rows (causal: the
       diagonal's tiles of one to eight key blocks) leave too little work
       after the last Q·Kᵀ to hide the next tile's Q load; at head dim 64
-      causal at every length too (not in packed batches, windows, caps or
-      sinks: not measured there; fwd_config_for_problem takes it back
-      where a grid of one round has no next tile);
+      causal or local at every length too, windows, caps and sinks
+      included (not in packed batches: no gain there);
+      fwd_config_for_problem takes it back where a grid of one round has
+      no next tile;
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees
@@ -513,8 +514,10 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     plain = not (features.local or features.varlen or features.softcap or features.sink)
     # the next tile's Q loads under this one's: where a tile's rows are short
     # (causal diagonal tiles of one to eight key blocks, or short rows) and at
-    # head dim 64 causal (its three K/V stages still fit)
-    q_stages = 2 if plain and (short or (causal and head_dim <= 64)) else 1
+    # head dim 64 causal or local, any score variant (its three K/V stages
+    # still fit); not in packed batches (no gain measured)
+    d64_claimed = head_dim <= 64 and (causal or features.local) and not features.varlen
+    q_stages = 2 if (plain and short) or d64_claimed else 1
     if head_dim <= 64 and short and plain:
         # two CTAs an SM: one's prologue and epilogue under the other's steps
         return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,

@@ -39,7 +39,12 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
         assert config(head_dim, True, 2048).q_stages == (2 if head_dim == 64 else 1)
         assert config(head_dim, False, 2048).q_stages == 1
         for features in (Features(softcap=True), Features(sink=True), Features(varlen=True)):
-            assert config(head_dim, True, 512, features).q_stages == 1
+            assert config(head_dim, True, 512, features).q_stages == 1 + (
+                head_dim == 64 and not features.varlen)
+    for features in (Features(softcap=True), Features(sink=True), Features(local=True)):
+        assert config(64, True, 4096, features).q_stages == 2
+    assert config(64, True, 4096, Features(varlen=True)).q_stages == 1
+    assert config(64, False, 4096, Features(softcap=True)).q_stages == 1
     # a long key side makes the problem long
     assert fwd_config_for_problem(128, False, None, PLAIN_FEATURES, 1, 8192).tile_n == 160
     # a packed batch: head dim 64's 192-row tile, claimed, never split; the
