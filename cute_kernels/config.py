@@ -361,9 +361,9 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     wide ones where a local kernel's window (left, right; -1 unbounded) lets
     a row see WIDE_WINDOW_KEYS keys or more, and among the short ones the
     narrower tile (narrow_fwd_config) where the short tile leaves SMs idle,
-    one Q stage where a grid is one round (one_round), and tiles dealt by
-    index where a claimed-tile grid is two waves at most
-    (fixed_deal_balances): query_heads (batch x query heads) and
+    one Q stage where a grid is one round (grid_rounds: no next tile to
+    load ahead), and tiles dealt by index where a claimed-tile grid is two
+    waves at most (fixed_deal_balances): query_heads (batch x query heads) and
     num_sms give the grid (0: unknown, neither)."""
     short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
     long_rows = max(seqlen_q, seqlen_k) >= LONG_SEQLEN
@@ -377,23 +377,25 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
         if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,
                                                    seqlen_q, query_heads, num_sms):
             config = narrow
-    if config.q_stages > 1 and one_round(config, seqlen_q, query_heads, num_sms):
+    if config.q_stages > 1 and grid_rounds(config, seqlen_q, query_heads, num_sms) <= 1:
         config = one_q_stage(config)
     if fixed_deal_balances(config, features, seqlen_q, query_heads, num_sms):
         config = dealt_by_index(config)
     return config
 
 
-def one_round(config: FwdConfig, seqlen_q: int, query_heads: int, num_sms: int) -> bool:
-    """Whether a dense grid gives each CTA one tile at most: a Q ring's
-    second stage then has no next tile to load (docs/findings.md)."""
+def grid_rounds(config: FwdConfig, seqlen_q: int, query_heads: int, num_sms: int) -> int:
+    """The rounds of tiles a dense grid of this config runs: its tiles over
+    the CTAs that fit the GPU at once."""
     tiles = -(-seqlen_q // config.tile_m) * query_heads
-    return tiles <= num_sms * config.ctas_per_sm
+    return -(-tiles // (num_sms * config.ctas_per_sm))
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call of a grid of one round
 def one_q_stage(config: FwdConfig) -> FwdConfig:
-    """A Q-ring config with one Q stage (one_round)."""
+    """A Q-ring config with one Q stage, as a grid of one round
+    (grid_rounds) takes it: a second stage has no next tile to load there
+    (docs/findings.md)."""
     return config.replace(q_stages=1)
 
 
@@ -415,8 +417,8 @@ def fixed_deal_balances(config: FwdConfig, features: Features, seqlen_q: int,
     partial round unbalances it (docs/findings.md)."""
     dense = not (features.varlen or features.block_sparse or features.split_kv
                  or features.paged_kv or features.local)
-    tiles = -(-seqlen_q // config.tile_m) * query_heads
-    return config.dynamic_tiles and dense and tiles <= 2 * num_sms * config.ctas_per_sm
+    return (config.dynamic_tiles and dense
+            and grid_rounds(config, seqlen_q, query_heads, num_sms) <= 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -527,7 +529,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,
-                         q_stages=q_stages, persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
+                         q_stages=q_stages, persistent=True, dynamic_tiles=claimed,
+                         split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
                          rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)
     if head_dim <= 96 and not (features.local or features.varlen or features.sink) \

@@ -119,7 +119,7 @@ def _by_index(forwards: list[Variant]) -> list[Variant]:
 
 def _one_round(forwards: list[Variant]) -> list[Variant]:
     """Those of `forwards` with a Q ring, with one Q stage as a grid of one
-    round takes them (config.one_round), their tiles dealt by index where
+    round takes them (config.grid_rounds), their tiles dealt by index where
     claimed: one round is less than two waves (config.fixed_deal_balances)."""
     out = []
     for variant in forwards:
