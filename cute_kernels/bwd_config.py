@@ -65,6 +65,13 @@ class BwdConfig(_KernelConfig):
         (D ahead of the dV issue), instead of next to each use: an LDS issued
         behind HGMMAs waits until the tensor core has accepted them. Costs
         tile_m / 4 registers per statistic.
+    dq_one_warpgroup: the first consumer warpgroup computes all of dQ =
+        dS·K (WGMMA N = head_dim) while the others skip it and go on to
+        their dK GEMM and the next query block's scores, so their
+        exponentials overlap its dQ GEMM; one dQ slab a step. Only where
+        the warpgroups would split dQ's columns (tile_m 64 with several
+        consumer warpgroups). flash-attn-4's SM90 backward takes this at
+        head dim 96 (its dQ_single_wg).
     dq_direct: each consumer thread adds its dQ partial into the fp32
         accumulator with 16-byte vector reductions from registers, instead of
         staging it in shared memory for the writer warp's bulk reduce-add:
@@ -95,6 +102,7 @@ class BwdConfig(_KernelConfig):
     deterministic: bool = False
     dv_at_ds_barrier: bool = False
     stats_early: bool = False
+    dq_one_warpgroup: bool = False
     dq_direct: bool = False
     split_gqa: bool = False
     dynamic_tiles: bool = False
@@ -107,6 +115,12 @@ class BwdConfig(_KernelConfig):
         if self.keys_on_n:
             return 2
         return self.tile_n // WGMMA_M * self.dim_split
+
+    @property
+    def dq_warpgroups(self) -> int:
+        """The consumer warpgroups that compute a share of dQ (and hand the
+        writer warp a slab each)."""
+        return 1 if self.dq_one_warpgroup else self.consumer_warpgroups
 
     def shares_scores(self) -> bool:
         """P and dS reach the dK and dV GEMMs through shared memory (dim_split
@@ -200,6 +214,11 @@ class BwdConfig(_KernelConfig):
                                     f"({WGMMA_M * self.consumer_warpgroups}), or 64 with "
                                     f"head_dim split evenly in multiples of 8 across "
                                     f"{self.consumer_warpgroups} warpgroups")
+        if self.dq_one_warpgroup and (self.dq_split_m() or self.dq_transposed()
+                                      or self.consumer_warpgroups < 2):
+            raise bad("dq_one_warpgroup", "False unless tile_m is 64 with several consumer "
+                                          "warpgroups (elsewhere they split dQ's rows, or "
+                                          "compute it transposed)")
         if not 1 <= self.qdo_stages <= 4:
             raise bad("qdo_stages", "an integer in [1, 4]")
         if not 0 <= self.do_stages <= 4:
@@ -285,7 +304,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     causal key blocks claimed by a persistent grid unless deterministic.
 
     - head dim 64: 128 queries per step, dV at the dQ barrier;
-    - head dim 96: 64 queries per step, dV at the dQ barrier, LSE₂ early;
+    - head dim 96: 64 queries per step, dV at the dQ barrier, LSE₂ early,
+      under the causal mask all of dQ in the first warpgroup;
     - head dim 128: 80 queries per step non-causal (dQ transposed), 64 under
       the causal mask or with split_gqa (80 spills there), dV right after
       dSᵀ, LSE₂ early;
@@ -334,7 +354,7 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
                          dynamic_tiles=dynamic_tiles)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
                      dv_at_ds_barrier=True, stats_early=True, split_gqa=split_gqa,
-                     dynamic_tiles=dynamic_tiles)
+                     dynamic_tiles=dynamic_tiles, dq_one_warpgroup=causal)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every block-sparse call

@@ -21,7 +21,7 @@ def dq_tiled_mma(dtype, config: BwdConfig, head_dim: int):
     memory, or with BwdConfig.dq_transposed dQᵀ = Kᵀ·dSᵀ (head_dim x tile_m),
     both operands MN-major. The postprocess partitions the dQ accumulator
     with this same MMA."""
-    wgs = config.consumer_warpgroups
+    wgs = config.dq_warpgroups
     if config.dq_transposed():
         return wgmma.tiled_mma(dtype, False, False, (wgs, 1, 1), config.tile_m)
     if config.dq_split_m():
@@ -146,8 +146,10 @@ def make_operands(config: BwdConfig, sK, sV, sQ, sdO, sdSt, mma_sdp, mma_dk, mma
     """Warpgroup wg's operands over the CTA's shared memory (WGMMA operands are
     per warpgroup: descriptors, or register A fragments)."""
     tile_m, tile_n = config.tile_m, config.tile_n
-    wg_sdp, wg_dk, wg_dv, wg_dq = [m.get_slice(wg * WARPGROUP_THREADS)
-                                   for m in (mma_sdp, mma_dk, mma_dv, mma_dq)]
+    wg_sdp, wg_dk, wg_dv = [m.get_slice(wg * WARPGROUP_THREADS)
+                            for m in (mma_sdp, mma_dk, mma_dv)]
+    # with dq_one_warpgroup only warpgroup 0 computes dQ
+    wg_dq = mma_dq.get_slice(0 if config.dq_one_warpgroup else wg * WARPGROUP_THREADS)
     sQt, sdOt = wgmma.transpose_view(sQ), wgmma.transpose_view(sdO)
     if config.keys_on_n:
         # S = Q·Kᵀ, dP = dO·Vᵀ; dKᵀ = Qᵀ·dS, dVᵀ = dOᵀ·P with dS, P read from

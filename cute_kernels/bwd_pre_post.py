@@ -198,7 +198,7 @@ class BackwardPostprocess:
         head_dim / warpgroups columns each (dQ transposed: 64 each)."""
         if self.cfg.dq_split_m():
             return WGMMA_M, self.head_dim
-        return self.cfg.tile_m, self.head_dim // self.cfg.consumer_warpgroups
+        return self.cfg.tile_m, self.head_dim // self.cfg.dq_warpgroups
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
@@ -224,7 +224,7 @@ class BackwardPostprocess:
         mma = dq_tiled_mma(self.dtype, self.cfg, d)
         self.kernel(mdQaccum, tdQ, permute(mdQ, [1, 3, 2, 0]), seqlens, tma_dq, softmax_scale,
                     mma, sdQ_layout, SharedStorage).launch(
-            grid=list(grid), block=[self.cfg.consumer_warpgroups * WARPGROUP_THREADS, 1, 1],
+            grid=list(grid), block=[self.cfg.dq_warpgroups * WARPGROUP_THREADS, 1, 1],
             stream=stream)
 
     @cute.kernel
@@ -244,7 +244,7 @@ class BackwardPostprocess:
               mma: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
               SharedStorage: cutlass.Constexpr, m_block, head, batch, rows_out):
         tid = cute.arch.thread_idx()[0]
-        tile_m, d, wgs = self.cfg.tile_m, self.head_dim, self.cfg.consumer_warpgroups
+        tile_m, d, wgs = self.cfg.tile_m, self.head_dim, self.cfg.dq_warpgroups
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
         storage = SmemAllocator().allocate(SharedStorage)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)

@@ -291,7 +291,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         sdO_layout = wgmma.smem_layout(self.dtype, tile_m, dv, self.cfg.dO_stages(),
                                        atom_cols=dv // split)
         # dQ = dS·K reads K MN-major, split across warpgroups along d when not along M.
-        k_atom_cols = d if self.cfg.dq_split_m() else d // self.consumer_wgs
+        k_atom_cols = d if self.cfg.dq_split_m() else d // self.cfg.dq_warpgroups
         sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, atom_cols=k_atom_cols)
         # dV leaves through V's buffer in column slices of dv / dim_split
         sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, atom_cols=dv // split)
@@ -760,23 +760,44 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                           number_of_threads=self.consumer_threads)
         if cutlass.const_expr(shared):
             self.issue_dv(me, do_state, ds_buffer)  # P of every warpgroup is in
+        if cutlass.const_expr(self.cfg.dq_one_warpgroup):
+            if me.wg == 0:
+                self.dq_then_dk(me, q_state, do_state, ds_buffer, dq_head, m_block)
+            else:
+                self.issue_dk(me, q_state, ds_buffer)
+                warpgroup.wait_group(1)  # dV retired, dK runs on
+                release(pipes.do, do_state)
+        else:
+            self.dq_then_dk(me, q_state, do_state, ds_buffer, dq_head, m_block)
+        warpgroup.wait_group(0)
+        release(pipes.q, q_state)
+
+    @cute.jit
+    def dq_then_dk(self, me: Consumer, q_state, do_state, ds_buffer: Int32, dq_head,
+                   m_block: Int32):
+        """This warpgroup's dQ partial issued, dK += dSᵀ·Q behind it so that
+        the partial's hand-off runs under dK; dO released once dV and dQ
+        retired (groups retire in order)."""
+        tile_m, wgs = self.tile_m, self.cfg.dq_warpgroups
         acc_dq = cute.make_rmem_tensor(
             me.mma_dq.partition_shape_C(dq_gemm_shape(self.cfg, self.head_dim)), Float32)
-        dq_a, dq_b = ops.dq(ds_buffer)
+        dq_a, dq_b = me.ops.dq(ds_buffer)
         wgmma.gemm(me.mma_dq, acc_dq, dq_a, dq_b, zero_init=True, wait_groups=-1)
-        # dK += dSᵀ·Q behind dQ, so dQ's stores to shared memory run under it
-        dk_a, dk_b = ops.dk(q_state.index, ds_buffer)
-        wgmma.gemm(me.mma_dk, me.acc_dk, dk_a, dk_b, zero_init=False, wait_groups=-1)
-        warpgroup.wait_group(1)  # dV and dQ retired (groups retire in order), dK runs on
-        release(pipes.do, do_state)
+        self.issue_dk(me, q_state, ds_buffer)
+        warpgroup.wait_group(1)
+        release(me.pipes.do, do_state)
         if cutlass.const_expr(self.cfg.dq_direct):
             dq_accum.reduce_add_registers(
                 acc_dq, dq_head + m_block * (tile_m * self.head_dim), me.wg,
-                me.tid % WARPGROUP_THREADS, tile_m, self.head_dim, self.consumer_wgs)
+                me.tid % WARPGROUP_THREADS, tile_m, self.head_dim, wgs)
         else:
-            self.stage_dq(acc_dq, smem.dq, me.wg, me.tid)
-        warpgroup.wait_group(0)
-        release(pipes.q, q_state)
+            self.stage_dq(acc_dq, me.smem.dq, me.wg, me.tid)
+
+    @cute.jit
+    def issue_dk(self, me: Consumer, q_state, ds_buffer: Int32):
+        """dK += dSᵀ·Q (dKᵀ += Qᵀ·dS with keys_on_n), left in flight."""
+        dk_a, dk_b = me.ops.dk(q_state.index, ds_buffer)
+        wgmma.gemm(me.mma_dk, me.acc_dk, dk_a, dk_b, zero_init=False, wait_groups=-1)
 
     @cute.jit
     def issue_dv(self, me: Consumer, do_state, ds_buffer: Int32):
@@ -802,7 +823,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                           number_of_threads=DQ_HANDOFF_THREADS)
         cute.autovec_copy(dq_accum.register_view(acc_dq),
                           dq_accum.thread_view(sdQ.iterator, wg, tid % WARPGROUP_THREADS,
-                                               self.tile_m, self.head_dim, self.consumer_wgs))
+                                               self.tile_m, self.head_dim,
+                                               self.cfg.dq_warpgroups))
         # generic-proxy stores, read next by the bulk copy through the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + wg,
@@ -830,7 +852,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         have added theirs to the same tile, and signals after its own landed."""
         lane = cute.arch.lane_idx()
         direct = self.cfg.dq_direct  # the consumers add dQ: only K/V's release is left here
-        for w in cutlass.range_constexpr(0 if direct else self.consumer_wgs):
+        for w in cutlass.range_constexpr(0 if direct else self.cfg.dq_warpgroups):
             # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                      number_of_threads=DQ_HANDOFF_THREADS)
@@ -859,7 +881,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def _write_dq_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
                        tile: KeyTile, tiles: _Tiles, limits: Limits):
-        tile_m, d, wgs = self.tile_m, self.head_dim, self.consumer_wgs
+        tile_m, d, wgs = self.tile_m, self.head_dim, self.cfg.dq_warpgroups
         seqlens = tiles.seqlens
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
         region = dq_accum.warpgroup_region(tile_m, d, wgs)

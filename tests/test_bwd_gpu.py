@@ -223,7 +223,12 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                             do_stages=1, ds_buffers=1, deterministic=True),
                                        dict(dq_direct=True),
                                        dict(dq_direct=True, dynamic_tiles=True,
-                                            split_gqa=True)])
+                                            split_gqa=True),
+                                       dict(tile_m=64, dq_one_warpgroup=True),
+                                       dict(tile_m=64, head_dim=96, dq_one_warpgroup=True,
+                                            deterministic=True),
+                                       dict(tile_m=64, head_dim=96, dq_one_warpgroup=True,
+                                            dq_direct=True, dynamic_tiles=True, split_gqa=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)

@@ -318,6 +318,9 @@ def test_backward_defaults_validate_and_fit():
     (dict(tile_n=192, consumer_regs=240, tile_m=192), "consumer_regs"),
     (dict(tile_m=72), "tile_m"), (dict(tile_m=80, tile_n=192, consumer_regs=160), "tile_m"),
     (dict(dynamic_tiles=True, deterministic=True), "dynamic_tiles"),
+    (dict(tile_m=128, dq_one_warpgroup=True), "dq_one_warpgroup"),
+    (dict(tile_m=80, dq_one_warpgroup=True), "dq_one_warpgroup"),
+    (dict(tile_m=64, tile_n=64, dq_one_warpgroup=True), "dq_one_warpgroup"),
 ])
 def test_invalid_backward_configs_name_the_field(changes, field):
     from cute_fa.kernels.bwd_config import BwdConfig
@@ -339,6 +342,10 @@ def test_backward_dq_split_follows_the_tile():
     with pytest.raises(ValueError, match="BwdConfig.tile_m"):
         transposed.validate(64)
     assert not BwdConfig(tile_m=64).dq_transposed() and not BwdConfig(tile_m=128).dq_transposed()
+    # one warpgroup may take all of a 64-row dQ: one slab, N = head_dim
+    single = BwdConfig(tile_m=64, tile_n=128, dq_one_warpgroup=True)
+    single.validate(96)
+    assert single.dq_warpgroups == 1 and BwdConfig(tile_m=64, tile_n=128).dq_warpgroups == 2
 
 
 def test_backward_statistics_stages_start_128_byte_aligned():
