@@ -304,8 +304,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
     causal key blocks claimed by a persistent grid unless deterministic.
 
     - head dim 64: 128 queries per step, dV at the dQ barrier;
-    - head dim 96: 64 queries per step, dV at the dQ barrier, LSE₂ early,
-      under the causal mask all of dQ in the first warpgroup;
+    - head dim 96: 64 queries per step, all of dQ in the first warpgroup,
+      dV at the dQ barrier, LSE₂ read at its use;
     - head dim 128: 80 queries per step non-causal (dQ transposed), 64 under
       the causal mask or with split_gqa (80 spills there), dV right after
       dSᵀ, LSE₂ early;
@@ -353,8 +353,8 @@ def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
                          deterministic=deterministic, stats_early=True, split_gqa=split_gqa,
                          dynamic_tiles=dynamic_tiles)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
-                     dv_at_ds_barrier=True, stats_early=True, split_gqa=split_gqa,
-                     dynamic_tiles=dynamic_tiles, dq_one_warpgroup=causal)
+                     dv_at_ds_barrier=True, split_gqa=split_gqa, dynamic_tiles=dynamic_tiles,
+                     dq_one_warpgroup=True)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every block-sparse call
