@@ -338,6 +338,9 @@ SHORT_SEQLEN = 1024
 # Sequences of at least this many tokens (queries or keys) take the
 # long-sequence tiles of default_fwd_config (head dim 96 causal).
 LONG_SEQLEN = 8192
+# Causal sequences of at most this many tokens take head dim 64's 128-row
+# tile where it fills the GPU (tiny_fwd_config).
+TINY_SEQLEN = 256
 # A sliding window whose rows see at least this many keys takes the wide
 # tiles of default_fwd_config (head dim 64).
 WIDE_WINDOW_KEYS = 2048
@@ -357,14 +360,16 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
                            window: tuple = (-1, -1)) -> FwdConfig:
     """The op's forward config for a problem: default_fwd_config, with the
     short-sequence tiles where no sequence is longer than SHORT_SEQLEN, the
-    long-sequence ones where one has LONG_SEQLEN tokens or more, the
-    wide ones where a local kernel's window (left, right; -1 unbounded) lets
-    a row see WIDE_WINDOW_KEYS keys or more, and among the short ones the
-    narrower tile (narrow_fwd_config) where the short tile leaves SMs idle,
-    one Q stage where a grid is one round (grid_rounds: no next tile to
-    load ahead), and tiles dealt by index where a claimed-tile grid is two
-    waves at most (fixed_deal_balances): query_heads (batch x query heads) and
-    num_sms give the grid (0: unknown, neither)."""
+    long-sequence ones where one has LONG_SEQLEN tokens or more, the tiny
+    ones (tiny_fwd_config) where no sequence is longer than TINY_SEQLEN and
+    they run two rounds or more, the wide ones where a local kernel's window
+    (left, right; -1 unbounded) lets a row see WIDE_WINDOW_KEYS keys or
+    more, and among the short ones the narrower tile (narrow_fwd_config)
+    where the short tile leaves SMs idle, one Q stage where a grid is one
+    round (grid_rounds: no next tile to load ahead), and tiles dealt by
+    index where a claimed-tile grid is two waves at most
+    (fixed_deal_balances): query_heads (batch x query heads) and num_sms
+    give the grid (0: unknown, neither)."""
     short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
     long_rows = max(seqlen_q, seqlen_k) >= LONG_SEQLEN
     wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
@@ -373,6 +378,10 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     if query_heads <= 0 or num_sms <= 0:
         return config
     if short and features == PLAIN_FEATURES:
+        tiny = tiny_fwd_config(head_dim, causal, head_dim_v)
+        if (tiny is not None and max(seqlen_q, seqlen_k) <= TINY_SEQLEN
+                and grid_rounds(tiny, seqlen_q, query_heads, num_sms) >= 2):
+            config = tiny
         narrow = narrow_fwd_config(head_dim, causal, head_dim_v)
         if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,
                                                    seqlen_q, query_heads, num_sms):
@@ -422,6 +431,18 @@ def fixed_deal_balances(config: FwdConfig, features: Features, seqlen_q: int,
 
 
 @functools.lru_cache(maxsize=None)
+def tiny_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
+    """The causal config of sequences of up to TINY_SEQLEN tokens on a grid
+    of two rounds or more: head dim 64's 128-row tile, one CTA an SM of two
+    consumer warpgroups, in place of two CTAs of 64 rows (docs/findings.md:
+    a 128-token sequence is one tile of it, and such a forward is bound by
+    its memory traffic). None elsewhere."""
+    if head_dim > 64 or not causal:
+        return None
+    return default_fwd_config(head_dim, causal, head_dim_v, short=True).replace(
+        tile_m=2 * WGMMA_M, ctas_per_sm=1, consumer_regs=240)
+
+
 def narrow_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     """The short-sequence config with fewer query rows a tile, where one was
     measured faster on a GPU the short tiles leave partly idle (batch 1,
@@ -490,7 +511,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       causal or local at every length too, windows, caps and sinks
       included (not in packed batches: no gain there);
       fwd_config_for_problem takes it back where a grid of one round has
-      no next tile;
+      no next tile, and gives head dim 64's causal rows of up to
+      TINY_SEQLEN tokens the 128-row tile on a grid of two rounds or more
+      (tiny_fwd_config);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees

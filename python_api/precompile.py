@@ -63,6 +63,7 @@ class Variant:
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
+    tiny: bool = False  # fwd, short: the tiles of sequences up to config.TINY_SEQLEN tokens
     by_index: bool = False  # fwd, causal: tiles dealt by index (two waves at most)
     one_round: bool = False  # fwd: one Q stage, as a grid of one round takes it
     long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
@@ -76,8 +77,8 @@ class Variant:
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
-                                   "block_sparse", "long_rows", "short", "narrow", "one_round",
-                                   "by_index")
+                                   "block_sparse", "long_rows", "short", "narrow", "tiny",
+                                   "one_round", "by_index")
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
@@ -88,12 +89,13 @@ class Variant:
 
 def _short_variants(long: Variant) -> list[Variant]:
     """The forwards of short sequences whose configs differ from the long
-    one's: the short tiles, and the narrow tiles where a small grid takes
-    them (config.fwd_config_for_problem); then each of these and the long
+    one's: the short tiles, the narrow tiles where a small grid takes them,
+    and the tiny ones of the shortest sequences (config.
+    fwd_config_for_problem); then each of these and the long
     one dealt by index where its tiles are claimed."""
     out, configs = [], [config_of(long)]
-    for narrow in (False, True):
-        variant = replace(long, short=True, narrow=narrow)
+    for flags in ({}, {"narrow": True}, {"tiny": True}):
+        variant = replace(long, short=True, **flags)
         config = config_of(variant)
         if config is not None and config not in configs:
             out.append(variant)
@@ -120,11 +122,12 @@ def _by_index(forwards: list[Variant]) -> list[Variant]:
 def _one_round(forwards: list[Variant]) -> list[Variant]:
     """Those of `forwards` with a Q ring, with one Q stage as a grid of one
     round takes them (config.grid_rounds), their tiles dealt by index where
-    claimed: one round is less than two waves (config.fixed_deal_balances)."""
+    claimed: one round is less than two waves (config.fixed_deal_balances).
+    The tiny tiles run two rounds at least."""
     out = []
     for variant in forwards:
         config = config_of(variant)
-        if config.q_stages > 1 and not variant.by_index:
+        if config.q_stages > 1 and not (variant.by_index or variant.tiny):
             out.append(replace(variant, one_round=True, by_index=config.dynamic_tiles))
     return out
 
@@ -176,7 +179,7 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
 def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
     from .kernels.config import (block_sparse_fwd_config, dealt_by_index, default_fwd_config,
-                                 narrow_fwd_config, one_q_stage)
+                                 narrow_fwd_config, one_q_stage, tiny_fwd_config)
     from .kernels.bwd_config import default_bwd_config
 
     if variant.direction == "decode":
@@ -188,6 +191,8 @@ def config_of(variant: Variant):
             return block_sparse_fwd_config(variant.head_dim, variant.value_head_dim)
         if variant.narrow:
             config = narrow_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
+        elif variant.tiny:
+            config = tiny_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
         else:
             config = default_fwd_config(variant.head_dim, variant.causal,
                                         variant.value_head_dim, short=variant.short,

@@ -154,6 +154,29 @@ def test_short_problems_short_of_sms_take_narrower_tiles():
         config.validate(head_dim)
 
 
+def test_the_shortest_causal_rows_take_128_row_tiles_on_a_full_gpu():
+    """Head dim 64 causal, no sequence past TINY_SEQLEN: the 128-row tile
+    (one CTA an SM) where its grid runs two rounds or more, as measured on a
+    full GPU; batch 1 keeps two CTAs of 64 rows; so do longer rows,
+    non-causal ones and other head dims."""
+    from cute_fa.kernels.config import (PLAIN_FEATURES, TINY_SEQLEN, fwd_config_for_problem,
+                                        tiny_fwd_config)
+
+    def config(head_dim, causal, seqlen, query_heads):
+        return fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
+                                      query_heads, 132)
+
+    tiny = tiny_fwd_config(64, True)
+    tiny.validate(64)
+    assert (tiny.tile_m, tiny.ctas_per_sm, tiny.consumer_warpgroups) == (128, 1, 2)
+    assert config(64, True, 128, 4096) == config(64, True, TINY_SEQLEN, 2048) == tiny
+    for head_dim, causal, seqlen, query_heads in ((64, True, 256, 32), (64, True, 512, 1024),
+                                                  (64, False, 256, 2048)):
+        assert (config(head_dim, causal, seqlen, query_heads).tile_m,
+                config(head_dim, causal, seqlen, query_heads).ctas_per_sm) == (64, 2)
+    assert tiny_fwd_config(64, False) is None and tiny_fwd_config(128, True) is None
+
+
 def test_large_head_dims_stage_o_in_the_v_ring():
     # 128 query rows at 256: Q 64 KB + two stages of 80 keys of K and V (80 KB
     # each) leave no room for a 64 KB O slab of its own

@@ -215,15 +215,17 @@ def test_precompile_command_line():
     assert len(todo) == 2 * 2 * (1 + 4)  # fwd + bwd x deterministic x split_gqa
     assert len({v.label() for v in todo}) == len(todo)
     # with the short tiles: those whose configs differ, the narrow ones of a
-    # batch-1 grid included, and the causal ones with tiles dealt by index,
-    # as a grid of one wave takes them (config.fwd_config_for_problem)
+    # batch-1 grid and the tiny ones of the shortest rows included, and the
+    # causal ones with tiles dealt by index, as a grid of one wave takes them
+    # (config.fwd_config_for_problem)
     short = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd"], False,
                                 length_tiles=True)
     # and those with a Q ring with one Q stage, as a grid of one round takes them
     assert [v.label() for v in short] == [
         "fwd bf16 d64 full", "fwd bf16 d64 full short", "fwd bf16 d64 full short one_round",
-        "fwd bf16 d64 causal", "fwd bf16 d64 causal short", "fwd bf16 d64 causal by_index",
-        "fwd bf16 d64 causal short by_index", "fwd bf16 d64 causal one_round by_index",
+        "fwd bf16 d64 causal", "fwd bf16 d64 causal short", "fwd bf16 d64 causal short tiny",
+        "fwd bf16 d64 causal by_index", "fwd bf16 d64 causal short by_index",
+        "fwd bf16 d64 causal short tiny by_index", "fwd bf16 d64 causal one_round by_index",
         "fwd bf16 d64 causal short one_round by_index", "fwd bf16 d128 full",
         "fwd bf16 d128 full short", "fwd bf16 d128 full short narrow",
         "fwd bf16 d128 full short one_round", "fwd bf16 d128 full short narrow one_round",
@@ -248,7 +250,7 @@ def test_precompile_command_line():
     from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem
     configs = {precompile.config_of(v) for v in short + d96}
     for head_dim, causal, seqlen, query_heads in itertools.product(
-            (64, 96, 128), (False, True), (256, 512, 1024, 4096, 8192, 16384),
+            (64, 96, 128), (False, True), (128, 256, 512, 1024, 4096, 8192, 16384),
             (1, 16, 64, 4096)):
         assert fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
                                       query_heads, 132) in configs
