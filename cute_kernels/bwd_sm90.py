@@ -35,7 +35,8 @@ next WGMMA takes as its A operand):
     dV += Pᵀ·dO                        RS-WGMMA, Pᵀ from registers: issued after
                                        dSᵀ, or after dSᵀ → smem (cfg.dv_at_ds_barrier)
     dSᵀ → smem; [DS_READY]  dQ_part = dS·K   (SS-WGMMA over all keys of the CTA;
-                                       dQᵀ = Kᵀ·dSᵀ when tile_m is no multiple of 64)
+                                       dQᵀ = Kᵀ·dSᵀ when tile_m is no multiple of 64;
+                                       cfg.dq_one_warpgroup: the first alone)
     dK += dSᵀ·Q                        RS-WGMMA, dSᵀ from registers, issued after
                                        dQ, so the dQ partial's stores to shared
                                        memory run under it
@@ -669,8 +670,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def step(self, me: Consumer, q_state, do_state, ds_buffer: Int32, needs_mask,
              tile: KeyTile, dq_head, m_block: Int32, walk: QueryWalk, entry: Int32):
-        """One query block: all five GEMMs retired and the dQ partial handed to
-        the writer warp. (Issuing the next block's Sᵀ across the loop edge
+        """One query block: its GEMMs retired (all five, or four where
+        another warpgroup computes dQ) and the dQ partial handed to the
+        writer warp. (Issuing the next block's Sᵀ across the loop edge
         makes ptxas serialise every WGMMA of the kernel: measured 35 % slower.)
         The scores are Sᵀ (keys on M, a query per column), or with keys_on_n S
         (a query per row): each register's statistics are indexed by its
