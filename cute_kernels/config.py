@@ -338,8 +338,8 @@ SHORT_SEQLEN = 1024
 # Sequences of at least this many tokens (queries or keys) take the
 # long-sequence tiles of default_fwd_config (head dim 96 causal).
 LONG_SEQLEN = 8192
-# Causal sequences of at most this many tokens take head dim 64's 128-row
-# tile where it fills the GPU (tiny_fwd_config).
+# Causal sequences of at most this many tokens take the tiny tiles where
+# they fill the GPU (tiny_fwd_config).
 TINY_SEQLEN = 256
 # A sliding window whose rows see at least this many keys takes the wide
 # tiles of default_fwd_config (head dim 64).
@@ -433,14 +433,19 @@ def fixed_deal_balances(config: FwdConfig, features: Features, seqlen_q: int,
 @functools.lru_cache(maxsize=None)
 def tiny_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     """The causal config of sequences of up to TINY_SEQLEN tokens on a grid
-    of two rounds or more: head dim 64's 128-row tile, one CTA an SM of two
-    consumer warpgroups, in place of two CTAs of 64 rows (docs/findings.md:
-    a 128-token sequence is one tile of it, and such a forward is bound by
-    its memory traffic). None elsewhere."""
-    if head_dim > 64 or not causal:
+    of two rounds or more (docs/findings.md): head dim 64's 128-row tile,
+    one CTA an SM of two consumer warpgroups, in place of two CTAs of 64
+    rows (a 128-token sequence is one tile of it, and such a forward is
+    bound by its memory traffic); head dim 128's 64 keys a step, the
+    diagonal's masked columns halved. None elsewhere."""
+    if not causal:
         return None
-    return default_fwd_config(head_dim, causal, head_dim_v, short=True).replace(
-        tile_m=2 * WGMMA_M, ctas_per_sm=1, consumer_regs=240)
+    config = default_fwd_config(head_dim, causal, head_dim_v, short=True)
+    if head_dim <= 64:
+        return config.replace(tile_m=2 * WGMMA_M, ctas_per_sm=1, consumer_regs=240)
+    if head_dim == 128 and (head_dim_v or head_dim) == head_dim:
+        return config.replace(tile_n=64)
+    return None
 
 
 def narrow_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
@@ -511,9 +516,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       causal or local at every length too, windows, caps and sinks
       included (not in packed batches: no gain there);
       fwd_config_for_problem takes it back where a grid of one round has
-      no next tile, and gives head dim 64's causal rows of up to
-      TINY_SEQLEN tokens the 128-row tile on a grid of two rounds or more
-      (tiny_fwd_config);
+      no next tile, and gives causal rows of up to TINY_SEQLEN tokens the
+      tiny tiles on a grid of two rounds or more (tiny_fwd_config: head
+      dim 64 128 rows, head dim 128 64 keys a step);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
       128-row tile, unless the window is wide (wide_window: a row sees

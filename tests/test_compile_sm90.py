@@ -107,14 +107,15 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     assert config.ctas_per_sm == (2 if head_dim == 64 else 1)
 
 
-def test_tiny_causal_forward(tmp_path):
-    """Head dim 64's 128-row tile of the shortest causal rows on a full GPU
-    (fwd_config_for_problem: tiny_fwd_config): one CTA an SM, warp-specialised,
-    spill-free."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tiny_causal_forward(tmp_path, head_dim):
+    """The tiles of the shortest causal rows on a full GPU (fwd_config_for_
+    problem: tiny_fwd_config; head dim 64 128 rows, 128 64 keys a step):
+    warp-specialised, spill-free."""
     from cute_fa.kernels.config import tiny_fwd_config
 
-    config = tiny_fwd_config(64, True)
-    compile_fwd(torch.bfloat16, 64, True, config, dump_dir=str(tmp_path))
+    config = tiny_fwd_config(head_dim, True)
+    compile_fwd(torch.bfloat16, head_dim, True, config, dump_dir=str(tmp_path))
     info = dumped_kernel_info(str(tmp_path))
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)

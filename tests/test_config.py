@@ -155,10 +155,11 @@ def test_short_problems_short_of_sms_take_narrower_tiles():
 
 
 def test_the_shortest_causal_rows_take_128_row_tiles_on_a_full_gpu():
-    """Head dim 64 causal, no sequence past TINY_SEQLEN: the 128-row tile
-    (one CTA an SM) where its grid runs two rounds or more, as measured on a
-    full GPU; batch 1 keeps two CTAs of 64 rows; so do longer rows,
-    non-causal ones and other head dims."""
+    """Causal, no sequence past TINY_SEQLEN, on a grid of two rounds or
+    more (as measured on a full GPU): head dim 64 the 128-row tile (one CTA
+    an SM), head dim 128 64 keys a step; batch 1 keeps the short tiles (head
+    dim 128's narrow ones), and so do longer rows, non-causal ones and head
+    dim 96."""
     from cute_fa.kernels.config import (PLAIN_FEATURES, TINY_SEQLEN, fwd_config_for_problem,
                                         tiny_fwd_config)
 
@@ -174,7 +175,11 @@ def test_the_shortest_causal_rows_take_128_row_tiles_on_a_full_gpu():
                                                   (64, False, 256, 2048)):
         assert (config(head_dim, causal, seqlen, query_heads).tile_m,
                 config(head_dim, causal, seqlen, query_heads).ctas_per_sm) == (64, 2)
-    assert tiny_fwd_config(64, False) is None and tiny_fwd_config(128, True) is None
+    assert tiny_fwd_config(64, False) is None and tiny_fwd_config(96, True) is None
+    keys = tiny_fwd_config(128, True)
+    assert (keys.tile_m, keys.tile_n) == (128, 64)
+    assert config(128, True, 256, 1024) == keys
+    assert config(128, True, 256, 16).tile_m == 64 and config(128, True, 512, 1024).tile_n == 128
 
 
 def test_large_head_dims_stage_o_in_the_v_ring():

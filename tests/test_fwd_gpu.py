@@ -138,17 +138,18 @@ def test_forward_config_variants(overrides, causal):
     _check(q, k, v, causal, out, lse)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seqlens", [(200, 200), (128, 128), (256, 77)])
-def test_tiny_causal_rows_on_a_full_gpu(seqlens):
+def test_tiny_causal_rows_on_a_full_gpu(head_dim, seqlens):
     """Causal rows of up to TINY_SEQLEN on a grid of several rounds take the
-    128-row tile (config.tiny_fwd_config), its tiles claimed."""
+    tiny tiles (config.tiny_fwd_config), claimed."""
     from cute_fa.kernels.config import PLAIN_FEATURES, tiny_fwd_config
     from cute_fa.variants import num_sms
 
-    q, k, v = _inputs(8, *seqlens, 64, 16, 64, torch.bfloat16, seed=13)
-    config = fwd_config_for_problem(64, True, None, PLAIN_FEATURES, *seqlens, 8 * 64,
+    q, k, v = _inputs(8, *seqlens, 64, 16, head_dim, torch.bfloat16, seed=13)
+    config = fwd_config_for_problem(head_dim, True, None, PLAIN_FEATURES, *seqlens, 8 * 64,
                                     num_sms(q.device.index))
-    assert config == tiny_fwd_config(64, True)
+    assert config == tiny_fwd_config(head_dim, True)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     _check(q, k, v, True, out, lse)
 

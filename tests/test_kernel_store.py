@@ -230,8 +230,9 @@ def test_precompile_command_line():
         "fwd bf16 d128 full short", "fwd bf16 d128 full short narrow",
         "fwd bf16 d128 full short one_round", "fwd bf16 d128 full short narrow one_round",
         "fwd bf16 d128 causal", "fwd bf16 d128 causal short", "fwd bf16 d128 causal short narrow",
-        "fwd bf16 d128 causal by_index", "fwd bf16 d128 causal short by_index",
-        "fwd bf16 d128 causal short narrow by_index",
+        "fwd bf16 d128 causal short tiny", "fwd bf16 d128 causal by_index",
+        "fwd bf16 d128 causal short by_index", "fwd bf16 d128 causal short narrow by_index",
+        "fwd bf16 d128 causal short tiny by_index",
         "fwd bf16 d128 causal short one_round by_index",
         "fwd bf16 d128 causal short narrow one_round by_index"]
     narrow_one_round = precompile.config_of(short[-1])
