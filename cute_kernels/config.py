@@ -448,6 +448,7 @@ def tiny_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def narrow_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     """The short-sequence config with fewer query rows a tile, where one was
     measured faster on a GPU the short tiles leave partly idle (batch 1,

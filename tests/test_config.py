@@ -154,7 +154,7 @@ def test_short_problems_short_of_sms_take_narrower_tiles():
         config.validate(head_dim)
 
 
-def test_the_shortest_causal_rows_take_128_row_tiles_on_a_full_gpu():
+def test_the_shortest_causal_rows_take_tiny_tiles_on_a_full_gpu():
     """Causal, no sequence past TINY_SEQLEN, on a grid of two rounds or
     more (as measured on a full GPU): head dim 64 the 128-row tile (one CTA
     an SM), head dim 128 64 keys a step; batch 1 keeps the short tiles (head
