@@ -370,8 +370,8 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     index where a claimed-tile grid is two waves at most
     (fixed_deal_balances): query_heads (batch x query heads) and num_sms
     give the grid (0: unknown, neither)."""
-    short = max(seqlen_q, seqlen_k) <= SHORT_SEQLEN
-    long_rows = max(seqlen_q, seqlen_k) >= LONG_SEQLEN
+    rows = max(seqlen_q, seqlen_k)
+    short, long_rows, tiny_rows = rows <= SHORT_SEQLEN, rows >= LONG_SEQLEN, rows <= TINY_SEQLEN
     wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
     config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window,
                                 long_rows)
@@ -379,8 +379,8 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
         return config
     if short and features == PLAIN_FEATURES:
         tiny = tiny_fwd_config(head_dim, causal, head_dim_v)
-        if (tiny is not None and max(seqlen_q, seqlen_k) <= TINY_SEQLEN
-                and grid_rounds(tiny, seqlen_q, query_heads, num_sms) >= 2):
+        if tiny_rows and tiny is not None and grid_rounds(tiny, seqlen_q, query_heads,
+                                                          num_sms) >= 2:
             config = tiny
         narrow = narrow_fwd_config(head_dim, causal, head_dim_v)
         if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,

@@ -90,9 +90,9 @@ class Variant:
 def _short_variants(long: Variant) -> list[Variant]:
     """The forwards of short sequences whose configs differ from the long
     one's: the short tiles, the narrow tiles where a small grid takes them,
-    and the tiny ones of the shortest sequences (config.
-    fwd_config_for_problem); then each of these and the long
-    one dealt by index where its tiles are claimed."""
+    and the tiny ones of the shortest sequences (config.fwd_config_for_problem);
+    then each of these and the long one dealt by index where its tiles are
+    claimed."""
     out, configs = [], [config_of(long)]
     for flags in ({}, {"narrow": True}, {"tiny": True}):
         variant = replace(long, short=True, **flags)
