@@ -499,7 +499,11 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       LONG_SEQLEN tokens or more); 128 x 128 otherwise, and in packed
       batches, windows and with sinks;
     - head dim 128 non-causal: 160 keys per step; causal keeps 128 (fewer
-      masked columns on the diagonal);
+      masked columns on the diagonal); soft-capped scores (without a window,
+      a packed batch or sinks: not measured there) 192 rows of three
+      consumer warpgroups without ping-pong, 80 keys a step: the cap's tanh
+      doubles the softmax's exponential-unit work, and three softmaxes
+      interleave where two took turns;
     - head dims 192 and 256: O staged in the V ring (o_in_v_smem), which
       leaves room for two stages of 128 keys at 192 with a 128-wide V, 112
       keys at 192/192, and 80 at 256 (FlashAttention-3's tiles there); at a
@@ -542,6 +546,13 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rederive_epilogue_coords=causal and head_dim == 192,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
+    if features.softcap and head_dim == head_dim_v == 128 and not (
+            features.local or features.varlen or features.sink):
+        # the cap's tanh doubles the softmax's MUFU work: three softmaxes interleave
+        return FwdConfig(tile_m=3 * WGMMA_M, tile_n=80, kv_stages=2, pingpong=False,
+                         persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
+                         producer_regs=32, consumer_regs=160, rederive_epilogue_coords=True,
+                         pv_wait_after_exp2=8)
     plain = not (features.local or features.varlen or features.softcap or features.sink)
     # the next tile's Q loads under this one's: where a tile's rows are short
     # (causal diagonal tiles of one to eight key blocks, or short rows) and at
@@ -606,79 +617,79 @@ FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
 FP8_WIDE_CAUSAL_KEYS = 4096
 
 
-# The non-causal e4m3 key tiles at head dims 96 and 128 (ping-pong, 40 / 232
-# registers): the time of a key column in each, relative to the widest, on
-# rows long enough that a tile's pipeline fill and drain do not count
-# (measured at 128, docs/findings.md), and what fill and drain cost, in steps
-# of the tile's own width.
-FP8_KEY_TILE_COST = {128: 1.139, 160: 1.076, 192: 1.066, 224: 1.0}
-FP8_TILE_FIXED_STEPS = 2
-
-
-def fp8_key_tile(seqlen_k: int) -> int:
-    """The key tile of FP8_KEY_TILE_COST that finishes a row of seqlen_k keys
-    soonest: its steps (the last padded to the tile) and the fixed ones, each
-    its width at its rate. Short rows take narrower tiles, whose last step
-    pads less and whose fill and drain are shorter."""
-    def cost(tile_n: int) -> float:
-        steps = -(-seqlen_k // tile_n) + FP8_TILE_FIXED_STEPS
-        return steps * tile_n * FP8_KEY_TILE_COST[tile_n]
-
-    return min(FP8_KEY_TILE_COST, key=cost)
+# Non-causal e4m3 rows of at most this many keys at head dims 96 and 128 take
+# the two-warpgroup ping-pong tile (fp8_short_row_config; measured at 128).
+FP8_SHORT_ROW_KEYS = 1024
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every e4m3 call
 def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
                            seqlen_k: int) -> FwdConfig:
     """The op's e4m3 forward config for a problem: fp8_fwd_config, with the
-    wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or more,
-    and the non-causal key tile of head dims 96 and 128 fitted to the row
-    (fp8_key_tile)."""
+    wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or
+    more, and fp8_short_row_config for non-causal rows of up to
+    FP8_SHORT_ROW_KEYS keys at head dims 96 and 128."""
+    if (64 < head_dim <= 128 and not (causal or features.local)
+            and seqlen_k <= FP8_SHORT_ROW_KEYS):
+        return fp8_short_row_config(head_dim)
     wide_causal = causal and not features.local and seqlen_k >= FP8_WIDE_CAUSAL_KEYS
-    config = fp8_fwd_config(head_dim, causal, features, wide_causal)
-    if 64 < head_dim <= 128 and not (causal or features.local):  # the 224-key config
-        config = config.replace(tile_n=fp8_key_tile(seqlen_k))
-    return config
+    return fp8_fwd_config(head_dim, causal, features, wide_causal)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_short_row_config(head_dim: int) -> FwdConfig:
+    """Non-causal e4m3 rows of a few steps (FP8_SHORT_ROW_KEYS): 128-row
+    tiles of two consumer warpgroups taking turns (ping-pong), 128 keys a
+    step, where the three-warpgroup tile's 96 keys pad the last step more and
+    its three stages take longer to fill than the row lasts."""
+    return FwdConfig(tile_m=2 * WGMMA_M, tile_n=128, kv_stages=2, pingpong=True,
+                     persistent=True, split_tail=True, pv_wait_after_exp2=0,
+                     producer_regs=40, consumer_regs=232, transpose_warps=3)
 
 
 @functools.lru_cache(maxsize=None)
 def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATURES,
                    wide_causal: bool = False) -> FwdConfig:
-    """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS): 128-row tiles of
-    two consumer warpgroups, in two stages each of V and Vᵀ; the producer
-    warpgroup's three spare warps transpose V with 56 registers per thread
-    (40 where the consumers need 232, and beside the wide causal tile), the
-    consumers 224 (of the 504 that three warpgroups have at launch).
-    Scheduling as the 16-bit kernels': claimed tiles for causal and
-    windows, the split tail otherwise. The FP8 GEMMs take half the 16-bit
-    ones' time against the same softmax, so the key tile is wider where
-    the registers allow (more independent work per softmax), and ping-pong
-    stays only where it measured faster (profiling.sweep, the FP8 report):
-    head dim 128 non-causal, with its 224-key tile (narrower on short rows:
-    fp8_config_for_problem). Without it a warp
-    skips O's rescale on the steps where none of its rows' maxima rose
-    (skip_unmoved_rescale); with it that branch measured slower than the
-    multiplies. Causal at head dims 96 and 128 over long rows (wide_causal,
-    fp8_config_for_problem; measured at 128, spill-free at 96): 192 keys a
-    step, whose masked diagonal costs less there than the wider tile gains."""
+    """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS), chosen with
+    profiling.sweep on an H100 (docs/findings.md). The producer warpgroup's
+    three spare warps transpose V into a Vᵀ ring of as many stages as V's.
+    Scheduling as the 16-bit kernels': claimed tiles for causal and windows,
+    the split tail otherwise. The FP8 GEMMs take half the 16-bit ones' time
+    against the same softmax, whose exponentials then take as long on the
+    MUFU unit as the GEMMs on the tensor cores; the configs give the
+    softmax the most independent work the registers allow:
+
+    - head dims up to 128 non-causal, and 64 causal or local: 192-row tiles of three
+      consumer warpgroups (152 registers each, the transposers 40) without
+      ping-pong, whose three softmaxes interleave on every SM sub-partition,
+      128 keys a step at head dim 64, 96 above, three K/V stages;
+    - head dims 96 and 128 causal: 128-row tiles of two, without ping-pong,
+      128 keys a step, 192 over long rows (wide_causal,
+      fp8_config_for_problem; measured at 128, spill-free at 96), whose
+      masked diagonal costs less there than the wider tile gains;
+    - head dims 192 and 256: 128-row tiles of two, 64 keys a step.
+
+    Without ping-pong a warp skips O's rescale on the steps where none of its
+    rows' maxima rose (skip_unmoved_rescale)."""
     claimed = causal or features.local
+    if head_dim <= 64 or (head_dim <= 128 and not claimed):
+        return FwdConfig(tile_m=3 * WGMMA_M, tile_n=128 if head_dim <= 64 else 96, kv_stages=3,
+                         pingpong=False, persistent=True, dynamic_tiles=claimed,
+                         split_tail=not claimed, pv_wait_after_exp2=0,
+                         skip_unmoved_rescale=True, producer_regs=40, consumer_regs=152,
+                         transpose_warps=3)
     producer_regs, consumer_regs = 56, 224
-    if head_dim <= 64:
-        tile_n, pingpong, pv_wait = 192 if claimed else 256, False, 8
-    elif head_dim <= 128 and claimed:
-        tile_n, pingpong, pv_wait = 192 if wide_causal else 128, False, 8
+    if head_dim <= 128:
+        tile_n, pv_wait = (192, 8) if wide_causal else (128, 8)
         if wide_causal:
             producer_regs = 40
-    elif head_dim <= 128:
-        tile_n, pingpong, pv_wait = 224, True, 0
-        producer_regs, consumer_regs = 40, 232  # tile_n 224 spills with 224
     else:
-        tile_n, pingpong, pv_wait = 64, False, 0
+        tile_n, pv_wait = 64, 0
         if head_dim > 192 and not claimed:  # the split tail's merge spills with 224
             producer_regs, consumer_regs = 40, 232
-    return FwdConfig(tile_m=128, tile_n=tile_n, kv_stages=2, pingpong=pingpong,
+    return FwdConfig(tile_m=2 * WGMMA_M, tile_n=tile_n, kv_stages=2, pingpong=False,
                      persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
-                     pv_wait_after_exp2=pv_wait, skip_unmoved_rescale=not pingpong,
+                     pv_wait_after_exp2=pv_wait, skip_unmoved_rescale=True,
                      producer_regs=producer_regs, consumer_regs=consumer_regs,
                      transpose_warps=3)
 

@@ -1,7 +1,7 @@
 import pytest
 
-from cute_fa.kernels.config import (FP8_KEY_TILE_COST, PLAIN_FEATURES, Features, FwdConfig,
-                                    default_fwd_config, fp8_config_for_problem, fp8_fwd_config)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_SHORT_ROW_KEYS, PLAIN_FEATURES, Features,
+                                    FwdConfig, default_fwd_config, fp8_config_for_problem)
 from cute_fa.kernels.bwd_config import bwd_config_for_problem, default_bwd_config, split_gqa_pays
 
 
@@ -143,7 +143,9 @@ def test_short_problems_short_of_sms_take_narrower_tiles():
         assert tile_m(64, causal, 512, 32) == tile_m(64, causal, 512, 1024) == 64
     assert tile_m(128, True, 512, 512) == 128
     assert tile_m(128, True, 4096, 1) == 128 and tile_m(64, False, 2048, 1) == 192
-    assert tile_m(128, True, 512, 16, Features(softcap=True)) == 128
+    capped = Features(softcap=True)
+    assert tile_m(128, True, 512, 16, capped) == default_fwd_config(128, True,
+                                                                  features=capped).tile_m
     assert fwd_config_for_problem(128, True, None, PLAIN_FEATURES, 512, 512) == \
         default_fwd_config(128, True, short=True)  # grid unknown
     assert not narrow_tiles_pay(128, 64, True, 1024, 17, 132)  # 136 tiles: some wait
@@ -501,23 +503,27 @@ def test_wide_windows_take_the_wide_tile_at_head_dim_64():
         assert tile_m(64, (4096, 0), features) == 192
 
 
-@pytest.mark.parametrize("head_dim", [96, 128])
-def test_fp8_non_causal_key_tile_follows_the_row_length(head_dim):
-    """Short rows take a narrower e4m3 key tile (less padding in the last
-    step, shorter fill and drain); long rows keep the default's widest."""
-    widest = fp8_fwd_config(head_dim, False)
-    tiles = {}
-    for seqlen_k in (1, 100, 512, 1000, 1024, 2048, 3000, 4096, 16384, 1 << 20):
-        config = fp8_config_for_problem(head_dim, False, PLAIN_FEATURES, seqlen_k)
-        assert config.tile_n in FP8_KEY_TILE_COST
-        assert config == widest.replace(tile_n=config.tile_n)  # nothing else moves
-        config.validate(head_dim, fp8=True)
-        tiles[seqlen_k] = config.tile_n
-    assert tiles[1] == tiles[512] == tiles[1024] == min(FP8_KEY_TILE_COST)
-    assert tiles[2048] < tiles[16384] == tiles[1 << 20] == widest.tile_n
-    assert all(config.tile_n == fp8_fwd_config(d, causal).tile_n
-               for d in (64, 192, 256) for causal in (False, True)
-               for config in [fp8_config_for_problem(d, causal, PLAIN_FEATURES, 512)])
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+def test_fp8_configs_give_a_long_softmax_three_warpgroups(head_dim):
+    """The e4m3 configs run: valid for e4m3 inputs at every row length, in
+    shared memory; three consumer warpgroups, without ping-pong, where the
+    softmax outlasts the FP8 GEMMs most (head dims up to 128 non-causal, 64
+    causal) but on short non-causal rows at 96 and 128; two at the large
+    head dims, whose 64-row O alone takes 128 registers a thread or more."""
+    for causal in (False, True):
+        for seqlen_k in (1, 512, 4096, 1 << 20):
+            config = fp8_config_for_problem(head_dim, causal, PLAIN_FEATURES, seqlen_k)
+            config.validate(head_dim, fp8=True)
+            short_row = 64 < head_dim <= 128 and not causal and seqlen_k <= FP8_SHORT_ROW_KEYS
+            three = (head_dim <= 64 or (head_dim <= 128 and not causal)) and not short_row
+            assert config.consumer_warpgroups == (3 if three else 2)
+            # ping-pong only on short rows, where a warp's skipped rescale
+            # would be a branch between the turns
+            assert config.pingpong == short_row != config.skip_unmoved_rescale
+            assert config.split_tail == (not causal) and config.dynamic_tiles == causal
+    local = fp8_config_for_problem(head_dim, False, Features(local=True), 4096)
+    assert local.dynamic_tiles and not local.split_tail
+    local.validate(head_dim, fp8=True)
 
 
 def test_a_grid_of_one_round_takes_one_q_stage():
