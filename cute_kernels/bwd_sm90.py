@@ -11,11 +11,13 @@ cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
                 Q + LSE₂ into the Q ring and dO + D into the dO ring;
                 with cfg.dynamic_tiles it claims the next key block and
                 publishes it with that block's K/V barrier.
-                Warp 1 is the dQ writer: it adds each consumer warpgroup's dQ
-                partial from shared memory into the fp32 accumulator (one bulk
-                reduce-add each), so consumers never wait on global memory;
-                with cfg.dq_direct the consumers add it from registers
-                (16-byte reductions) and warp 1 only frees claimed K/V.
+                Warp 1 is the dQ writer (dq_writer.py): it adds each consumer
+                warpgroup's dQ partial from shared memory into the fp32
+                accumulator (one bulk reduce-add each), so consumers never
+                wait on global memory; with cfg.dq_direct the consumers add
+                it from registers (16-byte reductions) and warp 1 only frees
+                claimed K/V. All three roles walk the same tiles and query
+                blocks (bwd_tiles.py).
   warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each, or with
                 cfg.dim_split 2 two per 64 keys, each with half of the head
                 dims of dK and dV. dK and dV stay in registers for the whole
@@ -69,18 +71,19 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
-from .block_sparse import SparseRow, apply_bits, static_coords
+from .block_sparse import apply_bits, static_coords
 from .bwd_partition import (Operands, dkv_shape, dkv_tiled_mma, dq_gemm_shape, dq_tiled_mma,
                             make_operands, pt_buffer, score_shape, sdp_tiled_mma,
                             warpgroup_slab)
+from .bwd_tiles import KeyTile, KeyTiles
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, Features
-from .dsl_struct import DslStruct
+from .dq_writer import DqWriter
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, store_rows,
                           tma_store_tile, tma_views)
-from .mask import (BlockRange, Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
+from .mask import (Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
                    apply_mask_transposed)
-from .pipeline import (DQ_HANDOFF_THREADS, BwdBarrier, consumer_state, make_tma_pipeline,
-                       producer_state, release, wait_full)
+from .pipeline import (BwdBarrier, consumer_state, make_tma_pipeline, producer_state, release,
+                       wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
 from .softcap import cap_scores_with_slope
 from .varlen import Seqlens, VarlenScheduler
@@ -102,66 +105,6 @@ class _QueryStats:
 
     def __getitem__(self, i: int):
         return self.sStat[query_of(self.coords, i, self.keys_on_n), self.stage]
-
-
-@dataclass
-class KeyTile:
-    """One CTA tile: a key block of one head of one sequence, the query
-    heads that read it (all of its KV group's, or with split_gqa one), and
-    the sequence's lengths."""
-
-    n_block: Int32
-    cta_head: Int32  # the scheduler's head: a KV head, or with split_gqa a query head
-    batch: Int32
-    head_kv: Int32
-    first_head: Int32  # the first query head walked
-    head_count: Int32
-    seqlen_q: Int32
-    seqlen_k: Int32
-
-
-@dataclass
-class _Tiles(DslStruct):
-    """The key blocks (tiles) of a CTA: its own (one CTA per tile), or with
-    BwdConfig.dynamic_tiles its index's, then the ones its producer claims."""
-
-    sequence: TileSequence
-    seqlens: Seqlens
-    q_per_kv: Int32
-    split_gqa: bool  # scheduler heads are query heads, else KV heads
-    block_sparse: cute.Tensor  # the tile lists (block_sparse kernels read it)
-
-    def first(self) -> Int32:
-        return Int32(cute.arch.block_idx()[0])
-
-    def num_tiles(self) -> Int32:
-        """The tiles' count (over a packed batch a scan of its sequences:
-        taken once per role)."""
-        return self.sequence.scheduler.num_tiles()
-
-    def own(self, num_tiles: Int32) -> KeyTile:
-        """One CTA per tile (no dynamic_tiles): this CTA's. A packed batch's
-        grid is an upper bound of its tiles: a CTA past the last one gets
-        the last tile with no query heads and no keys, so that it loads,
-        computes and stores nothing (a branch around the roles' work would
-        not do: the pipelines' state may not leave one)."""
-        first = self.first()
-        tile = self.decode(cutlass.max(cutlass.min(first, num_tiles - 1), 0))
-        if cutlass.const_expr(self.seqlens.varlen):
-            keep = cutlass.min(cutlass.max(num_tiles - first, 0), 1)  # 1: a tile of its own
-            tile.head_count = tile.head_count * keep
-            edge = tile.n_block * self.sequence.scheduler.tile
-            tile.seqlen_k = edge + (tile.seqlen_k - edge) * keep
-        return tile
-
-    def decode(self, tile: Int32) -> KeyTile:
-        n_block, cta_head, batch = self.sequence.scheduler.decode(tile)
-        seqlen_q, seqlen_k = self.seqlens.len_q(batch), self.seqlens.len_k(batch)
-        if cutlass.const_expr(self.split_gqa):
-            return KeyTile(n_block, cta_head, batch, cta_head // self.q_per_kv, cta_head,
-                           Int32(1), seqlen_q, seqlen_k)
-        return KeyTile(n_block, cta_head, batch, cta_head, cta_head * self.q_per_kv,
-                       self.q_per_kv, seqlen_q, seqlen_k)
 
 
 @dataclass
@@ -412,11 +355,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self._dq_slab_floats())),
         )
-        tiles = _Tiles(TileSequence(self._scheduler(mQ, mK, seqlens),
-                                    TileQueue(mSemaphore, storage.tile_slots.get_tensor(
-                                        cute.make_layout(TileQueue.slots_for(1)))),
-                                    self.cfg.dynamic_tiles),
-                       seqlens, mQ.shape[2] // mK.shape[2], self.cfg.split_gqa, mBlockSparse)
+        tiles = KeyTiles(TileSequence(self._scheduler(mQ, mK, seqlens),
+                                      TileQueue(mSemaphore, storage.tile_slots.get_tensor(
+                                          cute.make_layout(TileQueue.slots_for(1)))),
+                                      self.cfg.dynamic_tiles),
+                         seqlens, mQ.shape[2] // mK.shape[2], self.cfg.split_gqa, mBlockSparse,
+                         self.features.block_sparse, self.tile_m, self.tile_n)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
         limits = Limits(self.causal, self.features.local, window)
 
@@ -425,13 +369,17 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles, limits)
             if warp_idx == 1:
-                self.write_dq(mdQaccum, mSemaphore, smem.dq, pipes.kv, tiles, limits)
+                self.dq_writer.run(mdQaccum, mSemaphore, smem.dq, pipes.kv, tiles, limits)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(mdK, mdV, mdK_rows, mdV_rows, mdQaccum, copies, seqlens,
                          softmax_scale_log2,
                          softmax_scale, limits, score_pre_tanh, smem, pipes, mma_sdp, mma_dk,
                          mma_dv, mma_dq, tiles)
+
+    @property
+    def dq_writer(self) -> DqWriter:
+        return DqWriter.of(self.cfg, self.tile_m, self.tile_n, self.head_dim)
 
     def _dq_slab_floats(self) -> int:
         """The dQ slabs' floats: every warpgroup's partial of a query block,
@@ -457,35 +405,10 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             mK.shape[3], query_rows, 1, row_bytes, self.cfg.l2_section_mb * 1024 * 1024,
             longest_first=self.causal, first_block_longest=True)
 
-    @cute.jit
-    def _query_walk(self, tiles: _Tiles, tile: KeyTile, head: Int32, m_min: Int32,
-                    m_count: Int32) -> QueryWalk:
-        """The walk of one query head over the query blocks that see the key
-        block: [m_min, m_min + m_count) (_query_blocks), or under block
-        sparsity its list."""
-        sparse = None
-        if cutlass.const_expr(self.features.block_sparse):
-            sparse = SparseRow.load(tiles.block_sparse, tile.batch, head, tile.n_block,
-                                    cute.ceil_div(tile.seqlen_k, self.tile_n),
-                                    cute.ceil_div(tile.seqlen_q, self.tile_m),
-                                    self.tile_n * self.tile_m // 32)
-            m_count = sparse.count
-        return QueryWalk(m_min, m_count, sparse)
-
-    def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, limits: Limits):
-        """(first query block, count) that see this key block: the walk that the
-        producer, the consumers and the dQ writer all take, in step."""
-        blocks = QueryBlockRange(self.tile_m, self.tile_n, limits)
-        m_min = blocks.m_block_min(n_block, seqlen_q, seqlen_k)
-        m_count = blocks.m_block_max(n_block, seqlen_q, seqlen_k) - m_min
-        if cutlass.const_expr(limits.local):
-            m_count = cutlass.max(m_count, 0)  # keys no window reaches
-        return m_min, m_count
-
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers, pipes: Pipes,
-                tiles: _Tiles, limits: Limits):
+                tiles: KeyTiles, limits: Limits):
         """Warp 0: the CTA's key block (one CTA per tile), or with
         dynamic_tiles each tile it claims and, past the last, the end
         (TileQueue)."""
@@ -512,7 +435,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     @cute.jit
     def _produce_tile(self, mQ, mK, mV, mdO, mLSE2, mD, copies: Copies, smem: Buffers,
                       pipes: Pipes, tile: KeyTile, q_state, do_state, kv_state,
-                      limits: Limits, tiles: _Tiles):
+                      limits: Limits, tiles: KeyTiles):
         d = self.head_dim
         seqlens = tiles.seqlens
         n_block, batch = tile.n_block, tile.batch
@@ -529,7 +452,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         cute.copy(copies.k, tKg, tKs, tma_bar_ptr=kv_bar)
         cute.copy(copies.v, tVg, tVs, tma_bar_ptr=kv_bar)
 
-        m_min, m_count = self._query_blocks(n_block, tile.seqlen_q, tile.seqlen_k, limits)
+        m_min, m_count = tiles.query_blocks(n_block, tile.seqlen_q, tile.seqlen_k, limits)
         stats_start = seqlens.padded_start_q(batch, self.tile_m)
         for h in cutlass.range(tile.head_count, unroll=1):
             head = tile.first_head + h
@@ -544,7 +467,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             tDs, tDg = tma_views(copies.d, smem.d, cute.local_tile(
                 seqlens.row_stats(mD, stats_start, head, batch), (self.tile_m,), (None,)),
                 staged=True)
-            walk = self._query_walk(tiles, tile, head, m_min, m_count)
+            walk = tiles.query_walk(tile, head, m_min, m_count)
             for i in cutlass.range(walk.count, unroll=1):
                 m_block = walk.m_block(i)
                 pipes.q.producer_acquire(q_state)
@@ -569,7 +492,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 softmax_scale_log2: Float32, softmax_scale: Float32, limits: Limits,
                 pre_tanh: Float32, smem: Buffers,
                 pipes: Pipes, mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma,
-                mma_dv: cute.TiledMma, mma_dq: cute.TiledMma, tiles: _Tiles):
+                mma_dv: cute.TiledMma, mma_dq: cute.TiledMma, tiles: KeyTiles):
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
         cfg = self.cfg
@@ -610,7 +533,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             self._consume_tile(me, tiles, tiles.own(num_tiles), q_state, do_state, step)
 
     @cute.jit
-    def _consume_tile(self, me: Consumer, tiles: _Tiles, tile: KeyTile, q_state, do_state,
+    def _consume_tile(self, me: Consumer, tiles: KeyTiles, tile: KeyTile, q_state, do_state,
                       step: Int32):
         """One key block: every query block that sees it, then dK and dV out.
         Returns the Q/dO ring states and the step count (which dSᵀ buffer)."""
@@ -619,14 +542,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         me.acc_dk.fill(0.0)
         me.acc_dv.fill(0.0)
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
-        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k, me.limits)
+        m_min, m_count = tiles.query_blocks(n_block, seqlen_q, seqlen_k, me.limits)
         blocks = QueryBlockRange(tile_m, tile_n, me.limits)
         m_unmasked = blocks.m_block_min_unmasked(n_block, seqlen_q, seqlen_k)
         m_left_masked = blocks.m_block_left_masked(n_block, seqlen_q, seqlen_k)
         seqlen_edge = (n_block + 1) * tile_n > seqlen_k
         for h in cutlass.range(tile.head_count, unroll=1):
             dq_head = self.dq_head_start(me, tile, tile.first_head + h)
-            walk = self._query_walk(tiles, tile, tile.first_head + h, m_min, m_count)
+            walk = tiles.query_walk(tile, tile.first_head + h, m_min, m_count)
             for i in cutlass.range(walk.count, unroll=1):
                 m_block = walk.m_block(i)
                 if cutlass.const_expr(self.features.block_sparse):
@@ -793,7 +716,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                 acc_dq, dq_head + m_block * (tile_m * self.head_dim), me.wg,
                 me.tid % WARPGROUP_THREADS, tile_m, self.head_dim, wgs)
         else:
-            self.stage_dq(acc_dq, me.smem.dq, me.wg, me.tid)
+            self.dq_writer.stage(acc_dq, me.smem.dq, me.wg, me.tid)
 
     @cute.jit
     def issue_dk(self, me: Consumer, q_state, ds_buffer: Int32):
@@ -819,20 +742,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                              transpose=transpose)
 
     @cute.jit
-    def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
-        """Hand this warpgroup's dQ partial to the writer warp through its slab."""
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + wg,
-                          number_of_threads=DQ_HANDOFF_THREADS)
-        cute.autovec_copy(dq_accum.register_view(acc_dq),
-                          dq_accum.thread_view(sdQ.iterator, wg, tid % WARPGROUP_THREADS,
-                                               self.tile_m, self.head_dim,
-                                               self.cfg.dq_warpgroups))
-        # generic-proxy stores, read next by the bulk copy through the async proxy
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + wg,
-                                 number_of_threads=DQ_HANDOFF_THREADS)
-
-    @cute.jit
     def dq_head_start(self, me: Consumer, tile: KeyTile, head: Int32):
         """dq_direct: where query block 0 of this head and sequence starts in
         the dQ accumulator (query block m's tile follows m tiles on; the
@@ -844,87 +753,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         return me.mdQaccum.iterator + cute.crd2idx(
             (first_row * self.head_dim, head, me.seqlens.buffer_batch(tile.batch)),
             me.mdQaccum.layout)
-
-    @cute.jit
-    def write_dq(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                 pipe_kv, tiles: _Tiles, limits: Limits):
-        """The dQ writer warp: per query block and consumer warpgroup, one bulk
-        reduce-add of the slab into the accumulator (lane 0 issues it). In
-        deterministic mode it first waits until the key blocks before this one
-        have added theirs to the same tile, and signals after its own landed."""
-        lane = cute.arch.lane_idx()
-        direct = self.cfg.dq_direct  # the consumers add dQ: only K/V's release is left here
-        for w in cutlass.range_constexpr(0 if direct else self.cfg.dq_warpgroups):
-            # every slab starts free
-            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
-                                     number_of_threads=DQ_HANDOFF_THREADS)
-        num_tiles = tiles.num_tiles()
-        if cutlass.const_expr(self.cfg.dynamic_tiles):
-            kv_state = consumer_state(1)
-            round_idx = Int32(0)
-            # the tile's index is published with K/V
-            tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
-            while tile < num_tiles:
-                # The index is read: the producer may reuse its slot (and,
-                # when no query block sees this key block, this warp cannot
-                # fall two tiles behind the K/V barrier's phase).
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(pipe_kv.sync_object_empty.get_barrier(
-                        kv_state.index))
-                if cutlass.const_expr(not direct):
-                    self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile), tiles,
-                                        limits)
-                kv_state.advance()
-                round_idx += 1
-                tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
-        elif cutlass.const_expr(not direct):
-            self._write_dq_tile(mdQaccum, mSemaphore, sdQ, tiles.own(num_tiles), tiles, limits)
-
-    @cute.jit
-    def _write_dq_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                       tile: KeyTile, tiles: _Tiles, limits: Limits):
-        tile_m, d, wgs = self.tile_m, self.head_dim, self.cfg.dq_warpgroups
-        seqlens = tiles.seqlens
-        seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
-        region = dq_accum.warpgroup_region(tile_m, d, wgs)
-        lane = cute.arch.lane_idx()
-        n_block, batch = tile.n_block, tile.batch
-        # a packed sequence's query tiles start at its padded row (varlen.py)
-        first_m_block = seqlens.padded_start_q(batch, tile_m) // tile_m
-        buffer_batch = seqlens.buffer_batch(batch)
-        m_min, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k, limits)
-        # the key blocks that add into a query block before this one: all
-        # before it, or with a window those from its first visible one on
-        key_blocks = BlockRange(tile_m, self.tile_n, limits)
-        for h in cutlass.range(tile.head_count, unroll=1):
-            head = tile.first_head + h
-            walk = self._query_walk(tiles, tile, head, m_min, m_count)
-            for i in cutlass.range(walk.count, unroll=1):
-                m_block = walk.m_block(i)
-                for w in cutlass.range_constexpr(wgs):
-                    cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + w,
-                                      number_of_threads=DQ_HANDOFF_THREADS)
-                    if lane == 0:
-                        offset = (first_m_block + m_block) * tile_m * d + w * region
-                        dst = mdQaccum.iterator + cute.crd2idx((offset, head, buffer_batch),
-                                                               mdQaccum.layout)
-                        if cutlass.const_expr(self.cfg.deterministic):
-                            semaphore = mSemaphore.iterator + cute.crd2idx(
-                                ((first_m_block + m_block) * wgs + w, head, buffer_batch),
-                                mSemaphore.layout)
-                            dq_accum.wait_turn(semaphore, n_block - key_blocks.n_block_min(
-                                m_block, seqlen_q, seqlen_k))
-                        dq_accum.bulk_reduce_add_f32(dst, sdQ.iterator + w * region, region * 4)
-                        cute.arch.cp_async_bulk_commit_group()
-                        if cutlass.const_expr(self.cfg.deterministic):
-                            cute.arch.cp_async_bulk_wait_group(0, read=False)
-                            dq_accum.pass_turn(semaphore)
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()  # the slabs are read: all lanes may release them
-                for w in cutlass.range_constexpr(wgs):
-                    cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
-                                             number_of_threads=DQ_HANDOFF_THREADS)
 
     # -------------------------------------------------------------- epilogue
     def _dkv_tma_store(self) -> bool:
