@@ -659,10 +659,11 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
     MUFU unit as the GEMMs on the tensor cores; the configs give the
     softmax the most independent work the registers allow:
 
-    - head dims up to 128 non-causal, and 64 causal or local: 192-row tiles of three
+    - head dims up to 128 non-causal, and 64 causal: 192-row tiles of three
       consumer warpgroups (152 registers each, the transposers 40) without
       ping-pong, whose three softmaxes interleave on every SM sub-partition,
-      128 keys a step at head dim 64, 96 above, three K/V stages;
+      128 keys a step at head dim 64, 96 above, three K/V stages (non-causal
+      rows of a few steps at 96 and 128: fp8_config_for_problem);
     - head dims 96 and 128 causal: 128-row tiles of two, without ping-pong,
       128 keys a step, 192 over long rows (wide_causal,
       fp8_config_for_problem; measured at 128, spill-free at 96), whose
