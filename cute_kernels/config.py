@@ -617,8 +617,9 @@ FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
 FP8_WIDE_CAUSAL_KEYS = 4096
 
 
-# Non-causal e4m3 rows of at most this many keys at head dims 96 and 128 take
-# the two-warpgroup ping-pong tile (fp8_short_row_config; measured at 128).
+# e4m3 rows of at most this many keys keep two consumer warpgroups where three
+# need longer rows to gain: non-causal at head dims 96 and 128 (measured at
+# 128), causal at head dim 64 (fp8_fwd_config's short_rows).
 FP8_SHORT_ROW_KEYS = 1024
 
 
@@ -627,29 +628,15 @@ def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
                            seqlen_k: int) -> FwdConfig:
     """The op's e4m3 forward config for a problem: fp8_fwd_config, with the
     wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or
-    more, and fp8_short_row_config for non-causal rows of up to
-    FP8_SHORT_ROW_KEYS keys at head dims 96 and 128."""
-    if (64 < head_dim <= 128 and not (causal or features.local)
-            and seqlen_k <= FP8_SHORT_ROW_KEYS):
-        return fp8_short_row_config(head_dim)
+    more, and the short-row tiles for rows of up to FP8_SHORT_ROW_KEYS."""
     wide_causal = causal and not features.local and seqlen_k >= FP8_WIDE_CAUSAL_KEYS
-    return fp8_fwd_config(head_dim, causal, features, wide_causal)
-
-
-@functools.lru_cache(maxsize=None)
-def fp8_short_row_config(head_dim: int) -> FwdConfig:
-    """Non-causal e4m3 rows of a few steps (FP8_SHORT_ROW_KEYS): 128-row
-    tiles of two consumer warpgroups taking turns (ping-pong), 128 keys a
-    step, where the three-warpgroup tile's 96 keys pad the last step more and
-    its three stages take longer to fill than the row lasts."""
-    return FwdConfig(tile_m=2 * WGMMA_M, tile_n=128, kv_stages=2, pingpong=True,
-                     persistent=True, split_tail=True, pv_wait_after_exp2=0,
-                     producer_regs=40, consumer_regs=232, transpose_warps=3)
+    return fp8_fwd_config(head_dim, causal, features, wide_causal,
+                          short_rows=seqlen_k <= FP8_SHORT_ROW_KEYS)
 
 
 @functools.lru_cache(maxsize=None)
 def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATURES,
-                   wide_causal: bool = False) -> FwdConfig:
+                   wide_causal: bool = False, short_rows: bool = False) -> FwdConfig:
     """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS), chosen with
     profiling.sweep on an H100 (docs/findings.md). The producer warpgroup's
     three spare warps transpose V into a Vᵀ ring of as many stages as V's.
@@ -662,8 +649,11 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
     - head dims up to 128 non-causal, and 64 causal: 192-row tiles of three
       consumer warpgroups (152 registers each, the transposers 40) without
       ping-pong, whose three softmaxes interleave on every SM sub-partition,
-      128 keys a step at head dim 64, 96 above, three K/V stages (non-causal
-      rows of a few steps at 96 and 128: fp8_config_for_problem);
+      128 keys a step at head dim 64, 96 above, three K/V stages;
+    - rows of a few steps (short_rows: FP8_SHORT_ROW_KEYS), whose steps do
+      not fill three stages: non-causal at head dims 96 and 128 128-row
+      tiles of two warpgroups taking turns (ping-pong), 128 keys a step;
+      causal at head dim 64 128-row tiles of two, 192 keys a step;
     - head dims 96 and 128 causal: 128-row tiles of two, without ping-pong,
       128 keys a step, 192 over long rows (wide_causal,
       fp8_config_for_problem; measured at 128, spill-free at 96), whose
@@ -671,17 +661,26 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
     - head dims 192 and 256: 128-row tiles of two, 64 keys a step.
 
     Without ping-pong a warp skips O's rescale on the steps where none of its
-    rows' maxima rose (skip_unmoved_rescale)."""
+    rows' maxima rose (skip_unmoved_rescale); with it that branch measured
+    slower than the multiplies."""
     claimed = causal or features.local
-    if head_dim <= 64 or (head_dim <= 128 and not claimed):
+    if head_dim <= 64:
+        three_warpgroups = not (claimed and short_rows)
+    else:
+        three_warpgroups = head_dim <= 128 and not (claimed or short_rows)
+    if three_warpgroups:
         return FwdConfig(tile_m=3 * WGMMA_M, tile_n=128 if head_dim <= 64 else 96, kv_stages=3,
                          pingpong=False, persistent=True, dynamic_tiles=claimed,
                          split_tail=not claimed, pv_wait_after_exp2=0,
                          skip_unmoved_rescale=True, producer_regs=40, consumer_regs=152,
                          transpose_warps=3)
+    if head_dim <= 128 and not claimed:
+        return FwdConfig(tile_m=2 * WGMMA_M, tile_n=128, kv_stages=2, pingpong=True,
+                         persistent=True, split_tail=True, pv_wait_after_exp2=0,
+                         producer_regs=40, consumer_regs=232, transpose_warps=3)
     producer_regs, consumer_regs = 56, 224
     if head_dim <= 128:
-        tile_n, pv_wait = (192, 8) if wide_causal else (128, 8)
+        tile_n, pv_wait = (192 if head_dim <= 64 or wide_causal else 128), 8
         if wide_causal:
             producer_regs = 40
     else:

@@ -508,18 +508,20 @@ def test_fp8_configs_give_a_long_softmax_three_warpgroups(head_dim):
     """The e4m3 configs run: valid for e4m3 inputs at every row length, in
     shared memory; three consumer warpgroups, without ping-pong, where the
     softmax outlasts the FP8 GEMMs most (head dims up to 128 non-causal, 64
-    causal) but on short non-causal rows at 96 and 128; two at the large
-    head dims, whose 64-row O alone takes 128 registers a thread or more."""
+    causal) on rows long enough to fill their stages; two at the large head
+    dims, whose 64-row O alone takes 128 registers a thread or more."""
     for causal in (False, True):
         for seqlen_k in (1, 512, 4096, 1 << 20):
             config = fp8_config_for_problem(head_dim, causal, PLAIN_FEATURES, seqlen_k)
             config.validate(head_dim, fp8=True)
-            short_row = 64 < head_dim <= 128 and not causal and seqlen_k <= FP8_SHORT_ROW_KEYS
-            three = (head_dim <= 64 or (head_dim <= 128 and not causal)) and not short_row
+            short = seqlen_k <= FP8_SHORT_ROW_KEYS
+            three = (not (causal and short) if head_dim <= 64
+                     else head_dim <= 128 and not (causal or short))
             assert config.consumer_warpgroups == (3 if three else 2)
-            # ping-pong only on short rows, where a warp's skipped rescale
-            # would be a branch between the turns
-            assert config.pingpong == short_row != config.skip_unmoved_rescale
+            # ping-pong only on short non-causal rows at 96 and 128, where a
+            # warp's skipped rescale would be a branch between the turns
+            turns = 64 < head_dim <= 128 and not causal and short
+            assert config.pingpong == turns != config.skip_unmoved_rescale
             assert config.split_tail == (not causal) and config.dynamic_tiles == causal
 
 
