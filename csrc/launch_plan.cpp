@@ -313,13 +313,13 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const int lse2 = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q);
   const int dsum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q);
   const int dq_accum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q * D);
-  // Deterministic: a semaphore per query tile and consumer warpgroup. With
+  // Deterministic: a semaphore per query tile and dQ warpgroup. With
   // dynamic_tiles its first element is the tile counter, zeroed by the
   // preprocess; one per call, as a shared one would be raced across streams.
   const int semaphore =
       v->deterministic
           ? b.buffer3(CUTE_FA_I32, CUTE_FA_ZERO, B, H,
-                      padded_q / v->tile_m * v->consumer_warpgroups)
+                      padded_q / v->tile_m * v->dq_warpgroups)
       : v->dynamic_tiles ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, 1, 1, 1)
                          : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
   const int grad_q = b.buffer(CUTE_FA_INPUT_DTYPE, CUTE_FA_EMPTY, 4, bshd_q);

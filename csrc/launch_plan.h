@@ -73,7 +73,7 @@ typedef struct {
 
 /* ... and of a backward variant (preprocess, main, postprocess, group sum). */
 typedef struct {
-  int32_t tile_m, consumer_warpgroups;
+  int32_t tile_m, dq_warpgroups; /* the warpgroups adding a dQ share */
   int32_t dynamic_tiles, deterministic;
   int32_t split_gqa; /* fp32 dK/dV per query head, summed per group after */
 } CuteFaBwdVariant;

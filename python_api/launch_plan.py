@@ -64,7 +64,7 @@ class FwdVariant(ctypes.Structure):
 
 class BwdVariant(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in (
-        "tile_m", "consumer_warpgroups", "dynamic_tiles", "deterministic", "split_gqa")]
+        "tile_m", "dq_warpgroups", "dynamic_tiles", "deterministic", "split_gqa")]
 
 
 class _Buffer(ctypes.Structure):
@@ -182,7 +182,7 @@ def fwd_variant(config: FwdConfig, head_dim_v: int) -> FwdVariant:
 
 def bwd_variant(config: BwdConfig) -> BwdVariant:
     """What the planner needs of a backward built from `config`."""
-    return BwdVariant(tile_m=config.tile_m, consumer_warpgroups=config.consumer_warpgroups,
+    return BwdVariant(tile_m=config.tile_m, dq_warpgroups=config.dq_warpgroups,
                       dynamic_tiles=int(config.dynamic_tiles),
                       deterministic=int(config.deterministic), split_gqa=int(config.split_gqa))
 
