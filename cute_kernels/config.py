@@ -196,6 +196,12 @@ class FwdConfig(_KernelConfig):
         and 256). The consumer warpgroups meet after their last P·V before
         writing it, and the producer loads the next tile's first V only after
         the O stores have read it out (Q and the first K load before that).
+    shared_o_slab: the consumer warpgroups stage O in one 64-row slab in
+        turn (a warpgroup's TMA store, once it has read the slab out, hands it
+        to the next) instead of a slab each: the shared memory of the others
+        goes to wider K/V tiles where the V ring cannot hold O (e4m3: the
+        consumers read the Vᵀ ring up to their last P·V). A warpgroup waits
+        for its store's read before its next tile.
     bounded_softmax: (bf16 soft-capped scores) where the cap bounds every
         exponent within fp32's and bf16's range (softcap.py), the main loop
         keeps no running row maximum and never rescales O; otherwise, and
@@ -235,6 +241,7 @@ class FwdConfig(_KernelConfig):
     rederive_epilogue_coords: bool = False
     rescale_o_before_pv: bool = False
     o_in_v_smem: bool = False
+    shared_o_slab: bool = False
     bounded_softmax: bool = True
     skip_unmoved_rescale: bool = False
     producer_regs: int = 24
@@ -259,7 +266,7 @@ class FwdConfig(_KernelConfig):
         v_ring = self.kv_stages * self.tile_n * head_dim_v * elem_bytes
         if fp8:
             v_ring = _align_1k(v_ring) * 2                                    # V, Vᵀ
-        o_slabs = self.tile_m * head_dim_v * 2
+        o_slabs = (WGMMA_M if self.shared_o_slab else self.tile_m) * head_dim_v * 2
         size = 8 * (1 + 2 * self.q_stages + 6 * self.kv_stages) + 4 * 8  # mbarriers, words
         size = _align_1k(size) + self.q_stages * self.tile_m * head_dim * elem_bytes  # Q
         size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # K
@@ -282,6 +289,9 @@ class FwdConfig(_KernelConfig):
         if fp8 and self.o_in_v_smem:
             raise bad("o_in_v_smem", "False for e4m3 inputs (the V ring holds bytes, O 16-bit "
                                      "values)")
+        if self.shared_o_slab and self.o_in_v_smem:
+            raise bad("shared_o_slab", "False with o_in_v_smem (O is staged in the V ring "
+                                       "then, not in slabs)")
         if self.tile_m % WGMMA_M or not 1 <= self.consumer_warpgroups <= 3:
             raise bad("tile_m", "64, 128 or 192 (one consumer warpgroup per 64 rows)")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
@@ -326,10 +336,13 @@ class FwdConfig(_KernelConfig):
             # the field whose depth broke the budget: Q's second stage where it alone did
             field = ("q_stages" if self.q_stages > 1 and self.replace(q_stages=1).smem_bytes(
                 head_dim, head_dim_v, fp8) <= capacity else "kv_stages")
-            raise bad(field, f"a shared-memory footprint <= {capacity} B, "
-                                   f"this needs {smem} B at head dims {head_dim}/{head_dim_v}"
-                                   + ("" if self.o_in_v_smem else " (o_in_v_smem saves the "
-                                      "O slabs)"))
+            hint = ""
+            if not (fp8 or self.o_in_v_smem or self.shared_o_slab):
+                hint = " (o_in_v_smem saves the O slabs)"
+            elif self.consumer_warpgroups > 1 and not (self.o_in_v_smem or self.shared_o_slab):
+                hint = " (shared_o_slab saves all but one O slab)"
+            raise bad(field, f"a shared-memory footprint <= {capacity} B, this needs {smem} B "
+                             f"at head dims {head_dim}/{head_dim_v}{hint}")
 
 
 # Sequences up to this many tokens (queries and keys) take the short-sequence
@@ -658,7 +671,9 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
       128 keys a step, 192 over long rows (wide_causal,
       fp8_config_for_problem; measured at 128, spill-free at 96), whose
       masked diagonal costs less there than the wider tile gains;
-    - head dims 192 and 256: 128-row tiles of two, 64 keys a step.
+    - head dims 192 and 256: 128-row tiles of two, 128 keys a step at 192
+      and 96 at 256, where K, V and Vᵀ stages that wide fit beside Q only
+      with one O slab that the warpgroups take in turn (shared_o_slab).
 
     Without ping-pong a warp skips O's rescale on the steps where none of its
     rows' maxima rose (skip_unmoved_rescale); with it that branch measured
@@ -684,14 +699,14 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
         if wide_causal:
             producer_regs = 40
     else:
-        tile_n, pv_wait = 64, 0
+        tile_n, pv_wait = (128 if head_dim <= 192 else 96), 0
         if head_dim > 192 and not claimed:  # the split tail's merge spills with 224
             producer_regs, consumer_regs = 40, 232
     return FwdConfig(tile_m=2 * WGMMA_M, tile_n=tile_n, kv_stages=2, pingpong=False,
                      persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
                      pv_wait_after_exp2=pv_wait, skip_unmoved_rescale=True,
-                     producer_regs=producer_regs, consumer_regs=consumer_regs,
-                     transpose_warps=3)
+                     shared_o_slab=head_dim > 192, producer_regs=producer_regs,
+                     consumer_regs=consumer_regs, transpose_warps=3)
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,7 +2,8 @@
 in): O from the consumer warpgroups' registers to the output through a
 shared-memory slab and a TMA store, or row by row at a packed sequence's
 partial end; a split_kv part's rows straight to the fp32 workspaces; and
-the handshakes of O staged in the V ring (o_in_v_smem)."""
+the handshakes of O staged in the V ring (o_in_v_smem) or in one slab that
+the consumer warpgroups take in turn (shared_o_slab)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,49 @@ class ForwardEpilogue:
                 if tid % WARPGROUP_THREADS == 0:
                     cute.arch.mbarrier_arrive(o_read)
 
+    @property
+    def _slab_turns(self) -> bool:
+        """The consumer warpgroups take turns on one O slab (shared_o_slab;
+        with one warpgroup the slab is simply its own)."""
+        return self.cfg.shared_o_slab and self.consumer_wgs > 1
+
+    @cute.jit
+    def _start_slab_turns(self, wg: Int32, tid: Int32):
+        """Warpgroup 0 holds the shared slab first: the last warpgroup's first
+        warp arrives on its barrier, as if handing it over."""
+        if cutlass.const_expr(self._slab_turns):
+            if wg == self.consumer_wgs - 1 and tid % WARPGROUP_THREADS < 32:
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SLAB_TURN_BASE),
+                                         number_of_threads=WARPGROUP_THREADS + 32)
+
+    @cute.jit
+    def _wait_slab_turn(self, wg: Int32):
+        """This warpgroup's turn on the shared slab: the previous holder's store
+        has read it out."""
+        if cutlass.const_expr(self._slab_turns):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.SLAB_TURN_BASE) + wg,
+                              number_of_threads=WARPGROUP_THREADS + 32)
+
+    @cute.jit
+    def _pass_slab_turn(self, wg: Int32, tid: Int32):
+        """Hands the shared slab to the next warpgroup once this one's store
+        (if it issued one) has read it out; the first warp arrives."""
+        if cutlass.const_expr(self._slab_turns):
+            if tid % WARPGROUP_THREADS < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()  # the lane that issued the store has waited
+                cute.arch.barrier_arrive(
+                    barrier_id=int(NamedBarrier.SLAB_TURN_BASE) + (wg + 1) % self.consumer_wgs,
+                    number_of_threads=WARPGROUP_THREADS + 32)
+
+    @cute.jit
+    def _skip_o_store(self, o_read: cute.Pointer, wg: Int32, tid: Int32):
+        """A warpgroup that writes no O this tile (a split tile's earlier part)
+        keeps the handshakes of the staging it does not use."""
+        self._o_left(o_read, tid)
+        self._wait_slab_turn(wg)
+        self._pass_slab_turn(wg, tid)
+
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
                  mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor,
@@ -110,12 +154,17 @@ class ForwardEpilogue:
             tid = cute.arch.shuffle_sync(tid, cute.arch.lane_idx())
         wg_tid = tid % WARPGROUP_THREADS
         is_store_warp = wg_tid < 32
-        if cutlass.const_expr(not self.cfg.o_in_v_smem):
+        if cutlass.const_expr(self._slab_turns):
+            self._wait_slab_turn(wg)
+        elif cutlass.const_expr(not self.cfg.o_in_v_smem):
             if is_store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
                               number_of_threads=WARPGROUP_THREADS)
-        slab = sO[None, None, wg]
+        slab_index = wg
+        if cutlass.const_expr(self.cfg.shared_o_slab):
+            slab_index = 0
+        slab = sO[None, None, slab_index]
         wgmma.stmatrix_store(self.out_dtype, r_o, slab, wg_tid)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
         cute.arch.fence_view_async_shared()
@@ -140,8 +189,9 @@ class ForwardEpilogue:
                 store_rows(slab, cute.local_tile(seqlens.q_rows(mO_rows, head, batch),
                                                  (WGMMA_M, self.head_dim_v), (row_block, 0)),
                            rows_out, wg_tid, WARPGROUP_THREADS)
-                if cutlass.const_expr(self.cfg.o_in_v_smem):
-                    # every thread's reads of the slab are done before V may load over it
+                if cutlass.const_expr(self.cfg.o_in_v_smem or self._slab_turns):
+                    # every thread's reads of the slab are done before V (or the
+                    # next warpgroup's O) may be written over it
                     cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_STORE_BASE) + wg,
                                       number_of_threads=WARPGROUP_THREADS)
             else:
@@ -149,3 +199,4 @@ class ForwardEpilogue:
         else:
             self._store_slab(slab, tma_o, out_rows, row_block, rows_out, wg, is_store_warp)
         self._o_left(o_read, tid)
+        self._pass_slab_turn(wg, tid)

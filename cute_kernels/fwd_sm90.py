@@ -249,7 +249,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         # e4m3: Vᵀ, K-major for P·V, filled by the transposer (fp8_operands.py)
         sVt_layout = wgmma.smem_layout(self.dtype, dv, tile_n, self.cfg.kv_stages)
         # One (64, dv) slab per consumer warpgroup, stored by that warpgroup alone.
-        sO_layout = wgmma.smem_layout(self.out_dtype, WGMMA_M, dv, self.consumer_wgs)
+        sO_layout = wgmma.smem_layout(self.out_dtype, WGMMA_M, dv,
+                                      1 if self.cfg.shared_o_slab else self.consumer_wgs)
         tiled_mma_qk = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_n)
         if cutlass.const_expr(self.fp8):
             tiled_mma_pv = wgmma.tiled_mma(self.dtype, True, True, (self.consumer_wgs, 1, 1), dv,
@@ -658,6 +659,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                                        skip_unmoved=self.cfg.skip_unmoved_rescale)
         pingpong = PingPong(self.consumer_wgs, self.cfg.pingpong)
         pingpong.start(wg)
+        self._start_slab_turns(wg, tid)
         o_scale = cute.make_rmem_tensor(softmax.rows, Float32)
         me = Consumer(tiled_mma_qk, tiled_mma_pv, q, k, p, vt, acc_o, softmax, o_scale,
                       score_pre_tanh, pingpong, wg)
@@ -743,7 +745,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                     self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,
                                   wg, tid, out, seqlens, o_read)
                 else:
-                    self._o_left(o_read, tid)
+                    self._skip_o_store(o_read, wg, tid)
             else:
                 self._o_staging_free()
                 self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,

@@ -17,6 +17,9 @@
     waits on its own barrier and, once its GEMMs are issued, arrives on the
     next one's, so the tensor cores run one warpgroup's GEMMs while the
     others do softmax.
+  * SLAB_TURN_BASE + w: with one O slab for all consumer warpgroups
+    (shared_o_slab), warpgroup w may write it: the previous holder's first
+    warp arrives once its TMA store has read the slab out, w's threads wait.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class NamedBarrier(enum.IntEnum):
     EPILOGUE_STORE_BASE = 4
     PINGPONG_BASE = 7
     O_IN_V = 10  # all consumer warpgroups (FwdConfig.o_in_v_smem)
+    SLAB_TURN_BASE = 11  # FwdConfig.shared_o_slab
 
 
 def make_tma_pipeline(barrier_storage, stages: int, consumer_arrivals: int, tx_bytes: int):

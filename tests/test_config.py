@@ -200,6 +200,23 @@ def test_large_head_dims_stage_o_in_the_v_ring():
     assert default_fwd_config(192, True, 128).tile_n == 128  # a 128-wide V leaves room
 
 
+def test_e4m3_head_dim_256_shares_one_o_slab():
+    # Q 32 KB + two stages of 96 keys of K, V and Vᵀ (24 KB each) leave 26 KB:
+    # room for one 32 KB O slab of 64 rows, not for the two warpgroups' 64 KB
+    from cute_fa.kernels.config import SMEM_CAPACITY_BYTES, fp8_fwd_config
+    for causal in (False, True):
+        config = fp8_fwd_config(256, causal)
+        assert config.shared_o_slab and config.tile_n == 96 and config.consumer_warpgroups == 2
+        config.validate(256, fp8=True)
+        assert config.smem_bytes(256, fp8=True) == 1024 + 32 * 1024 + 6 * 24 * 1024 + 32 * 1024
+        assert config.replace(shared_o_slab=False).smem_bytes(256, fp8=True) > SMEM_CAPACITY_BYTES
+        with pytest.raises(ValueError, match="shared_o_slab saves all but one O slab"):
+            config.replace(shared_o_slab=False).validate(256, fp8=True)
+    assert not fp8_fwd_config(192, False).shared_o_slab  # 128 keys fit with a slab each
+    with pytest.raises(ValueError, match="shared_o_slab: expected False with o_in_v_smem"):
+        FwdConfig(shared_o_slab=True, o_in_v_smem=True).validate(128)
+
+
 def test_backward_kernel_head_dims():
     from cute_fa.kernels.bwd_config import BwdConfig
     with pytest.raises(ValueError, match="head_dim: expected one of .64, 96, 128, 192, 256. "

@@ -122,6 +122,9 @@ def test_forward_random_shapes(trial):
     dict(o_in_v_smem=True, dynamic_tiles=True), dict(o_in_v_smem=True, split_tail=True),
     dict(o_in_v_smem=True, intra_wg_overlap=False, pingpong=False),
     dict(o_in_v_smem=True, tile_m=192, producer_regs=32, consumer_regs=160),
+    dict(shared_o_slab=True), dict(shared_o_slab=True, dynamic_tiles=True),
+    dict(shared_o_slab=True, split_tail=True), dict(shared_o_slab=True, persistent=False),
+    dict(shared_o_slab=True, tile_m=192, producer_regs=32, consumer_regs=160),
     dict(rescale_o_before_pv=True), dict(rescale_o_before_pv=True, pv_wait_after_exp2=8),
     dict(rescale_o_before_pv=True, o_in_v_smem=True, dynamic_tiles=True),
     dict(rescale_o_before_pv=True, split_tail=True),
@@ -134,6 +137,23 @@ def test_forward_config_variants(overrides, causal):
         pytest.skip("split_tail is for non-causal kernels (test_split_tail_* there)")
     config = FwdConfig().replace(**overrides)
     q, k, v = _inputs(2, 700, 900, 4, 1, 64, torch.bfloat16, seed=5)
+    out, lse = forward_cuda(q, k, v, default_scale(64), causal, config)
+    _check(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(split_tail=True), dict(dynamic_tiles=True),
+    dict(tile_m=192, producer_regs=32, consumer_regs=160),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_shared_o_slab_over_many_rounds(overrides, causal):
+    """One O slab that the consumer warpgroups take in turn, several tiles a
+    CTA: the turn passes from tile to tile, and split_tail's earlier parts
+    pass it on unused."""
+    if causal and overrides.get("split_tail"):
+        pytest.skip("split_tail is for non-causal kernels")
+    config = FwdConfig(shared_o_slab=True).replace(**overrides)
+    q, k, v = _inputs(4, 1500, 1500, 16, 4, 64, torch.bfloat16, seed=17)
     out, lse = forward_cuda(q, k, v, default_scale(64), causal, config)
     _check(q, k, v, causal, out, lse)
 
