@@ -636,15 +636,24 @@ FP8_WIDE_CAUSAL_KEYS = 4096
 FP8_SHORT_ROW_KEYS = 1024
 
 
+# Causal e4m3 rows of at least this many keys keep one Q stage at head dim 64
+# (three warpgroups), where the second measured slower (fp8_config_for_problem).
+FP8_LONG_CAUSAL_KEYS = 16384
+
+
 @functools.lru_cache(maxsize=4096)  # asked on every e4m3 call
 def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
                            seqlen_k: int) -> FwdConfig:
     """The op's e4m3 forward config for a problem: fp8_fwd_config, with the
     wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or
-    more, and the short-row tiles for rows of up to FP8_SHORT_ROW_KEYS."""
+    more, the short-row tiles for rows of up to FP8_SHORT_ROW_KEYS, and one Q
+    stage at head dim 64 for rows of FP8_LONG_CAUSAL_KEYS or more."""
     wide_causal = causal and not features.local and seqlen_k >= FP8_WIDE_CAUSAL_KEYS
-    return fp8_fwd_config(head_dim, causal, features, wide_causal,
-                          short_rows=seqlen_k <= FP8_SHORT_ROW_KEYS)
+    config = fp8_fwd_config(head_dim, causal, features, wide_causal,
+                            short_rows=seqlen_k <= FP8_SHORT_ROW_KEYS)
+    if config.q_stages > 1 and head_dim <= 64 and seqlen_k >= FP8_LONG_CAUSAL_KEYS:
+        config = one_q_stage(config)
+    return config
 
 
 @functools.lru_cache(maxsize=None)
@@ -675,6 +684,9 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
       and 96 at 256, where K, V and Vᵀ stages that wide fit beside Q only
       with one O slab that the warpgroups take in turn (shared_o_slab).
 
+    Claimed tiles (causal) take a second Q stage up to head dim 128, where
+    it fits: the producer loads a claimed tile's Q while the one before runs.
+
     Without ping-pong a warp skips O's rescale on the steps where none of its
     rows' maxima rose (skip_unmoved_rescale); with it that branch measured
     slower than the multiplies."""
@@ -685,6 +697,7 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
         three_warpgroups = head_dim <= 128 and not (claimed or short_rows)
     if three_warpgroups:
         return FwdConfig(tile_m=3 * WGMMA_M, tile_n=128 if head_dim <= 64 else 96, kv_stages=3,
+                         q_stages=2 if claimed else 1,
                          pingpong=False, persistent=True, dynamic_tiles=claimed,
                          split_tail=not claimed, pv_wait_after_exp2=0,
                          skip_unmoved_rescale=True, producer_regs=40, consumer_regs=152,
@@ -702,7 +715,8 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
         tile_n, pv_wait = (128 if head_dim <= 192 else 96), 0
         if head_dim > 192 and not claimed:  # the split tail's merge spills with 224
             producer_regs, consumer_regs = 40, 232
-    return FwdConfig(tile_m=2 * WGMMA_M, tile_n=tile_n, kv_stages=2, pingpong=False,
+    return FwdConfig(tile_m=2 * WGMMA_M, tile_n=tile_n, kv_stages=2,
+                     q_stages=2 if claimed and head_dim <= 128 else 1, pingpong=False,
                      persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
                      pv_wait_after_exp2=pv_wait, skip_unmoved_rescale=True,
                      shared_o_slab=head_dim > 192, producer_regs=producer_regs,

@@ -1,7 +1,8 @@
 import pytest
 
-from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_SHORT_ROW_KEYS, PLAIN_FEATURES, Features,
-                                    FwdConfig, default_fwd_config, fp8_config_for_problem)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_LONG_CAUSAL_KEYS, FP8_SHORT_ROW_KEYS,
+                                    PLAIN_FEATURES, Features, FwdConfig, default_fwd_config,
+                                    fp8_config_for_problem)
 from cute_fa.kernels.bwd_config import bwd_config_for_problem, default_bwd_config, split_gqa_pays
 
 
@@ -540,6 +541,12 @@ def test_fp8_configs_give_a_long_softmax_three_warpgroups(head_dim):
             turns = 64 < head_dim <= 128 and not causal and short
             assert config.pingpong == turns != config.skip_unmoved_rescale
             assert config.split_tail == (not causal) and config.dynamic_tiles == causal
+            # a claimed tile's Q loads under the tile before, where shared memory
+            # has room for a second stage (not at 192 and 256), except on head
+            # dim 64's longest rows
+            q_ring = causal and head_dim <= 128 and not (
+                head_dim <= 64 and seqlen_k >= FP8_LONG_CAUSAL_KEYS)
+            assert config.q_stages == (2 if q_ring else 1)
 
 
 def test_a_grid_of_one_round_takes_one_q_stage():
