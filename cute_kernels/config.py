@@ -640,6 +640,10 @@ FP8_SHORT_ROW_KEYS = 1024
 # (three warpgroups), where the second measured slower (fp8_config_for_problem).
 FP8_LONG_CAUSAL_KEYS = 16384
 
+# The shortest row (keys) of each class of rows that fp8_config_for_problem
+# tells apart: what precompile builds one e4m3 forward for.
+FP8_ROW_CLASS_KEYS = (1, FP8_SHORT_ROW_KEYS + 1, FP8_WIDE_CAUSAL_KEYS, FP8_LONG_CAUSAL_KEYS)
+
 
 @functools.lru_cache(maxsize=4096)  # asked on every e4m3 call
 def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,

@@ -6,6 +6,7 @@
     python -m cute_fa.precompile --directions decode --head-dims 128 --page-sizes 0,16,256
     python -m cute_fa.precompile --directions decode --causal yes --query-groups 4 --page-sizes 0
     python -m cute_fa.precompile --directions block_sparse --head-dims 64,128 --dtypes bf16
+    python -m cute_fa.precompile --directions fp8 --head-dims 128 --dtypes bf16  # e4m3 in, bf16 out
 
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and those of long and short sequences
@@ -25,7 +26,10 @@ kernel per group size of --query-groups), and the append of new k, v into
 the cache. --directions block_sparse (not in
 the default): the forward and backward kernels of a block mask
 (flash_attn_func's block_mask; no causal flag of their own), the backward
-with and without split_gqa. Variants
+with and without split_gqa. --directions fp8 (not in the default): the
+forwards of e4m3 q, k, v (head dims of config.FP8_HEAD_DIMS, --dtypes
+naming the output's), one per config that fp8_config_for_problem picks over
+row lengths (config.FP8_ROW_CLASS_KEYS). Variants
 already in the store are loaded, not compiled. Kernels are stored per architecture: run it on the
 machine (or the GPU type) that will use them, or with no GPU for sm_90a.
 See kernel_store.py for where they go and how to move or disable the store.
@@ -42,6 +46,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 
+import torch
+
 from .profiling.cli import choice_list, csv_list, positive_int
 from .profiling.problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dtype_option,
                                 add_head_dim_option)
@@ -49,8 +55,8 @@ from .profiling.problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dt
 
 @dataclass(frozen=True)
 class Variant:
-    direction: str  # "fwd" or "bwd"
-    dtype: str  # "bf16" or "fp16"
+    direction: str  # "fwd", "bwd", "decode" or "fp8" (the e4m3 forward)
+    dtype: str  # "bf16" or "fp16" (fp8: the output's)
     head_dim: int
     causal: bool
     deterministic: bool = False
@@ -67,6 +73,7 @@ class Variant:
     by_index: bool = False  # fwd, causal: tiles dealt by index (two waves at most)
     one_round: bool = False  # fwd: one Q stage, as a grid of one round takes it
     long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
+    row_keys: int = 0  # fp8: a row length (keys) of the class whose config it builds
 
     @property
     def value_head_dim(self) -> int:
@@ -84,6 +91,8 @@ class Variant:
             flags.append(f"pages{self.page_size}")
         if self.rows_per_query > 1:
             flags.append(f"group{self.rows_per_query}")
+        if self.direction == "fp8":
+            flags.append(f"keys{self.row_keys}")
         return text + "".join(f" {f}" for f in flags)
 
 
@@ -132,6 +141,23 @@ def _one_round(forwards: list[Variant]) -> list[Variant]:
     return out
 
 
+def _fp8_variants(dtype: str, head_dim: int, causal: bool) -> list[Variant]:
+    """The e4m3 forwards of a head dim (none where it has no e4m3 kernel),
+    `dtype` the output's: one per distinct config over the row classes."""
+    from .kernels.config import FP8_HEAD_DIMS, FP8_ROW_CLASS_KEYS
+
+    if head_dim not in FP8_HEAD_DIMS:
+        return []
+    out, configs = [], []
+    for keys in FP8_ROW_CLASS_KEYS:
+        variant = Variant("fp8", dtype, head_dim, causal, row_keys=keys)
+        config = config_of(variant)
+        if config not in configs:
+            out.append(variant)
+            configs.append(config)
+    return out
+
+
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
              head_dims_v=None, page_sizes=(0,), query_groups=(1,),
              length_tiles: bool = False) -> list[Variant]:
@@ -167,6 +193,8 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
                                                       (False, True) if lse_grad else (False,)):
                 out.append(Variant("bwd", dtype, head_dim, causal, det, split, grad,
                                    head_dim_v=dv))
+        if "fp8" in directions and dv is None:
+            out += _fp8_variants(dtype, head_dim, causal)
         if "block_sparse" in directions and not causal:  # the mask holds every limit
             out.append(Variant("fwd", dtype, head_dim, False, head_dim_v=dv, block_sparse=True))
             for split, grad in itertools.product((False, True),
@@ -186,6 +214,10 @@ def config_of(variant: Variant):
         from . import decode
         return decode.kernel_config(variant.head_dim, variant.value_head_dim,
                                     variant.page_size or None)
+    if variant.direction == "fp8":
+        from .kernels.config import PLAIN_FEATURES, fp8_config_for_problem
+        return fp8_config_for_problem(variant.head_dim, variant.causal, PLAIN_FEATURES,
+                                      variant.row_keys)
     if variant.direction == "fwd":
         if variant.block_sparse:
             return block_sparse_fwd_config(variant.head_dim, variant.value_head_dim)
@@ -215,6 +247,13 @@ def kernels_of(variant: Variant, cached: bool = True):
 
     dtype, config = DTYPES[variant.dtype], config_of(variant)
     features = Features(block_sparse=True) if variant.block_sparse else PLAIN_FEATURES
+    if variant.direction == "fp8":  # `dtype` is the output's
+        if cached:
+            return compile_cache.get_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
+                                         config, variant.head_dim, features, dtype)
+        return compile_cache.compile_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
+                                         config, head_dim_v=variant.head_dim, features=features,
+                                         out_dtype=dtype)
     if variant.direction in ("fwd", "decode"):
         if variant.direction == "decode":
             from . import decode
@@ -296,7 +335,7 @@ def _page_sizes(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_variant_options(p, ("fwd", "bwd", "decode", "block_sparse"))
+    add_variant_options(p, ("fwd", "bwd", "decode", "block_sparse", "fp8"))
     p.add_argument("--page-sizes", type=_page_sizes, default=[0, 16, 256], metavar="LIST",
                    help="with --directions decode: page sizes of the paged-cache kernels, 0 "
                         "for a contiguous cache, comma-separated (default: 0,16,256)")

@@ -315,6 +315,31 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
         aot.build_parser().parse_args(["--directions", "decode", "--out", "x"])
 
 
+def test_precompile_builds_the_fp8_forwards_the_op_picks(monkeypatch):
+    """--directions fp8: the e4m3 forwards, keyed as the op asks for them
+    (--dtypes names the output's), whatever the row length."""
+    from cute_fa import precompile
+    from cute_fa.kernels.config import FP8_HEAD_DIMS, PLAIN_FEATURES, fp8_config_for_problem
+
+    args = precompile.build_parser().parse_args(
+        ["--directions", "fp8", "--dtypes", "bf16,fp16", "--causal", "both"])
+    todo = precompile.chosen_variants(args)
+    assert {v.head_dim for v in todo} == set(FP8_HEAD_DIMS)
+    assert len({v.label() for v in todo}) == len(todo) < 4 * 2 * 2 * len(FP8_HEAD_DIMS)
+    asked = []
+    monkeypatch.setattr("cute_fa.compile_cache.get_fwd", lambda *a: asked.append(a))
+    for v in todo:
+        precompile.kernels_of(v)
+    for head_dim, causal, keys, out_dtype in itertools.product(
+            FP8_HEAD_DIMS, (False, True), (1, 300, 1024, 1025, 2048, 4095, 4096, 9000, 16383,
+                                           16384, 1 << 20), (torch.bfloat16, torch.float16)):
+        config = fp8_config_for_problem(head_dim, causal, PLAIN_FEATURES, keys)
+        assert (torch.float8_e4m3fn, head_dim, causal, config, head_dim, PLAIN_FEATURES,
+                out_dtype) in asked, (head_dim, causal, keys)
+    # a narrower v has no e4m3 kernel: nothing to build for it
+    assert not precompile.variants([128], ["bf16"], (False,), ["fp8"], False, head_dims_v=[64])
+
+
 def test_precompile_builds_the_block_sparse_kernels_the_op_picks(monkeypatch):
     """--directions block_sparse: the forward and the backward (split_gqa and
     not) with the (config, features) the block-sparse op asks for; no causal
