@@ -248,7 +248,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, self.cfg.kv_stages)
         # e4m3: Vᵀ, K-major for P·V, filled by the transposer (fp8_operands.py)
         sVt_layout = wgmma.smem_layout(self.dtype, dv, tile_n, self.cfg.kv_stages)
-        # One (64, dv) slab per consumer warpgroup, stored by that warpgroup alone.
+        # One (64, dv) slab per consumer warpgroup, stored by that warpgroup alone,
+        # or one that they take in turn (shared_o_slab).
         sO_layout = wgmma.smem_layout(self.out_dtype, WGMMA_M, dv,
                                       1 if self.cfg.shared_o_slab else self.consumer_wgs)
         tiled_mma_qk = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_n)
