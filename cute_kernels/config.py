@@ -337,10 +337,11 @@ class FwdConfig(_KernelConfig):
             field = ("q_stages" if self.q_stages > 1 and self.replace(q_stages=1).smem_bytes(
                 head_dim, head_dim_v, fp8) <= capacity else "kv_stages")
             hint = ""
-            if not (fp8 or self.o_in_v_smem or self.shared_o_slab):
-                hint = " (o_in_v_smem saves the O slabs)"
-            elif self.consumer_warpgroups > 1 and not (self.o_in_v_smem or self.shared_o_slab):
-                hint = " (shared_o_slab saves all but one O slab)"
+            if not (self.o_in_v_smem or self.shared_o_slab):
+                if not fp8:
+                    hint = " (o_in_v_smem saves the O slabs)"
+                elif self.consumer_warpgroups > 1:
+                    hint = " (shared_o_slab saves all but one O slab)"
             raise bad(field, f"a shared-memory footprint <= {capacity} B, this needs {smem} B "
                              f"at head dims {head_dim}/{head_dim_v}{hint}")
 
@@ -637,7 +638,8 @@ FP8_SHORT_ROW_KEYS = 1024
 
 
 # Causal e4m3 rows of at least this many keys keep one Q stage at head dim 64
-# (three warpgroups), where the second measured slower (fp8_config_for_problem).
+# (three warpgroups), where the second measured slower (fp8_fwd_config's
+# long_rows).
 FP8_LONG_CAUSAL_KEYS = 16384
 
 # The shortest row (keys) of each class of rows that fp8_config_for_problem
@@ -652,17 +654,17 @@ def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
     wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or
     more, the short-row tiles for rows of up to FP8_SHORT_ROW_KEYS, and one Q
     stage at head dim 64 for rows of FP8_LONG_CAUSAL_KEYS or more."""
-    wide_causal = causal and not features.local and seqlen_k >= FP8_WIDE_CAUSAL_KEYS
-    config = fp8_fwd_config(head_dim, causal, features, wide_causal,
-                            short_rows=seqlen_k <= FP8_SHORT_ROW_KEYS)
-    if config.q_stages > 1 and head_dim <= 64 and seqlen_k >= FP8_LONG_CAUSAL_KEYS:
-        config = one_q_stage(config)
-    return config
+    return fp8_fwd_config(head_dim, causal, features,
+                          wide_causal=(causal and not features.local
+                                       and seqlen_k >= FP8_WIDE_CAUSAL_KEYS),
+                          short_rows=seqlen_k <= FP8_SHORT_ROW_KEYS,
+                          long_rows=seqlen_k >= FP8_LONG_CAUSAL_KEYS)
 
 
 @functools.lru_cache(maxsize=None)
 def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATURES,
-                   wide_causal: bool = False, short_rows: bool = False) -> FwdConfig:
+                   wide_causal: bool = False, short_rows: bool = False,
+                   long_rows: bool = False) -> FwdConfig:
     """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS), chosen with
     profiling.sweep on an H100 (docs/findings.md). The producer warpgroup's
     three spare warps transpose V into a Vᵀ ring of as many stages as V's.
@@ -689,20 +691,23 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
       with one O slab that the warpgroups take in turn (shared_o_slab).
 
     Claimed tiles (causal) take a second Q stage up to head dim 128, where
-    it fits: the producer loads a claimed tile's Q while the one before runs.
+    it fits: the producer loads a claimed tile's Q while the one before runs;
+    not at head dim 64 over the longest rows (long_rows), where it measured
+    slower.
 
     Without ping-pong a warp skips O's rescale on the steps where none of its
     rows' maxima rose (skip_unmoved_rescale); with it that branch measured
     slower than the multiplies."""
     claimed = causal or features.local
+    q_stages = 2 if claimed and head_dim <= 128 and not (head_dim <= 64 and long_rows) else 1
     if head_dim <= 64:
         three_warpgroups = not (claimed and short_rows)
     else:
         three_warpgroups = head_dim <= 128 and not (claimed or short_rows)
     if three_warpgroups:
         return FwdConfig(tile_m=3 * WGMMA_M, tile_n=128 if head_dim <= 64 else 96, kv_stages=3,
-                         q_stages=2 if claimed else 1,
-                         pingpong=False, persistent=True, dynamic_tiles=claimed,
+                         q_stages=q_stages, pingpong=False, persistent=True,
+                         dynamic_tiles=claimed,
                          split_tail=not claimed, pv_wait_after_exp2=0,
                          skip_unmoved_rescale=True, producer_regs=40, consumer_regs=152,
                          transpose_warps=3)
@@ -720,7 +725,7 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
         if head_dim > 192 and not claimed:  # the split tail's merge spills with 224
             producer_regs, consumer_regs = 40, 232
     return FwdConfig(tile_m=2 * WGMMA_M, tile_n=tile_n, kv_stages=2,
-                     q_stages=2 if claimed and head_dim <= 128 else 1, pingpong=False,
+                     q_stages=q_stages, pingpong=False,
                      persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
                      pv_wait_after_exp2=pv_wait, skip_unmoved_rescale=True,
                      shared_o_slab=head_dim > 192, producer_regs=producer_regs,
