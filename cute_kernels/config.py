@@ -611,14 +611,17 @@ SPARSE_BLOCK = 128
 def block_sparse_fwd_config(head_dim: int, head_dim_v: int) -> FwdConfig:
     """The forward config under a block mask: the causal choices (tiles that
     differ in length, claimed; 128 keys a step, which divides the mask's
-    blocks), and at head dims above 128 64 keys a step with O staged in the
-    V ring."""
+    blocks); at head dim 64 a second Q stage, which loads the next tile's
+    Q under this one (a query tile walks only its listed blocks, a few at
+    low densities, too little to hide the load behind; at 128 the GEMMs,
+    twice as long, hide it); above 128, 64 keys a step with O staged in
+    the V ring."""
     if head_dim > 128:
         return FwdConfig(tile_m=128, tile_n=64, kv_stages=2, persistent=True,
                          dynamic_tiles=True, pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True, dynamic_tiles=True,
-                     pv_wait_after_exp2=8)
+    return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, q_stages=2 if head_dim <= 64 else 1,
+                     persistent=True, dynamic_tiles=True, pv_wait_after_exp2=8)
 
 
 # The head dims of the e4m3 forward: multiples of 32 (the e4m3 WGMMA's K) among
