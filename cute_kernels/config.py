@@ -634,20 +634,26 @@ FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
 FP8_WIDE_CAUSAL_KEYS = 4096
 
 
+# Causal e4m3 rows of at least this many keys take three consumer warpgroups
+# at head dim 128 (fp8_fwd_config's three_warpgroup_rows).
+FP8_THREE_WARPGROUP_CAUSAL_KEYS = 8192
+
+
 # e4m3 rows of at most this many keys keep two consumer warpgroups where three
 # need longer rows to gain: non-causal at head dims 96 and 128 (measured at
 # 128), causal at head dim 64 (fp8_fwd_config's short_rows).
 FP8_SHORT_ROW_KEYS = 1024
 
 
-# Causal e4m3 rows of at least this many keys keep one Q stage at head dim 64
-# (three warpgroups), where the second measured slower (fp8_fwd_config's
-# long_rows).
+# Causal e4m3 rows of at least this many keys keep one Q stage in three
+# warpgroups (head dims 64 and 128), where the second measured slower
+# (fp8_fwd_config's long_rows).
 FP8_LONG_CAUSAL_KEYS = 16384
 
 # The shortest row (keys) of each class of rows that fp8_config_for_problem
 # tells apart: what precompile builds one e4m3 forward for.
-FP8_ROW_CLASS_KEYS = (1, FP8_SHORT_ROW_KEYS + 1, FP8_WIDE_CAUSAL_KEYS, FP8_LONG_CAUSAL_KEYS)
+FP8_ROW_CLASS_KEYS = (1, FP8_SHORT_ROW_KEYS + 1, FP8_WIDE_CAUSAL_KEYS,
+                      FP8_THREE_WARPGROUP_CAUSAL_KEYS, FP8_LONG_CAUSAL_KEYS)
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every e4m3 call
@@ -655,11 +661,14 @@ def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
                            seqlen_k: int) -> FwdConfig:
     """The op's e4m3 forward config for a problem: fp8_fwd_config, with the
     wide key tile for causal attention over FP8_WIDE_CAUSAL_KEYS keys or
-    more, the short-row tiles for rows of up to FP8_SHORT_ROW_KEYS, and one Q
-    stage at head dim 64 for rows of FP8_LONG_CAUSAL_KEYS or more."""
+    more, three warpgroups at head dim 128 over FP8_THREE_WARPGROUP_CAUSAL_KEYS,
+    the short-row tiles for rows of up to FP8_SHORT_ROW_KEYS, and one Q stage
+    in three warpgroups for causal rows of FP8_LONG_CAUSAL_KEYS or more."""
+    plain_causal = causal and not features.local
     return fp8_fwd_config(head_dim, causal, features,
-                          wide_causal=(causal and not features.local
-                                       and seqlen_k >= FP8_WIDE_CAUSAL_KEYS),
+                          wide_causal=plain_causal and seqlen_k >= FP8_WIDE_CAUSAL_KEYS,
+                          three_warpgroup_rows=(plain_causal and seqlen_k
+                                                >= FP8_THREE_WARPGROUP_CAUSAL_KEYS),
                           short_rows=seqlen_k <= FP8_SHORT_ROW_KEYS,
                           long_rows=seqlen_k >= FP8_LONG_CAUSAL_KEYS)
 
@@ -667,7 +676,7 @@ def fp8_config_for_problem(head_dim: int, causal: bool, features: Features,
 @functools.lru_cache(maxsize=None)
 def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATURES,
                    wide_causal: bool = False, short_rows: bool = False,
-                   long_rows: bool = False) -> FwdConfig:
+                   long_rows: bool = False, three_warpgroup_rows: bool = False) -> FwdConfig:
     """The forward config for e4m3 q, k, v (FP8_HEAD_DIMS), chosen with
     profiling.sweep on an H100 (docs/findings.md). The producer warpgroup's
     three spare warps transpose V into a Vᵀ ring of as many stages as V's.
@@ -677,41 +686,45 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
     MUFU unit as the GEMMs on the tensor cores; the configs give the
     softmax the most independent work the registers allow:
 
-    - head dims up to 128 non-causal, and 64 causal: 192-row tiles of three
-      consumer warpgroups (152 registers each, the transposers 40) without
+    - head dims up to 128 non-causal, 64 causal, and 128 causal over long
+      rows (three_warpgroup_rows, fp8_config_for_problem): 192-row tiles of
+      three consumer warpgroups (152 registers each, the transposers 40) without
       ping-pong, whose three softmaxes interleave on every SM sub-partition,
-      128 keys a step at head dim 64, 96 above, three K/V stages;
+      128 keys a step at head dim 64, 96 above, three K/V stages (causal at
+      head dim 128 with the epilogue's coordinates rederived: spill-free);
     - rows of a few steps (short_rows: FP8_SHORT_ROW_KEYS), whose steps do
       not fill three stages: non-causal at head dims 96 and 128 128-row
       tiles of two warpgroups taking turns (ping-pong), 128 keys a step;
       causal at head dim 64 128-row tiles of two, 192 keys a step;
     - head dims 96 and 128 causal: 128-row tiles of two, without ping-pong,
-      128 keys a step, 192 over long rows (wide_causal,
-      fp8_config_for_problem; measured at 128, spill-free at 96), whose
-      masked diagonal costs less there than the wider tile gains;
+      128 keys a step, 192 over long rows (wide_causal; measured at 128,
+      spill-free at 96), whose masked diagonal costs less there than the
+      wider tile gains;
     - head dims 192 and 256: 128-row tiles of two, 128 keys a step at 192
       and 96 at 256, where K, V and Vᵀ stages that wide fit beside Q only
       with one O slab that the warpgroups take in turn (shared_o_slab).
 
     Claimed tiles (causal) take a second Q stage up to head dim 128, where
     it fits: the producer loads a claimed tile's Q while the one before runs;
-    not at head dim 64 over the longest rows (long_rows), where it measured
-    slower.
+    not in three warpgroups over the longest rows (long_rows), where it
+    measured slower.
 
     Without ping-pong a warp skips O's rescale on the steps where none of its
     rows' maxima rose (skip_unmoved_rescale); with it that branch measured
     slower than the multiplies."""
     claimed = causal or features.local
-    q_stages = 2 if claimed and head_dim <= 128 and not (head_dim <= 64 and long_rows) else 1
     if head_dim <= 64:
         three_warpgroups = not (claimed and short_rows)
     else:
-        three_warpgroups = head_dim <= 128 and not (claimed or short_rows)
+        three_warpgroups = (head_dim <= 128 and not (claimed or short_rows)
+                            or head_dim == 128 and three_warpgroup_rows)
+    q_stages = 2 if claimed and head_dim <= 128 and not (three_warpgroups and long_rows) else 1
     if three_warpgroups:
         return FwdConfig(tile_m=3 * WGMMA_M, tile_n=128 if head_dim <= 64 else 96, kv_stages=3,
                          q_stages=q_stages, pingpong=False, persistent=True,
                          dynamic_tiles=claimed,
                          split_tail=not claimed, pv_wait_after_exp2=0,
+                         rederive_epilogue_coords=claimed and head_dim > 64,
                          skip_unmoved_rescale=True, producer_regs=40, consumer_regs=152,
                          transpose_warps=3)
     if head_dim <= 128 and not claimed:

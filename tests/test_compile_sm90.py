@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from cute_fa.compile_cache import compile_bwd, compile_fwd, get_fwd
-from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_WIDE_CAUSAL_KEYS, PLAIN_FEATURES, Features,
-                                    FwdConfig, default_fwd_config, fp8_config_for_problem)
+from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_LONG_CAUSAL_KEYS,
+                                    FP8_THREE_WARPGROUP_CAUSAL_KEYS, FP8_WIDE_CAUSAL_KEYS,
+                                    PLAIN_FEATURES, Features, FwdConfig, default_fwd_config,
+                                    fp8_config_for_problem)
 from cute_fa.kernels.bwd_config import bwd_config_for_problem, default_bwd_config
 from cute_fa.profiling.kernel_info import dumped_kernel_info
 
@@ -139,7 +141,8 @@ def test_head_dim_96_wide_forwards(tmp_path, causal, features):
 
 @pytest.mark.parametrize("head_dim, causal, seqlen_k", [
     *((d, causal, 1024) for d in FP8_HEAD_DIMS for causal in (False, True)),
-    (128, True, FP8_WIDE_CAUSAL_KEYS), (128, False, 2048), (96, False, 16384),
+    (128, True, FP8_WIDE_CAUSAL_KEYS), (128, True, FP8_THREE_WARPGROUP_CAUSAL_KEYS),
+    (128, True, FP8_LONG_CAUSAL_KEYS), (128, False, 2048), (96, False, 16384),
     (128, False, 16384)])
 def test_fp8_forward_kernel(tmp_path, head_dim, causal, seqlen_k):
     """e4m3 Q·Kᵀ and P·V on FP8 WGMMA (QGMMA), P converted to e4m3 in

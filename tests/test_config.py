@@ -1,8 +1,8 @@
 import pytest
 
 from cute_fa.kernels.config import (FP8_HEAD_DIMS, FP8_LONG_CAUSAL_KEYS, FP8_SHORT_ROW_KEYS,
-                                    PLAIN_FEATURES, Features, FwdConfig, default_fwd_config,
-                                    fp8_config_for_problem)
+                                    FP8_THREE_WARPGROUP_CAUSAL_KEYS, PLAIN_FEATURES, Features,
+                                    FwdConfig, default_fwd_config, fp8_config_for_problem)
 from cute_fa.kernels.bwd_config import bwd_config_for_problem, default_bwd_config, split_gqa_pays
 
 
@@ -527,14 +527,18 @@ def test_fp8_configs_give_a_long_softmax_three_warpgroups(head_dim):
     shared memory; three consumer warpgroups, without ping-pong, where the
     softmax outlasts the FP8 GEMMs most (head dims up to 128 non-causal, 64
     causal) on rows long enough to fill their stages; two at the large head
-    dims, whose 64-row O alone takes 128 registers a thread or more."""
+    dims, whose 64-row O alone takes 128 registers a thread or more; at
+    head dim 128 causal too, over rows of FP8_THREE_WARPGROUP_CAUSAL_KEYS or
+    more."""
     for causal in (False, True):
-        for seqlen_k in (1, 512, 4096, 1 << 20):
+        for seqlen_k in (1, 512, 4096, 8192, 1 << 20):
             config = fp8_config_for_problem(head_dim, causal, PLAIN_FEATURES, seqlen_k)
             config.validate(head_dim, fp8=True)
             short = seqlen_k <= FP8_SHORT_ROW_KEYS
             three = (not (causal and short) if head_dim <= 64
-                     else head_dim <= 128 and not (causal or short))
+                     else head_dim <= 128 and not (causal or short)
+                     or head_dim == 128 and causal
+                     and seqlen_k >= FP8_THREE_WARPGROUP_CAUSAL_KEYS)
             assert config.consumer_warpgroups == (3 if three else 2)
             # ping-pong only on short non-causal rows at 96 and 128, where a
             # warp's skipped rescale would be a branch between the turns
@@ -542,10 +546,10 @@ def test_fp8_configs_give_a_long_softmax_three_warpgroups(head_dim):
             assert config.pingpong == turns != config.skip_unmoved_rescale
             assert config.split_tail == (not causal) and config.dynamic_tiles == causal
             # a claimed tile's Q loads under the tile before, where shared memory
-            # has room for a second stage (not at 192 and 256), except on head
-            # dim 64's longest rows
+            # has room for a second stage (not at 192 and 256), except in three
+            # warpgroups over the longest rows
             q_ring = causal and head_dim <= 128 and not (
-                head_dim <= 64 and seqlen_k >= FP8_LONG_CAUSAL_KEYS)
+                three and seqlen_k >= FP8_LONG_CAUSAL_KEYS)
             assert config.q_stages == (2 if q_ring else 1)
 
 

@@ -68,6 +68,8 @@ SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv, d, causal
     (1, 511, 400, 2, 2, 192, True),
     (1, 4097, 4097, 2, 2, 128, True),  # rows long enough for the wide causal tile
     (1, 300, 4600, 2, 1, 128, True),
+    (1, 500, 9000, 2, 1, 128, True),  # three warpgroups
+    (1, 600, 16400, 2, 1, 128, True),  # three warpgroups, one Q stage
 ]
 
 
