@@ -686,10 +686,11 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
     MUFU unit as the GEMMs on the tensor cores; the configs give the
     softmax the most independent work the registers allow:
 
-    - head dims up to 128 non-causal, 64 causal, and 128 causal over long
-      rows (three_warpgroup_rows, fp8_config_for_problem): 192-row tiles of
-      three consumer warpgroups (152 registers each, the transposers 40) without
-      ping-pong, whose three softmaxes interleave on every SM sub-partition,
+    - head dims up to 128 non-causal, 64 causal, and 128 causal over rows of
+      FP8_THREE_WARPGROUP_CAUSAL_KEYS or more (three_warpgroup_rows,
+      fp8_config_for_problem): 192-row tiles of three consumer warpgroups
+      (152 registers each, the transposers 40) without ping-pong, whose
+      three softmaxes interleave on every SM sub-partition,
       128 keys a step at head dim 64, 96 above, three K/V stages (causal at
       head dim 128 with the epilogue's coordinates rederived: spill-free);
     - rows of a few steps (short_rows: FP8_SHORT_ROW_KEYS), whose steps do
@@ -697,9 +698,9 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
       tiles of two warpgroups taking turns (ping-pong), 128 keys a step;
       causal at head dim 64 128-row tiles of two, 192 keys a step;
     - head dims 96 and 128 causal: 128-row tiles of two, without ping-pong,
-      128 keys a step, 192 over long rows (wide_causal; measured at 128,
-      spill-free at 96), whose masked diagonal costs less there than the
-      wider tile gains;
+      128 keys a step, 192 over rows of FP8_WIDE_CAUSAL_KEYS or more
+      (wide_causal; measured at 128, spill-free at 96), whose masked
+      diagonal costs less there than the wider tile gains;
     - head dims 192 and 256: 128-row tiles of two, 128 keys a step at 192
       and 96 at 256, where K, V and Vᵀ stages that wide fit beside Q only
       with one O slab that the warpgroups take in turn (shared_o_slab).
