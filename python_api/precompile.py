@@ -102,14 +102,22 @@ def _short_variants(long: Variant) -> list[Variant]:
     and the tiny ones of the shortest sequences (config.fwd_config_for_problem);
     then each of these and the long one dealt by index where its tiles are
     claimed."""
-    out, configs = [], [config_of(long)]
-    for flags in ({}, {"narrow": True}, {"tiny": True}):
-        variant = replace(long, short=True, **flags)
+    out = _distinct_configs((replace(long, short=True, **flags)
+                             for flags in ({}, {"narrow": True}, {"tiny": True})),
+                            seen=[config_of(long)])
+    return out + _by_index([long, *out])
+
+
+def _distinct_configs(candidates, seen=()) -> list[Variant]:
+    """Those of `candidates` that have a config, each the first with its
+    config (and none of `seen`)."""
+    out, configs = [], list(seen)
+    for variant in candidates:
         config = config_of(variant)
         if config is not None and config not in configs:
             out.append(variant)
             configs.append(config)
-    return out + _by_index([long, *out])
+    return out
 
 
 def _long_variants(base: Variant) -> list[Variant]:
@@ -148,14 +156,8 @@ def _fp8_variants(dtype: str, head_dim: int, causal: bool) -> list[Variant]:
 
     if head_dim not in FP8_HEAD_DIMS:
         return []
-    out, configs = [], []
-    for keys in FP8_ROW_CLASS_KEYS:
-        variant = Variant("fp8", dtype, head_dim, causal, row_keys=keys)
-        config = config_of(variant)
-        if config not in configs:
-            out.append(variant)
-            configs.append(config)
-    return out
+    return _distinct_configs(Variant("fp8", dtype, head_dim, causal, row_keys=keys)
+                             for keys in FP8_ROW_CLASS_KEYS)
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
