@@ -74,12 +74,6 @@ class SparseRow(DslStruct):
         return cutlass.min(cutlass.max(self.row[HEADER_WORDS + i], 0), self.inner_tiles - 1)
 
 
-def static_coords(tiled_mma: cute.TiledMma, shape) -> cute.Tensor:
-    """The accumulator coordinates of thread 0 as compile-time values: every
-    thread's columns are these plus one shift of its own."""
-    return tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(shape))
-
-
 @cute.jit
 def apply_bits(acc: cute.Tensor, coords: cute.Tensor, coords0: cute.Tensor, row: SparseRow,
                entry: Int32, tile_rows: cutlass.Constexpr[int],

@@ -71,7 +71,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
-from .block_sparse import apply_bits, static_coords
+from .block_sparse import apply_bits
 from .bwd_partition import (Operands, dkv_shape, dkv_tiled_mma, dq_gemm_shape, dq_tiled_mma,
                             make_operands, pt_buffer, score_shape, sdp_tiled_mma,
                             warpgroup_slab)
@@ -627,11 +627,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cap_scores_with_slope(acc_s, me.pre_tanh, slope)
         if needs_mask:
             if cutlass.const_expr(self.features.block_sparse):
-                apply_bits(acc_s, me.score_coords, static_coords(me.mma_sdp, (tile_n, tile_m)),
-                           walk.sparse, entry, tile_n, tile_m)
+                apply_bits(acc_s, me.score_coords,
+                           wgmma.static_coords(me.mma_sdp, (tile_n, tile_m)), walk.sparse, entry,
+                           tile_n, tile_m)
             elif cutlass.const_expr(keys_on_n):
-                apply_mask(acc_s, me.score_coords, m_block, tile.n_block, tile.seqlen_q,
-                           tile.seqlen_k, tile_m, tile_n, me.limits)
+                apply_mask(acc_s, me.score_coords,
+                           wgmma.static_coords(me.mma_sdp, score_shape(self.cfg)), m_block,
+                           tile.n_block, tile.seqlen_q, tile.seqlen_k, tile_m, tile_n, me.limits)
             else:
                 apply_mask_transposed(acc_s, me.score_coords, tile.n_block, m_block,
                                       tile.seqlen_q, tile.seqlen_k, tile_n, tile_m, me.limits)

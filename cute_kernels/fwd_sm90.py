@@ -51,7 +51,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from . import fp8_operands, wgmma
-from .block_sparse import SparseRow, SparseScoreMask, static_coords
+from .block_sparse import SparseRow, SparseScoreMask
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .fwd_epilogue import ForwardEpilogue
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_at, mma_operand_view,
@@ -700,12 +700,13 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 tile_me = replace(me, q=wg_qk.make_fragment_A(wg_qk.partition_A(q_stage)))
             if work.n_max > work.n_lo:
                 if cutlass.const_expr(self.features.block_sparse):
-                    mask = SparseScoreMask(s_coords, static_coords(
+                    mask = SparseScoreMask(s_coords, wgmma.static_coords(
                         tiled_mma_qk, (self.tile_m, self.tile_n)), work.sparse, self.tile_m,
                         self.tile_n)
                 else:
-                    mask = ScoreMask(s_coords, work.m_block, work.seqlen_q, work.seqlen_k,
-                                     self.tile_m, self.tile_n, limits)
+                    mask = ScoreMask(s_coords, wgmma.static_coords(
+                        tiled_mma_qk, (self.tile_m, self.tile_n)), work.m_block, work.seqlen_q,
+                        work.seqlen_k, self.tile_m, self.tile_n, limits)
                 if cutlass.const_expr(self.bounded_scores):
                     if reference.fits:
                         kv_state = self.mainloop(

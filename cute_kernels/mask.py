@@ -111,32 +111,41 @@ class BlockRange(DslStruct):
 
 
 @cute.jit
-def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, m_block: Int32, n_block: Int32,
-               seqlen_q: Int32, seqlen_k: Int32, tile_m: cutlass.Constexpr[int],
+def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, coords0: cute.Tensor, m_block: Int32,
+               n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, tile_m: cutlass.Constexpr[int],
                tile_n: cutlass.Constexpr[int], limits: Limits):
     """Set scores of invisible keys to -inf.
 
     coords: the accumulator's partition of an identity tensor over the
-    (tile_m, tile_n) tile, giving each register its (row, col) in the tile.
+    (tile_m, tile_n) tile, giving each register its (row, col) in the tile;
+    coords0: thread 0's (wgmma.static_coords), compile-time values. Under a
+    window (two limits a register) the tests take thread 0's columns, and
+    the row's limits move by this thread's shift of them: the per-register
+    column indices would stay live through the main loop and spill.
     """
     s = acc_rows_cols(acc_s)
     c = acc_rows_cols(coords)
-    cols_left = seqlen_k - n_block * tile_n
+    cols = c
+    col_shift = 0
+    if cutlass.const_expr(limits.local):
+        cols = acc_rows_cols(coords0)
+        col_shift = c[0, 0][1] - cols[0, 0][1]
+    cols_left = seqlen_k - n_block * tile_n - col_shift
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        # columns of the block in [low, limit) are visible
+        # the columns of `cols` in [low, limit) are visible
         limit = cols_left
         diag = (limits.query(m_block * tile_m + c[r, 0][0]) + seqlen_k - limits.query(seqlen_q)
-                - n_block * tile_n)
+                - n_block * tile_n - col_shift)
         if cutlass.const_expr(limits.has_right):
             limit = cutlass.min(limit, diag + limits.right() + 1)
         if cutlass.const_expr(limits.local):
             low = diag - limits.window.left
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                if c[r, j][1] >= limit or c[r, j][1] < low:
+                if cols[r, j][1] >= limit or cols[r, j][1] < low:
                     s[r, j] = -Float32.inf
         else:
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                if c[r, j][1] >= limit:
+                if cols[r, j][1] >= limit:
                     s[r, j] = -Float32.inf
 
 
@@ -146,6 +155,7 @@ class ScoreMask:
     scores of keys that the tile's rows do not see to -inf."""
 
     coords: cute.Tensor  # the (row, col) in the tile of each of the thread's S registers
+    coords0: cute.Tensor  # thread 0's, compile-time values (wgmma.static_coords)
     m_block: Int32
     seqlen_q: Int32
     seqlen_k: Int32
@@ -164,8 +174,8 @@ class ScoreMask:
         return self.limits.local
 
     def apply(self, acc_s: cute.Tensor, n_block: Int32):
-        apply_mask(acc_s, self.coords, self.m_block, n_block, self.seqlen_q, self.seqlen_k,
-                   self.tile_m, self.tile_n, self.limits)
+        apply_mask(acc_s, self.coords, self.coords0, self.m_block, n_block, self.seqlen_q,
+                   self.seqlen_k, self.tile_m, self.tile_n, self.limits)
 
     def masked_bounds(self, blocks: "BlockRange", n_lo: Int32, n_max: Int32):
         """(n_masked_end, n_unmasked_lo): blocks [n_masked_end, n_max - 1) are

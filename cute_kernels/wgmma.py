@@ -103,6 +103,12 @@ def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
                             cute.composition(acc.layout, rows_cols_layout(acc.layout.shape)))
 
 
+def static_coords(tiled_mma: cute.TiledMma, shape) -> cute.Tensor:
+    """The accumulator coordinates of thread 0 as compile-time values: every
+    thread's columns are these plus one shift of its own."""
+    return tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(shape))
+
+
 def _ptx(result_type, body: str, constraints: str, operands, loc, ip):
     """One pure inline-PTX expression over DSL scalars."""
     return llvm.inline_asm(result_type, [x.ir_value(loc=loc, ip=ip) for x in operands], body,
