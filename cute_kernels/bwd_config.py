@@ -86,6 +86,13 @@ class BwdConfig(_KernelConfig):
         and claim each further key block from a global counter, as
         FwdConfig.dynamic_tiles; the preprocess zeroes the counter. Not with
         deterministic (its semaphore counts turns).
+    dkv_via_scores: dK and dV leave through the dSᵀ buffers (one after the
+        other where both do not fit at once) instead of the K and V
+        buffers, which are then released as soon as the walk's last GEMM
+        has read them: with dynamic_tiles the next key block's K/V load runs
+        under this block's epilogue instead of after it. Not where scores
+        go through shared memory (dim_split, keys_on_n) nor with split_gqa
+        (dK and dV leave from registers).
     l2_section_mb: causal key blocks run longest-first inside sections of
         heads whose Q, dO and dQ accumulator fit in this many MB of L2, a
         power of two of them (scheduler.py).
@@ -106,6 +113,7 @@ class BwdConfig(_KernelConfig):
     dq_direct: bool = False
     split_gqa: bool = False
     dynamic_tiles: bool = False
+    dkv_via_scores: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -152,6 +160,16 @@ class BwdConfig(_KernelConfig):
         if self.keys_on_n:
             return self.ds_buffers + 1
         return 4 if self.dim_split > 1 else 2
+
+    def dkv_fits_scores(self, head_dim: int, head_dim_v: int) -> bool:
+        """Whether dkv_via_scores can stage dK and dV in the dSᵀ buffers."""
+        return (not self.shares_scores() and not self.split_gqa
+                and max(head_dim, head_dim_v) <= self.score_buffers() * self.tile_m)
+
+    def dkv_at_once(self, head_dim: int, head_dim_v: int) -> bool:
+        """With dkv_via_scores: whether dK and dV fit the dSᵀ buffers
+        together (else dK goes first, then dV)."""
+        return head_dim + head_dim_v <= self.score_buffers() * self.tile_m
 
     def dO_stages(self) -> int:
         """The dO (+D) ring's depth."""
@@ -231,6 +249,11 @@ class BwdConfig(_KernelConfig):
         if self.dynamic_tiles and self.deterministic:
             raise bad("dynamic_tiles", "False with deterministic (its semaphore orders the "
                                        "key blocks of one CTA per tile)")
+        if self.dkv_via_scores and not self.dkv_fits_scores(head_dim, head_dim_v):
+            raise bad("dkv_via_scores", "False with dim_split, keys_on_n or split_gqa (the dSᵀ "
+                                        "buffers hold scores there, or dK and dV leave from "
+                                        "registers) or where the dSᵀ buffers hold fewer "
+                                        f"columns than head dims {head_dim}/{head_dim_v}")
         _check_shared_fields(self, bad)
         if self.smem_bytes(head_dim, head_dim_v) > SMEM_CAPACITY_BYTES:
             raise bad("qdo_stages", f"a shared-memory footprint <= {SMEM_CAPACITY_BYTES} B, "
@@ -280,7 +303,7 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
                                 block_sparse=features.block_sparse)
     if features.varlen:
         # key blocks differ with their sequences: claimed, unless deterministic
-        config = config.replace(dynamic_tiles=not deterministic)
+        config = claimed(config, not deterministic, head_dim, head_dim_v)
         if config.shares_scores():
             # the producer's walk over a packed batch spills 8-16 bytes at 24
             return config.replace(producer_regs=32, consumer_regs=232)
@@ -290,14 +313,33 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
         config = default_bwd_config(head_dim, causal, deterministic, split_gqa=True,
                                     head_dim_v=head_dim_v)
     if features.softcap and not uneven:
-        config = config.replace(dynamic_tiles=False)
+        config = claimed(config, False, head_dim, head_dim_v)
     return config
+
+
+def claimed(config: BwdConfig, on: bool, head_dim: int, head_dim_v: int | None) -> BwdConfig:
+    """config with its key blocks claimed by a persistent grid
+    (dynamic_tiles) or not, and where they are claimed dK and dV staged in
+    the dSᵀ buffers wherever those hold them (dkv_via_scores): the next
+    block's K/V load then runs under this block's epilogue (docs/findings.md)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return config.replace(dynamic_tiles=on,
+                          dkv_via_scores=on and config.dkv_fits_scores(head_dim, head_dim_v))
 
 
 @functools.lru_cache(maxsize=None)
 def default_bwd_config(head_dim: int, causal: bool, deterministic: bool = False,
                        split_gqa: bool = False, head_dim_v: int | None = None,
                        block_sparse: bool = False) -> BwdConfig:
+    """The op's backward config (_default_tiles, below), its key blocks
+    claimed under the causal mask unless deterministic (claimed)."""
+    config = _default_tiles(head_dim, causal, deterministic, split_gqa, head_dim_v,
+                            block_sparse)
+    return claimed(config, causal and not deterministic, head_dim, head_dim_v)
+
+
+def _default_tiles(head_dim: int, causal: bool, deterministic: bool, split_gqa: bool,
+                   head_dim_v: int | None, block_sparse: bool) -> BwdConfig:
     """The op's backward config (chosen with profiling.sweep --kernel bwd on an
     H100; docs/findings.md): 128 keys per CTA in two consumer warpgroups,
     whose dK and dV stay in registers for the whole walk over queries, and

@@ -120,6 +120,10 @@ class Buffers:
     d: cute.Tensor
     dst: cute.Tensor
     dq: cute.Tensor
+    # where dK and dV are staged for their stores: k and v, or with
+    # dkv_via_scores views of dst
+    dk_out: cute.Tensor
+    dv_out: cute.Tensor
 
 
 @dataclass
@@ -354,6 +358,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             storage.sD.get_tensor(sD_layout),
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self._dq_slab_floats())),
+            *self._dkv_staging(storage, sK_layout, sV_layout),
         )
         tiles = KeyTiles(TileSequence(self._scheduler(mQ, mK, seqlens),
                                       TileQueue(mSemaphore, storage.tile_slots.get_tensor(
@@ -385,6 +390,22 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         """The dQ slabs' floats: every warpgroup's partial of a query block,
         or with dq_direct none (four, for a well-formed struct)."""
         return 4 if self.cfg.dq_direct else self.tile_m * self.head_dim
+
+    def _dkv_staging(self, storage, sK_layout: cute.ComposedLayout,
+                     sV_layout: cute.ComposedLayout):
+        """(dK's, dV's) shared-memory tiles for their stores (Buffers.dk_out,
+        dv_out): K's and V's buffers, or with dkv_via_scores the dSᵀ
+        buffers, dV after dK where both fit, else both from the start."""
+        if cutlass.const_expr(not self.cfg.dkv_via_scores):
+            return (storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+                    storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner))
+        dv_offset = 0
+        if cutlass.const_expr(self.cfg.dkv_at_once(self.head_dim, self.head_dim_v)):
+            dv_offset = cute.cosize(sK_layout)
+        base = storage.sdSt.data_ptr()
+        return tuple(cute.make_tensor(cute.recast_ptr(base + offset, layout.inner,
+                                                      dtype=self.dtype), layout.outer)
+                     for offset, layout in ((0, sK_layout), (dv_offset, sV_layout)))
 
     def _scheduler(self, mQ: cute.Tensor, mK: cute.Tensor, seqlens: Seqlens):
         """One CTA per (key block, KV head or with split_gqa query head, batch),
@@ -521,22 +542,21 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
             while tile < num_tiles:
                 q_state, do_state, step = self._consume_tile(me, tiles, tiles.decode(tile),
-                                                             q_state, do_state, step)
-                # K and V are read (the dK/dV stores' reads of them waited for
-                # in store_dkv_via_smem): the next tile may load over them.
-                release(pipes.kv, kv_state)
+                                                             q_state, do_state, step, kv_state)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.received(round_idx, pipes.kv, kv_state)
         else:
             wait_full(pipes.kv, consumer_state(1))
-            self._consume_tile(me, tiles, tiles.own(num_tiles), q_state, do_state, step)
+            self._consume_tile(me, tiles, tiles.own(num_tiles), q_state, do_state, step, None)
 
     @cute.jit
     def _consume_tile(self, me: Consumer, tiles: KeyTiles, tile: KeyTile, q_state, do_state,
-                      step: Int32):
+                      step: Int32, kv_state):
         """One key block: every query block that sees it, then dK and dV out.
-        Returns the Q/dO ring states and the step count (which dSᵀ buffer)."""
+        kv_state: the K/V stage to release (None: one block a CTA, nothing
+        loads after it). Returns the Q/dO ring states and the step count
+        (which dSᵀ buffer)."""
         tile_m, tile_n = self.tile_m, self.tile_n
         n_block = tile.n_block
         me.acc_dk.fill(0.0)
@@ -568,10 +588,18 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         acc_dk = me.acc_dk  # a plain local: the loop below writes it
         for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
             acc_dk[i] = acc_dk[i] * me.softmax_scale
+        release_kv_first = self.cfg.dkv_via_scores and kv_state is not None
+        if cutlass.const_expr(release_kv_first):
+            # this thread's GEMMs, the last readers of K and V, have retired
+            release(me.pipes.kv, kv_state)
         if cutlass.const_expr(self._dkv_tma_store()):
             self.store_dkv_via_smem(me, tile)
         else:
             self.store_dkv(me, tile)
+        if cutlass.const_expr(kv_state is not None and not release_kv_first):
+            # K and V are read (the dK/dV stores' reads of them waited for
+            # in store_dkv_via_smem): the next tile may load over them.
+            release(me.pipes.kv, kv_state)
         return q_state, do_state, step
 
     @cute.jit
@@ -764,52 +792,70 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @cute.jit
     def store_dkv_via_smem(self, me: Consumer, tile: KeyTile):
-        """dK (scaled) and dV, 16-bit, into the K and V buffers with stmatrix
-        (each warpgroup its 64 rows), then one TMA store each from the first
-        consumer warp; TMA clips the rows past the tensor's end. A packed
-        sequence's last, partial key block leaves row by row, from every
-        consumer thread (kernel_base.store_rows)."""
+        """dK (scaled) and dV, 16-bit, into shared memory with stmatrix (each
+        warpgroup its 64 rows): the K and V buffers, or with dkv_via_scores
+        the dSᵀ buffers (Buffers.dk_out, dv_out; dK, then dV where both do
+        not fit at once); then one TMA store each from the first consumer
+        warp; TMA clips the rows past the tensor's end. A packed sequence's
+        last, partial key block leaves row by row, from every consumer
+        thread (kernel_base.store_rows)."""
         outputs = []
         for acc in (me.acc_dk, me.acc_dv):
             values = cute.make_rmem_tensor_like(acc, self.dtype)
             wgmma.convert_to_16bit(acc, values)
             outputs.append(values)
-        # dQ = dS·K of every warpgroup's last block reads all of K: all
-        # consumers' GEMMs have retired before any overwrites it.
+        # dQ = dS·K of every warpgroup's last block reads all of K and the
+        # dSᵀ buffers: all consumers' GEMMs have retired before any
+        # overwrites them.
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
                           number_of_threads=self.consumer_threads)
-        for values, s, dim in zip(outputs, (me.smem.k, me.smem.v),
-                                  (self.head_dim, self.head_dim_v)):
-            slab, transpose = warpgroup_slab(self.cfg, s, dim, me.wg)
-            wgmma.stmatrix_store(self.dtype, values, slab, me.tid % WARPGROUP_THREADS,
-                                 transpose=transpose)
-        # stmatrix writes go through the generic proxy; TMA reads through the async one.
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
-                          number_of_threads=self.consumer_threads)
-        self._store_dkv_tile(me.smem.k, me.smem.v, me.mdK, me.mdV, me.mdK_rows, me.mdV_rows,
-                             me.copies.dk, me.copies.dv, me.seqlens, tile, me.tid)
+        groups = ((0, 1),)
+        if cutlass.const_expr(self.cfg.dkv_via_scores and
+                              not self.cfg.dkv_at_once(self.head_dim, self.head_dim_v)):
+            groups = ((0,), (1,))
+        buffers = (me.smem.dk_out, me.smem.dv_out)
+        dims = (self.head_dim, self.head_dim_v)
+        for group in groups:
+            for i in group:
+                slab, transpose = warpgroup_slab(self.cfg, buffers[i], dims[i], me.wg)
+                wgmma.stmatrix_store(self.dtype, outputs[i], slab, me.tid % WARPGROUP_THREADS,
+                                     transpose=transpose)
+            # stmatrix writes go through the generic proxy; TMA reads through the async one.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
+                              number_of_threads=self.consumer_threads)
+            self._store_dkv_tile(tuple(buffers[i] for i in group),
+                                 tuple((me.mdK, me.mdV)[i] for i in group),
+                                 tuple((me.mdK_rows, me.mdV_rows)[i] for i in group),
+                                 tuple((me.copies.dk, me.copies.dv)[i] for i in group),
+                                 tuple(dims[i] for i in group), me.seqlens, tile, me.tid)
+            if cutlass.const_expr(self.cfg.dkv_via_scores):
+                # the stores have read the dSᵀ buffers before the next group
+                # or the next block's dSᵀ overwrites them
+                cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE),
+                                  number_of_threads=self.consumer_threads)
 
     @cute.jit
-    def _store_dkv_tile(self, sK: cute.Tensor, sV: cute.Tensor, tdK: cute.Tensor,
-                        tdV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, tma_dk, tma_dv,
-                        seqlens: Seqlens, tile: KeyTile, tid: Int32):
-        """The stores of store_dkv_via_smem. (A function of its own: a branch
-        where the Consumer is in scope would carry all of its state.)"""
+    def _store_dkv_tile(self, buffers, tma_dsts, row_dsts, atoms, dims, seqlens: Seqlens,
+                        tile: KeyTile, tid: Int32):
+        """The stores of store_dkv_via_smem, of dK and dV or of one of them:
+        buffers, their shared-memory tiles; tma_dsts, the TMA stores'
+        coordinate tensors; row_dsts, the tensors themselves; atoms, the
+        stores. (A function of its own: a branch where the Consumer is in
+        scope would carry all of its state.)"""
         n_block, head_kv, batch = tile.n_block, tile.cta_head, tile.batch
         rows_out = tile.seqlen_k - n_block * self.tile_n
         by_rows = cutlass.Boolean(False)
         if cutlass.const_expr(self.features.varlen):
             by_rows = rows_out < self.tile_n
         if by_rows:
-            # each thread's loads of K and V are done before it releases them
-            for s, m_out, dim in ((sK, mdK, self.head_dim), (sV, mdV, self.head_dim_v)):
+            # each thread's loads of the buffers are done before it goes on
+            for s, m_out, dim in zip(buffers, row_dsts, dims):
                 store_rows(s, cute.local_tile(seqlens.k_rows(m_out, head_kv, batch),
                                               (self.tile_n, dim), (n_block, 0)),
                            rows_out, tid, self.consumer_threads)
         elif tid < 32:
-            for atom, s, m_out, dim in ((tma_dk, sK, tdK, self.head_dim),
-                                        (tma_dv, sV, tdV, self.head_dim_v)):
+            for atom, s, m_out, dim in zip(atoms, buffers, tma_dsts, dims):
                 tma_store_tile(atom, s, cute.local_tile(seqlens.k_rows(m_out, head_kv, batch),
                                                         (self.tile_n, dim), (n_block, 0)))
             cute.arch.cp_async_bulk_commit_group()

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from cute_fa.kernels.bwd_config import BwdConfig, default_bwd_config
+from cute_fa.kernels.bwd_config import BwdConfig, claimed, default_bwd_config
 from shapes import random_problem
 from cute_fa import flash_attn_func
 from cute_fa.ops import backward_cuda
@@ -245,21 +245,25 @@ def test_backward_config_variants(overrides):
         assert err <= 2 * low_err + 1e-4, f"{config}: {name} error {err:.3e} vs {low_err:.3e}"
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False), (256, True)])
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (96, True), (128, True), (128, False),
+                                             (256, True)])
 def test_claimed_key_blocks_match_one_cta_per_block(head_dim, causal):
     # BwdConfig.dynamic_tiles: with many more key blocks than SMs most are
     # claimed, by CTAs that drew short or long ones; dK and dV (each from
-    # one tile) are bit-identical to one CTA per key block's, call after
-    # call (each call's counter is zeroed by its preprocess), and dQ (added
-    # across tiles in no fixed order) matches the reference.
+    # one tile, and staged in the dSᵀ buffers with the K/V buffers released
+    # early: dkv_via_scores) are bit-identical to one CTA per key block's,
+    # staged in the K/V buffers, call after call (each call's counter is
+    # zeroed by its preprocess), and dQ (added across tiles in no fixed
+    # order) matches the reference.
     q, k, v, grad_out = _inputs(4, 2048, 2048, 16, 8, head_dim, torch.bfloat16, seed=head_dim)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    fixed = default_bwd_config(head_dim, causal).replace(dynamic_tiles=False)
+    fixed = claimed(default_bwd_config(head_dim, causal), False, head_dim, None)
+    dynamic = claimed(fixed, True, head_dim, None)
+    assert dynamic.dkv_via_scores == (head_dim <= 128) and not fixed.dkv_via_scores
     scale = default_scale(head_dim)
     _, dk_ref, dv_ref = backward_cuda(grad_out, q, k, v, out, lse, scale, causal, config=fixed)
     for _ in range(3):
-        dq, dk, dv = backward_cuda(grad_out, q, k, v, out, lse, scale, causal,
-                                   config=fixed.replace(dynamic_tiles=True))
+        dq, dk, dv = backward_cuda(grad_out, q, k, v, out, lse, scale, causal, config=dynamic)
         assert torch.equal(dk, dk_ref) and torch.equal(dv, dv_ref)
     ref = _reference_grads(q, k, v, grad_out, causal, torch.float32)
     low = _reference_grads(q, k, v, grad_out, causal, None)

@@ -450,7 +450,8 @@ def test_split_gqa_pays_only_for_gqa_grids_under_two_waves():
     assert not split_gqa_pays(q_per_kv=1, kv_ctas=128, num_sms=132)   # nothing to split
     assert not split_gqa_pays(q_per_kv=2, kv_ctas=264, num_sms=132)   # two waves already
     config = default_bwd_config(128, True, split_gqa=True)
-    assert config.split_gqa and config == default_bwd_config(128, True).replace(split_gqa=True)
+    assert config.split_gqa and config == default_bwd_config(128, True).replace(
+        split_gqa=True, dkv_via_scores=False)  # dK and dV leave from registers there
 
 
 def test_bwd_config_for_problem_splits_small_gqa_grids():
@@ -461,13 +462,37 @@ def test_bwd_config_for_problem_splits_small_gqa_grids():
         default_bwd_config(64, False, True)
 
 
+def test_claimed_key_blocks_stage_dk_and_dv_in_the_score_buffers():
+    """Where a CTA walks several key blocks (claimed), dK and dV leave
+    through the dSᵀ buffers so that the next block's K/V load need not wait
+    for the epilogue; not where those buffers hold scores (192, 256), nor
+    where nothing loads after the block."""
+    for head_dim in (64, 96, 128):
+        config = default_bwd_config(head_dim, True)
+        assert config.dynamic_tiles and config.dkv_via_scores
+        config.validate(head_dim)
+        assert not default_bwd_config(head_dim, True, deterministic=True).dkv_via_scores
+        assert not default_bwd_config(head_dim, False).dkv_via_scores
+    assert default_bwd_config(64, True).dkv_at_once(64, 64)
+    assert not default_bwd_config(128, True).dkv_at_once(128, 128)  # dK, then dV
+    for head_dim in (192, 256):
+        assert not default_bwd_config(head_dim, True).dkv_via_scores
+    packed = bwd_config_for_problem(128, False, False, 1, 16384, 16, 16, 132,
+                                    Features(varlen=True))
+    assert packed.dynamic_tiles and packed.dkv_via_scores
+    with pytest.raises(ValueError, match="dkv_via_scores"):
+        default_bwd_config(256, True).replace(dkv_via_scores=True).validate(256)
+    with pytest.raises(ValueError, match="dkv_via_scores"):
+        default_bwd_config(128, True, split_gqa=True).replace(dkv_via_scores=True).validate(128)
+
+
 def test_a_cap_takes_the_causal_tile_but_keeps_the_fixed_tile_order():
     # measured (H100, d 128, 8k, non-causal, softcap 30): 64 queries a step
     # and no claimed tiles fastest; the 80-query tile spills the cap's slope
     cap = Features(softcap=True)
     for head_dim in (64, 128, 256):
         assert bwd_config_for_problem(head_dim, False, False, 2, 8192, 16, 16, 132, cap) == \
-            default_bwd_config(head_dim, True).replace(dynamic_tiles=False)
+            default_bwd_config(head_dim, True).replace(dynamic_tiles=False, dkv_via_scores=False)
         assert bwd_config_for_problem(head_dim, True, False, 2, 8192, 16, 16, 132, cap) == \
             default_bwd_config(head_dim, True)
     window = Features(local=True, softcap=True)
