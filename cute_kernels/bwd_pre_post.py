@@ -24,8 +24,9 @@ main kernel's consumers: dQ = scale · accumulator, converted to 16 bits.
 It reads the accumulator in its register-order layout (dq_accum.py), whose
 values each warpgroup holds as its slice of the main kernel's dQ tiled MMA,
 writes them to shared memory with stmatrix and the tile to dQ with one TMA
-store (a packed sequence's partial last tile row by row; 4-byte stores straight from registers fill half a sector each: at
-16k tokens, d=128, the kernel took 96 µs where fa4's takes 68).
+store (a packed sequence's partial last tile row by row; 4-byte stores
+straight from registers fill half a sector each: at 16k tokens, d=128, the
+kernel took 96 µs where fa4's takes 68).
 
 Group sum, after a split_gqa main kernel (BwdConfig.split_gqa), one row
 (key, KV head, batch) per 8 threads: dK and dV = the fp32 partials of the

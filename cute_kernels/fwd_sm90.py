@@ -387,8 +387,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                softmax_scale_log2: Float32, window: Window, score_pre_tanh: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
-               sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr):
+               sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         copies = Copies(tma_q, tma_k, tma_v, tma_o)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
