@@ -442,7 +442,7 @@ def test_forward_score_mods(tmp_path, head_dim, causal, features):
 def test_forward_wide_window(tmp_path, features):
     """A wide window's head-dim-64 forward: 192 query rows in three consumer
     warpgroups of 160 registers, warp-specialised HGMMA code, spill-free
-    (its window bounds spilled 104-184 bytes a thread while the mask
+    (its window bounds spilled 104-120 bytes a thread while the mask
     compared each register's own column index)."""
     config = default_fwd_config(64, False, features=features, wide_window=True)
     assert config.tile_m == 192
