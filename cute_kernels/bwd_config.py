@@ -342,8 +342,8 @@ def _default_tiles(head_dim: int, causal: bool, deterministic: bool, split_gqa: 
                    head_dim_v: int | None, block_sparse: bool) -> BwdConfig:
     """The op's backward config (chosen with profiling.sweep --kernel bwd on an
     H100; docs/findings.md): 128 keys per CTA in two consumer warpgroups,
-    whose dK and dV stay in registers for the whole walk over queries, and
-    causal key blocks claimed by a persistent grid unless deterministic.
+    whose dK and dV stay in registers for the whole walk over queries
+    (whether key blocks are claimed is default_bwd_config's choice).
 
     - head dim 64: 128 queries per step, dV at the dQ barrier;
     - head dim 96: 64 queries per step, all of dQ in the first warpgroup,
@@ -364,12 +364,10 @@ def _default_tiles(head_dim: int, causal: bool, deterministic: bool, split_gqa: 
     head_dim_v: v's head dim (None: q's).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    dynamic_tiles = causal and not deterministic
     if (BACKWARD_OWN_KEYS_MAX_DIM < head_dim <= 192 and not split_gqa and not block_sparse
             and head_dim_v % WGMMA_M == 0):
         config = BwdConfig(tile_m=64, tile_n=96, keys_on_n=True, qdo_stages=2,
-                           deterministic=deterministic, stats_early=True,
-                           dynamic_tiles=dynamic_tiles, l2_section_mb=32)
+                           deterministic=deterministic, stats_early=True, l2_section_mb=32)
         # the dQ slabs over a second dO stage and dSᵀ buffer where not all fit
         # (dv 192)
         for fallback in (config, config.replace(do_stages=1, ds_buffers=1)):
@@ -378,7 +376,7 @@ def _default_tiles(head_dim: int, causal: bool, deterministic: bool, split_gqa: 
     if head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
         config = BwdConfig(tile_m=64, tile_n=WGMMA_M, dim_split=2, qdo_stages=2,
                            deterministic=deterministic, stats_early=True,
-                           split_gqa=split_gqa, dynamic_tiles=dynamic_tiles)
+                           split_gqa=split_gqa)
         if config.smem_bytes(head_dim) <= SMEM_CAPACITY_BYTES:
             return config
         # a second Q/dO stage over the dQ slabs: the larger gain where both
@@ -388,15 +386,12 @@ def _default_tiles(head_dim: int, causal: bool, deterministic: bool, split_gqa: 
         return config.replace(qdo_stages=1)
     if head_dim <= 64:
         return BwdConfig(tile_m=128, tile_n=128, qdo_stages=2, deterministic=deterministic,
-                         dv_at_ds_barrier=True, split_gqa=split_gqa,
-                         dynamic_tiles=dynamic_tiles)
+                         dv_at_ds_barrier=True, split_gqa=split_gqa)
     if head_dim == 128:
         return BwdConfig(tile_m=64 if causal or split_gqa else 80, tile_n=128, qdo_stages=2,
-                         deterministic=deterministic, stats_early=True, split_gqa=split_gqa,
-                         dynamic_tiles=dynamic_tiles)
+                         deterministic=deterministic, stats_early=True, split_gqa=split_gqa)
     return BwdConfig(tile_m=64, tile_n=128, qdo_stages=2, deterministic=deterministic,
-                     dv_at_ds_barrier=True, split_gqa=split_gqa, dynamic_tiles=dynamic_tiles,
-                     dq_one_warpgroup=True)
+                     dv_at_ds_barrier=True, split_gqa=split_gqa, dq_one_warpgroup=True)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every block-sparse call

@@ -349,16 +349,20 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                               arrivals, self.tile_m * self.head_dim_v * elem + stat_bytes),
         )
         cpipeline.pipeline_init_arrive()
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        dkv_out = (sK, sV)
+        if cutlass.const_expr(self.cfg.dkv_via_scores):
+            dkv_out = self._dkv_in_scores(storage.sdSt.data_ptr(), sK_layout, sV_layout)
         smem = Buffers(
-            storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
-            storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
+            sK, sV,
             storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
             storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
             storage.sLSE2.get_tensor(sStat_layout),
             storage.sD.get_tensor(sD_layout),
             storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner),
             storage.sdQ.get_tensor(cute.make_layout(self._dq_slab_floats())),
-            *self._dkv_staging(storage, sK_layout, sV_layout),
+            *dkv_out,
         )
         tiles = KeyTiles(TileSequence(self._scheduler(mQ, mK, seqlens),
                                       TileQueue(mSemaphore, storage.tile_slots.get_tensor(
@@ -391,18 +395,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         or with dq_direct none (four, for a well-formed struct)."""
         return 4 if self.cfg.dq_direct else self.tile_m * self.head_dim
 
-    def _dkv_staging(self, storage, sK_layout: cute.ComposedLayout,
-                     sV_layout: cute.ComposedLayout):
-        """(dK's, dV's) shared-memory tiles for their stores (Buffers.dk_out,
-        dv_out): K's and V's buffers, or with dkv_via_scores the dSᵀ
-        buffers, dV after dK where both fit, else both from the start."""
-        if cutlass.const_expr(not self.cfg.dkv_via_scores):
-            return (storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
-                    storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner))
+    def _dkv_in_scores(self, base: cute.Pointer, sK_layout: cute.ComposedLayout,
+                       sV_layout: cute.ComposedLayout):
+        """dkv_via_scores: (dK's, dV's) shared-memory tiles for their stores
+        (Buffers.dk_out, dv_out) in the dSᵀ buffers at `base`, dV after dK
+        where both fit, else both from the start."""
         dv_offset = 0
         if cutlass.const_expr(self.cfg.dkv_at_once(self.head_dim, self.head_dim_v)):
             dv_offset = cute.cosize(sK_layout)
-        base = storage.sdSt.data_ptr()
         return tuple(cute.make_tensor(cute.recast_ptr(base + offset, layout.inner,
                                                       dtype=self.dtype), layout.outer)
                      for offset, layout in ((0, sK_layout), (dv_offset, sV_layout)))
@@ -654,14 +654,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             slope = cute.make_rmem_tensor_like(acc_s, self.dtype)  # 1 − t², dS's factor
             cap_scores_with_slope(acc_s, me.pre_tanh, slope)
         if needs_mask:
+            coords0 = wgmma.static_coords(me.mma_sdp, score_shape(self.cfg))
             if cutlass.const_expr(self.features.block_sparse):
-                apply_bits(acc_s, me.score_coords,
-                           wgmma.static_coords(me.mma_sdp, (tile_n, tile_m)), walk.sparse, entry,
-                           tile_n, tile_m)
+                apply_bits(acc_s, me.score_coords, coords0, walk.sparse, entry, tile_n, tile_m)
             elif cutlass.const_expr(keys_on_n):
-                apply_mask(acc_s, me.score_coords,
-                           wgmma.static_coords(me.mma_sdp, score_shape(self.cfg)), m_block,
-                           tile.n_block, tile.seqlen_q, tile.seqlen_k, tile_m, tile_n, me.limits)
+                apply_mask(acc_s, me.score_coords, coords0, m_block, tile.n_block,
+                           tile.seqlen_q, tile.seqlen_k, tile_m, tile_n, me.limits)
             else:
                 apply_mask_transposed(acc_s, me.score_coords, tile.n_block, m_block,
                                       tile.seqlen_q, tile.seqlen_k, tile_n, tile_m, me.limits)

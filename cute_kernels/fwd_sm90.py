@@ -699,14 +699,13 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                     sQ_stage, self.dtype)
                 tile_me = replace(me, q=wg_qk.make_fragment_A(wg_qk.partition_A(q_stage)))
             if work.n_max > work.n_lo:
+                coords0 = wgmma.static_coords(tiled_mma_qk, (self.tile_m, self.tile_n))
                 if cutlass.const_expr(self.features.block_sparse):
-                    mask = SparseScoreMask(s_coords, wgmma.static_coords(
-                        tiled_mma_qk, (self.tile_m, self.tile_n)), work.sparse, self.tile_m,
-                        self.tile_n)
+                    mask = SparseScoreMask(s_coords, coords0, work.sparse, self.tile_m,
+                                           self.tile_n)
                 else:
-                    mask = ScoreMask(s_coords, wgmma.static_coords(
-                        tiled_mma_qk, (self.tile_m, self.tile_n)), work.m_block, work.seqlen_q,
-                        work.seqlen_k, self.tile_m, self.tile_n, limits)
+                    mask = ScoreMask(s_coords, coords0, work.m_block, work.seqlen_q,
+                                     work.seqlen_k, self.tile_m, self.tile_n, limits)
                 if cutlass.const_expr(self.bounded_scores):
                     if reference.fits:
                         kv_state = self.mainloop(
