@@ -283,7 +283,8 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   // q's; a packed batch's dK and dV leave per KV head (no split_gqa partials).
   if (!shape_ok(s, varlen) || s->head_dim_v > s->head_dim || v->tile_m <= 0 ||
       num_sms <= 0 || (varlen && v->split_gqa) ||
-      (block_sparse && (varlen || v->deterministic)))
+      (block_sparse && (varlen || v->deterministic)) ||
+      (v->convert_dq && (block_sparse || sink)))
     return -1;
   Builder b(plan);
   plan->tail_parts = 1;
@@ -315,11 +316,14 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const int dq_accum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q * D);
   // Deterministic: a semaphore per query tile and dQ warpgroup. With
   // dynamic_tiles its first element is the tile counter, zeroed by the
-  // preprocess; one per call, as a shared one would be raced across streams.
+  // preprocess; with convert_dq a counter per query tile follows it
+  // (cute_kernels/dq_convert.py), zeroed by the preprocess too. One per
+  // call, as a shared one would be raced across streams.
   const int semaphore =
       v->deterministic
           ? b.buffer3(CUTE_FA_I32, CUTE_FA_ZERO, B, H,
                       padded_q / v->tile_m * v->dq_warpgroups)
+      : v->convert_dq    ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, B, H, 1 + padded_q / v->tile_m)
       : v->dynamic_tiles ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, 1, 1, 1)
                          : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
   const int grad_q = b.buffer(CUTE_FA_INPUT_DTYPE, CUTE_FA_EMPTY, 4, bshd_q);
@@ -342,31 +346,35 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   sinks = f32_stand_in(b, sinks);
   sparse = i32_stand_in(b, sparse);
   CuteFaLaunch* pre = b.launch(0);
-  b.tensors(pre, {out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, semaphore, seqs.cu_q,
-                  seqs.used_q, sinks, sink_partials >= 0 ? sink_partials : sinks});
+  b.tensors(pre, {out, grad_out, lse, grad_lse, lse2, dsum, dq_accum, grad_q, semaphore,
+                  seqs.cu_q, seqs.used_q, sinks, sink_partials >= 0 ? sink_partials : sinks});
   b.arg(pre, CUTE_FA_ARG_INT, 0, seqs.seqused);
   b.arg(pre, CUTE_FA_ARG_INT, 0, s->seqlen_q);
   CuteFaLaunch* main = b.launch(1);
-  b.tensors(main, {q, k, vv, grad_out, lse2, dsum, dq_accum, dk_main, dv_main, semaphore,
+  b.tensors(main, {q, k, vv, grad_out, lse2, dsum, dq_accum, grad_q, dk_main, dv_main, semaphore,
                    seqs.cu_q, seqs.cu_k, seqs.used_q, seqs.used_k, sparse});
   b.arg(main, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(main, CUTE_FA_ARG_SCALE);
   b.arg(main, CUTE_FA_ARG_INT, 0, num_sms);
   score_args(b, main, window, s);
   b.arg(main, CUTE_FA_ARG_INT, 0, seqs.seqused);
-  CuteFaLaunch* post = b.launch(2);
-  b.tensors(post, {dq_accum, grad_q, seqs.cu_q, seqs.used_q});
-  b.arg(post, CUTE_FA_ARG_SCALE);
-  b.arg(post, CUTE_FA_ARG_INT, 0, seqs.seqused);
-  b.arg(post, CUTE_FA_ARG_INT, 0, s->seqlen_q);
+  // the kernels after main: their index in the variant's list
+  int next_kernel = 2;
+  if (!v->convert_dq) {
+    CuteFaLaunch* post = b.launch(next_kernel++);
+    b.tensors(post, {dq_accum, grad_q, seqs.cu_q, seqs.used_q});
+    b.arg(post, CUTE_FA_ARG_SCALE);
+    b.arg(post, CUTE_FA_ARG_INT, 0, seqs.seqused);
+    b.arg(post, CUTE_FA_ARG_INT, 0, s->seqlen_q);
+  }
   if (v->split_gqa) {
-    CuteFaLaunch* group_sum = b.launch(3);
+    CuteFaLaunch* group_sum = b.launch(next_kernel);
     b.tensors(group_sum, {dk_main, dv_main, grad_k, grad_v});
   }
   if (varlen) {
     // a packed batch's rows outside every sequence get zero gradients; each
     // gap (one per sequence and the tail) spread over about a wave of CTAs
-    CuteFaLaunch* row_gaps = b.launch(3);  // no group sum in a packed batch
+    CuteFaLaunch* row_gaps = b.launch(next_kernel);  // no group sum in a packed batch
     b.tensors(row_gaps, {grad_q, grad_k, grad_v, seqs.cu_q, seqs.cu_k, seqs.used_q,
                          seqs.used_k});
     b.arg(row_gaps, CUTE_FA_ARG_INT, 0, seqs.seqused);

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 7
+#define CUTE_FA_PLAN_LAYOUT_VERSION 8
 #define CUTE_FA_PLAN_MAX_BUFFERS 24
 #define CUTE_FA_PLAN_MAX_ARGS 24
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
@@ -71,11 +71,13 @@ typedef struct {
   int32_t first_split_counter; /* counters[0] is the tile counter */
 } CuteFaFwdVariant;
 
-/* ... and of a backward variant (preprocess, main, postprocess, group sum). */
+/* ... and of a backward variant (preprocess, main, postprocess unless
+ * convert_dq, group sum). */
 typedef struct {
   int32_t tile_m, dq_warpgroups; /* the warpgroups adding a dQ share */
   int32_t dynamic_tiles, deterministic;
   int32_t split_gqa; /* fp32 dK/dV per query head, summed per group after */
+  int32_t convert_dq; /* the main kernel writes dQ: no postprocess */
 } CuteFaBwdVariant;
 
 /* INPUT_DTYPE: that of q; OUTPUT_DTYPE: the output's where it differs from
@@ -150,7 +152,7 @@ int cute_fa_plan_fwd(const CuteFaFwdVariant* variant, const CuteFaShape* shape,
 /* Backward. Inputs: grad_out, q, k, v, out, lse, grad_lse (lse itself where
  * the call has none); packed: then the forward's four int32 tensors; sink:
  * then the sinks; block_sparse: then the backward's tile lists. Launches: preprocess, main,
- * postprocess, then group_sum (split_gqa) or row_gaps (packed: zeroes the
+ * postprocess (unless convert_dq), then group_sum (split_gqa) or row_gaps (packed: zeroes the
  * gradients' rows outside every sequence).
  * Outputs: grad_q, grad_k, grad_v; sink: then the sink gradient's partials,
  * fp32 (b, h, n), whose sum over b and n is d(sink) (the preprocess,

@@ -13,6 +13,13 @@ from .config import (BACKWARD_OWN_KEYS_MAX_DIM, PLAIN_FEATURES, SMEM_CAPACITY_BY
                      SUPPORTED_HEAD_DIMS, WGMMA_M, Features, _align_1k, _check_shared_fields,
                      _field_error, _KernelConfig, block_sparse_fwd_config)
 
+# convert_dq's ring from the dQ writer to the converter (dq_convert.py):
+# slots of (query block, head, sequence), with a full and an empty mbarrier
+# each; kept in every kernel
+CONVERT_STAGES = 2
+SLOT_FIELDS = 3
+CONVERT_RING_BYTES = CONVERT_STAGES * (2 * 8 + SLOT_FIELDS * 4) + 8  # + the staging's
+
 @dataclass(frozen=True)
 class BwdConfig(_KernelConfig):
     """Structural choices of the SM90 backward kernel (bwd_sm90.py).
@@ -93,6 +100,12 @@ class BwdConfig(_KernelConfig):
         under this block's epilogue instead of after it. Not where scores
         go through shared memory (dim_split, keys_on_n) nor with split_gqa
         (dK and dV leave from registers).
+    convert_dq: the main kernel converts dQ: the key block whose add
+        completes a query tile's accumulator sends it to two otherwise idle
+        producer warps, which write dQ while the tile is in L2 and drop its
+        lines (dq_convert.py); no postprocess. Not with dq_direct (the
+        consumers' own adds are not counted), a learnable sink or a block
+        mask (bwd_sm90.py says why).
     l2_section_mb: causal key blocks run longest-first inside sections of
         heads whose Q, dO and dQ accumulator fit in this many MB of L2, a
         power of two of them (scheduler.py).
@@ -114,6 +127,7 @@ class BwdConfig(_KernelConfig):
     split_gqa: bool = False
     dynamic_tiles: bool = False
     dkv_via_scores: bool = False
+    convert_dq: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -180,7 +194,7 @@ class BwdConfig(_KernelConfig):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         both = head_dim + head_dim_v
         stages = self.qdo_stages + self.dO_stages()
-        size = 8 * (2 + 2 * stages)                                                # mbarriers
+        size = 8 * (2 + 2 * stages) + CONVERT_RING_BYTES                           # mbarriers
         size = _align_1k(size) + self.tile_n * both * elem_bytes                   # K, V
         size = _align_1k(size) + self.tile_m * elem_bytes * (
             self.qdo_stages * head_dim + self.dO_stages() * head_dim_v)             # Q, dO
@@ -188,6 +202,8 @@ class BwdConfig(_KernelConfig):
         size = _align_1k(size) + self.score_buffers() * self.tile_n * self.tile_m * elem_bytes
         if not self.dq_direct:
             size = _align_1k(size) + self.tile_m * head_dim * 4                    # dQ partial
+        if self.convert_dq:
+            size = _align_1k(size) + self.tile_m * head_dim * 4 // self.dq_warpgroups  # staging
         return size
 
     def validate(self, head_dim: int, head_dim_v: int | None = None) -> None:
@@ -246,6 +262,9 @@ class BwdConfig(_KernelConfig):
         if self.dq_direct and self.deterministic:
             raise bad("dq_direct", "False with deterministic (the dQ writer warp adds the "
                                    "partials in key-block order)")
+        if self.convert_dq and self.dq_direct:
+            raise bad("convert_dq", "False with dq_direct (the consumers add dQ themselves, "
+                                    "and no writer counts the adds)")
         if self.dynamic_tiles and self.deterministic:
             raise bad("dynamic_tiles", "False with deterministic (its semaphore orders the "
                                        "key blocks of one CTA per tile)")

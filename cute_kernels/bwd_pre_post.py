@@ -15,6 +15,9 @@ lane, half a sector per instruction; fa4's 0.081):
     deterministic)
     the main kernel's tile counter zeroed (BwdConfig.dynamic_tiles: the
     semaphore's first element; harmless otherwise)
+    with BwdConfig.convert_dq: the query tiles' counters zeroed (not
+    deterministic), and dQ rows with no visible key (LSE -inf) written as
+    zeros: no key block completes their tiles (dq_convert.py)
 Both per-row vectors are padded to whole query tiles, so the main kernel's
 TMA loads of them never leave the buffer (in a packed batch, each sequence's
 rows are: varlen.py).
@@ -47,6 +50,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
+from .dq_convert import COUNTER_BASE
 from .bwd_partition import dq_gemm_shape, dq_tiled_mma
 from .config import WARPGROUP_THREADS, WGMMA_M
 from .bwd_config import BwdConfig
@@ -67,23 +71,29 @@ def _query_seqlens(varlen: bool, mCuSeqlensQ, mSeqUsedQ, seqused, seqlen) -> Seq
 
 class BackwardPreprocess:
     def __init__(self, dtype, head_dim: int, has_grad_lse: bool, tile_m: int,
-                 varlen: bool = False, sink: bool = False):
+                 varlen: bool = False, sink: bool = False, convert_dq: bool = False,
+                 deterministic: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.has_grad_lse = has_grad_lse
         self.tile_m = tile_m  # the main kernel's: the per-row buffers hold whole tiles
         self.varlen = varlen
         self.sink = sink
+        self.convert_dq = convert_dq  # the main kernel's BwdConfig.convert_dq
+        self.counts = convert_dq and not deterministic  # its counters: zeroed here
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mdLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
-                 mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                 mdQaccum: cute.Tensor, mdQ: cute.Tensor, mSemaphore: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor,
                  mSeqUsedQ: cute.Tensor, mSink: cute.Tensor, mSinkGrad: cute.Tensor,
                  seqused: cutlass.Int32, max_seqlen_q: cutlass.Int32, stream: cuda.CUstream):
         """O, dO (b, s, h, d); LSE, dLSE (b, h, s) fp32 (dLSE ignored unless
         has_grad_lse); LSE₂, D (b, h, s_pad) fp32; dQ accumulator (b, h, s_pad·d);
-        the main kernel's semaphore, int32 (its first element is zeroed).
+        dQ (b, s, h, d) (written only with convert_dq); the main kernel's
+        semaphore, int32 (its first element is zeroed; with convert_dq, not
+        deterministic, (b, h, 1 + s_pad / tile_m): the counters too).
         Varlen: packed as the main kernel's, with its cu_seqlens_q, seqused_q
         and seqused bits; max_seqlen_q: the longest sequence (dense: s).
         With a sink: the sinks (1, 1, h) fp32 and the gradient's partials
@@ -93,13 +103,13 @@ class BackwardPreprocess:
         padded_rows = cute.ceil_div(max_seqlen_q, self.tile_m) * self.tile_m
         grid = (cute.ceil_div(padded_rows, ROWS_PER_CTA), mLSE2.shape[1],
                 seqlens.num_batch(mLSE2.shape[0]))
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore, mSink, mSinkGrad,
-                    seqlens).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mdQ, mSemaphore, mSink,
+                    mSinkGrad, seqlens).launch(
             grid=list(grid), block=[PRE_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
-               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdQ: cute.Tensor,
                mSemaphore: cute.Tensor, mSink: cute.Tensor, mSinkGrad: cute.Tensor,
                seqlens: Seqlens):
         tid = cute.arch.thread_idx()[0]
@@ -149,6 +159,18 @@ class BackwardPreprocess:
             for i in cutlass.range_constexpr(cute.size(zeros, mode=[1])):
                 if lane + LANES_PER_ROW * i < pieces:
                     zeros[None, i].fill(0.0)
+            if cutlass.const_expr(self.counts):
+                if stats_row % self.tile_m == 0 and lane == 0:
+                    counter = COUNTER_BASE + stats_row // self.tile_m
+                    mSemaphore[batch, head, counter] = cutlass.Int32(0)
+        if cutlass.const_expr(self.convert_dq):
+            if row < seqlen:
+                if mLSE[batch, head, start + row] == -Float32.inf:
+                    dq_zeros, pieces = interleaved_pieces(mdQ[batch, start + row, head, None],
+                                                          lane)
+                    for i in cutlass.range_constexpr(cute.size(dq_zeros, mode=[1])):
+                        if lane + LANES_PER_ROW * i < pieces:
+                            dq_zeros[None, i].fill(0.0)
 
 
     @cute.jit

@@ -17,7 +17,9 @@ cfg.dynamic_tiles a persistent grid whose CTAs claim those tiles in turn
                 wait on global memory; with cfg.dq_direct the consumers add
                 it from registers (16-byte reductions) and warp 1 only frees
                 claimed K/V. All three roles walk the same tiles and query
-                blocks (bwd_tiles.py).
+                blocks (bwd_tiles.py). With cfg.convert_dq warps 2 and 3
+                convert each query tile the writer's adds complete into dQ
+                (dq_convert.py).
   warpgroups 1+ consumers (setmaxnreg.inc), 64 keys each, or with
                 cfg.dim_split 2 two per 64 keys, each with half of the head
                 dims of dK and dV. dK and dV stay in registers for the whole
@@ -55,7 +57,8 @@ dKᵀ += Qᵀ·dS (SS, head dims on M); dQ as above (bwd_partition.py).
 At the end dK·scale and dV go to global memory: 16-bit through the K and V
 buffers and TMA stores, or with split_gqa as fp32 partials per query head
 straight from registers, which the group-sum kernel adds over each group;
-the postprocess kernel turns the dQ accumulator into dQ (bwd_pre_post.py).
+the postprocess kernel turns the dQ accumulator into dQ (bwd_pre_post.py),
+or with cfg.convert_dq the converter warps do as the tiles complete.
 """
 
 from __future__ import annotations
@@ -75,15 +78,17 @@ from .block_sparse import apply_bits
 from .bwd_partition import (Operands, dkv_shape, dkv_tiled_mma, dq_gemm_shape, dq_tiled_mma,
                             make_operands, pt_buffer, score_shape, sdp_tiled_mma,
                             warpgroup_slab)
+from .bwd_config import CONVERT_STAGES, SLOT_FIELDS
 from .bwd_tiles import KeyTile, KeyTiles
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, Features
+from .dq_convert import CONVERTER_THREADS, CONVERTER_WARPS, DqConverter
 from .dq_writer import DqWriter
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, store_rows,
                           tma_store_tile, tma_views)
 from .mask import (Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
                    apply_mask_transposed)
-from .pipeline import (BwdBarrier, consumer_state, make_tma_pipeline, producer_state, release,
-                       wait_full)
+from .pipeline import (BwdBarrier, consumer_state, make_thread_pipeline, make_tma_pipeline,
+                       producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
 from .softcap import cap_scores_with_slope
 from .varlen import Seqlens, VarlenScheduler
@@ -189,6 +194,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             raise ValueError(f"BwdConfig.split_gqa: expected False for a varlen kernel (its "
                              f"per-head fp32 partials are laid out for a dense batch), got "
                              f"True (head_dim={head_dim}, config={config})")
+        if config.convert_dq and (features.sink or features.block_sparse):
+            raise ValueError(f"BwdConfig.convert_dq: expected False with a learnable sink or a "
+                             f"block mask (the preprocess zeroes dQ where no key is visible "
+                             f"by the LSE, which a sink keeps finite; a block mask's walks are "
+                             f"lists), got True ({features})")
         if features.rows_per_query != 1:
             raise ValueError(f"features.rows_per_query: expected 1 for the backward (only "
                              f"the KV-cache forward packs a token's heads), got "
@@ -205,7 +215,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdQ: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
                  mSeqUsedK: cute.Tensor, mBlockSparse: cute.Tensor, softmax_scale_log2: Float32,
@@ -215,17 +225,20 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         d), V (b, s_k, h_kv, dv); dK, dV (b, s_k, h_kv, d / dv), or with
         split_gqa fp32 (b, s_k, h, d / dv) (dv = head_dim_v);
         LSE₂, D (b, h, s_q padded to tile_m) fp32; dQ accumulator (b, h, s_q padded
-        · d) fp32, zeroed; semaphore (b, h, m_blocks · warpgroups) int32, zeroed
-        (read only in deterministic mode; with dynamic_tiles its first
-        element is the tile counter, which the preprocess zeroes). The window
+        · d) fp32, zeroed; dQ (b, s_q, h, d), written only with convert_dq;
+        semaphore (b, h, m_blocks · warpgroups) int32, zeroed (read only in
+        deterministic mode; with dynamic_tiles its first element is the tile
+        counter, which the preprocess zeroes; with convert_dq, not
+        deterministic, (b, h, 1 + m_blocks): the query tiles' counters after
+        it, zeroed by the preprocess too). The window
         and scale / softcap as in the forward (local and softcap kernels). A
         varlen kernel's tensors are packed batches of one as in the forward,
         its per-row buffers laid out as varlen.py says, and the cu_seqlens and
         seqused tensors and bits as the forward's. A block_sparse kernel's
         tile lists, int32 (b or 1, (h or 1) · n_blocks, words), one per key
         block and query head (block_sparse.py; others never read it)."""
-        mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
-                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mQ, mK, mV, mdO, mdK, mdV, mdQ = [permute(t, [1, 3, 2, 0])
+                                          for t in (mQ, mK, mV, mdO, mdK, mdV, mdQ)]
         mLSE2, mD, mdQaccum, mSemaphore = [permute(t, [2, 1, 0])
                                            for t in (mLSE2, mD, mdQaccum, mSemaphore)]
         seqlens = Seqlens(self.features.varlen, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
@@ -274,6 +287,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         tma_dv, tdV = (cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, dv))
                        if self._dkv_tma_store() else (None, mdV))
 
+        convert_floats = (self.tile_m * self.head_dim // self.cfg.dq_warpgroups
+                          if self.cfg.convert_dq else 4)
+
         @cute.struct
         class SharedStorage:
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
@@ -281,6 +297,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             tile_slots: cute.struct.MemRange[Int32, TileQueue.slots_for(1)]
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
+            # convert_dq: the writer -> converter ring (kept always: it fits in
+            # the padding before the 1 KB-aligned K)
+            convert_barriers: cute.struct.MemRange[cutlass.Int64, 2 * CONVERT_STAGES + 1]
+            convert_slots: cute.struct.MemRange[Int32, SLOT_FIELDS * CONVERT_STAGES]
+            # one warpgroup region of a dQ tile, brought in by a bulk copy (four
+            # floats in the padding without convert_dq)
+            sConvert: cute.struct.Align[cute.struct.MemRange[Float32, convert_floats], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)],
                                   SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)],
@@ -301,7 +324,7 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         else:
             max_tiles = self._scheduler(mQ, mK, seqlens).num_tiles()
         grid = (TileScheduler.grid(max_tiles, num_sms, self.cfg.dynamic_tiles), 1, 1)
-        self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, tdK, tdV, mdK, mdV,
+        self.kernel(tQ, tK, tV, tdO, tLSE2, tD, mdQaccum, mdQ, tdK, tdV, mdK, mdV,
                     mSemaphore, mBlockSparse, seqlens,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv,
                     softmax_scale_log2, softmax_scale, Window(window_left, window_right),
@@ -314,7 +337,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
     # ---------------------------------------------------------------- kernel
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdQ: cute.Tensor,
+               mdK: cute.Tensor,
                mdV: cute.Tensor, mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,
                mSemaphore: cute.Tensor, mBlockSparse: cute.Tensor, seqlens: Seqlens,
                tma_q: cute.CopyAtom,
@@ -348,6 +372,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.dO_stages(),
                               arrivals, self.tile_m * self.head_dim_v * elem + stat_bytes),
         )
+        convert_pipe = make_thread_pipeline(storage.convert_barriers.data_ptr(), CONVERT_STAGES,
+                                            1, CONVERTER_THREADS)
+        convert_loaded = storage.convert_barriers.data_ptr() + 2 * CONVERT_STAGES
+        if cutlass.const_expr(self.cfg.convert_dq):
+            if cute.arch.thread_idx()[0] == 0:
+                cute.arch.mbarrier_init(convert_loaded, 1)
+                cute.arch.mbarrier_init_fence()
         cpipeline.pipeline_init_arrive()
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -377,8 +408,16 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles, limits)
+            convert_slots = storage.convert_slots.get_tensor(
+                cute.make_layout((SLOT_FIELDS, CONVERT_STAGES)))
             if warp_idx == 1:
-                self.dq_writer.run(mdQaccum, mSemaphore, smem.dq, pipes.kv, tiles, limits)
+                self.dq_writer.run(mdQaccum, mSemaphore, smem.dq, pipes.kv, tiles, limits,
+                                   convert_pipe, convert_slots)
+            if cutlass.const_expr(self.cfg.convert_dq):
+                if warp_idx >= CONVERTER_WARPS[0]:
+                    self.dq_converter.run(convert_pipe, convert_slots, mdQaccum, mdQ, seqlens,
+                                          softmax_scale, mma_dq, storage.sConvert.data_ptr(),
+                                          convert_loaded)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume(mdK, mdV, mdK_rows, mdV_rows, mdQaccum, copies, seqlens,
@@ -388,7 +427,13 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
 
     @property
     def dq_writer(self) -> DqWriter:
-        return DqWriter.of(self.cfg, self.tile_m, self.tile_n, self.head_dim)
+        return DqWriter.of(self.cfg, self.tile_m, self.tile_n, self.head_dim,
+                           self.dq_converter if self.cfg.convert_dq else None)
+
+    @property
+    def dq_converter(self) -> DqConverter:
+        return DqConverter(self.tile_m, self.head_dim, self.cfg.dq_warpgroups,
+                           self.cfg.dq_transposed(), *dq_gemm_shape(self.cfg, self.head_dim))
 
     def _dq_slab_floats(self) -> int:
         """The dQ slabs' floats: every warpgroup's partial of a query block,

@@ -121,7 +121,7 @@ def _release_add(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def _fence_async_global(*, loc=None, ip=None) -> None:
+def fence_async_global(*, loc=None, ip=None) -> None:
     # The bulk reduce wrote through the async proxy; the semaphore is
     # released through the generic one.
     llvm.inline_asm(None, [], "fence.proxy.async.global;", "~{memory}",
@@ -141,6 +141,6 @@ def wait_turn(semaphore: cute.Pointer, turn: Int32):
 def pass_turn(semaphore: cute.Pointer):
     """Deterministic mode: after this thread's reduce-add has completed
     (cp.async.bulk.wait_group 0), let the next key block add its partial."""
-    _fence_async_global()
+    fence_async_global()
     _release_add(semaphore, Int32(1))
 

@@ -10,7 +10,9 @@ query blocks as the consumers (bwd_tiles.KeyTiles), so each slab's
 destination is known without a message. In deterministic mode the adds into
 one query tile follow the key blocks' order (a semaphore per tile and
 warpgroup). With BwdConfig.dq_direct the consumers add dQ from registers
-and the warp only frees claimed tiles' K/V.
+and the warp only frees claimed tiles' K/V. With BwdConfig.convert_dq it
+counts each completed add on the query tile's counter and sends the tile
+its add completes to the converter warps (dq_convert.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from cutlass import Int32
 from . import dq_accum
 from .bwd_tiles import KeyTile, KeyTiles
 from .config import WARPGROUP_THREADS
+from .dq_convert import DqConverter
 from .dsl_struct import DslStruct
 from .mask import BlockRange, Limits
 from .pipeline import DQ_HANDOFF_THREADS, BwdBarrier, consumer_state
@@ -40,11 +43,12 @@ class DqWriter(DslStruct):
     direct: bool  # BwdConfig.dq_direct: no slabs, the consumers add dQ
     deterministic: bool
     dynamic_tiles: bool
+    converter: object  # DqConverter with BwdConfig.convert_dq, else None
 
     @staticmethod
-    def of(config, tile_m: int, tile_n: int, head_dim: int) -> "DqWriter":
+    def of(config, tile_m: int, tile_n: int, head_dim: int, converter=None) -> "DqWriter":
         return DqWriter(tile_m, tile_n, head_dim, config.dq_warpgroups, config.dq_direct,
-                        config.deterministic, config.dynamic_tiles)
+                        config.deterministic, config.dynamic_tiles, converter)
 
     @cute.jit
     def stage(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
@@ -62,12 +66,15 @@ class DqWriter(DslStruct):
 
     @cute.jit
     def run(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-            pipe_kv, tiles: KeyTiles, limits: Limits):
+            pipe_kv, tiles: KeyTiles, limits: Limits, convert_pipe=None, convert_slots=None):
         """The writer warp: per query block and dQ warpgroup, one bulk
         reduce-add of the slab into the accumulator (lane 0 issues it). In
         deterministic mode it first waits until the key blocks before this one
-        have added theirs to the same tile, and signals after its own landed."""
+        have added theirs to the same tile, and signals after its own landed.
+        With a converter, the tiles its adds complete go to convert_pipe's
+        slots, then the end mark."""
         lane = cute.arch.lane_idx()
+        sent = Int32(0)  # tiles sent to the converter
         for w in cutlass.range_constexpr(0 if self.direct else self.warpgroups):
             # every slab starts free
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
@@ -86,16 +93,21 @@ class DqWriter(DslStruct):
                     cute.arch.mbarrier_arrive(pipe_kv.sync_object_empty.get_barrier(
                         kv_state.index))
                 if cutlass.const_expr(not self.direct):
-                    self._write_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile), tiles, limits)
+                    sent = self._write_tile(mdQaccum, mSemaphore, sdQ, tiles.decode(tile), tiles,
+                                            limits, convert_pipe, convert_slots, sent)
                 kv_state.advance()
                 round_idx += 1
                 tile = tiles.sequence.received(round_idx, pipe_kv, kv_state)
         elif cutlass.const_expr(not self.direct):
-            self._write_tile(mdQaccum, mSemaphore, sdQ, tiles.own(num_tiles), tiles, limits)
+            sent = self._write_tile(mdQaccum, mSemaphore, sdQ, tiles.own(num_tiles), tiles,
+                                    limits, convert_pipe, convert_slots, sent)
+        if cutlass.const_expr(self.converter is not None):
+            self.converter.send(convert_pipe, sent, convert_slots, Int32(-1), Int32(0), Int32(0))
 
     @cute.jit
     def _write_tile(self, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor, sdQ: cute.Tensor,
-                    tile: KeyTile, tiles: KeyTiles, limits: Limits):
+                    tile: KeyTile, tiles: KeyTiles, limits: Limits, convert_pipe, convert_slots,
+                    sent):
         tile_m, d, wgs = self.tile_m, self.head_dim, self.warpgroups
         seqlens = tiles.seqlens
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
@@ -138,3 +150,34 @@ class DqWriter(DslStruct):
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                              number_of_threads=DQ_HANDOFF_THREADS)
+                if cutlass.const_expr(self.converter is not None):
+                    tile_index = first_m_block + m_block
+                    if self._completes(mSemaphore, tile_index, head, buffer_batch, n_block,
+                                       key_blocks, m_block, seqlen_q, seqlen_k):
+                        self.converter.send(convert_pipe, sent, convert_slots, m_block, head,
+                                            batch)
+                        sent += 1
+        return sent
+
+    @cute.jit
+    def _completes(self, mSemaphore: cute.Tensor, tile_index: Int32, head: Int32,
+                   buffer_batch: Int32, n_block: Int32, key_blocks: BlockRange, m_block: Int32,
+                   seqlen_q: Int32, seqlen_k: Int32) -> cutlass.Boolean:
+        """Whether this key block's adds, just issued, complete the query
+        tile: all the key blocks that walk it (key_blocks' range) have added.
+        Deterministic: this is the last turn (the adds have completed).
+        Otherwise lane 0 waits for its adds, then counts them."""
+        first = key_blocks.n_block_min(m_block, seqlen_q, seqlen_k)
+        contributions = key_blocks.n_block_max(m_block, seqlen_q, seqlen_k) - first
+        last = Int32(0)
+        if cutlass.const_expr(self.deterministic):
+            last = Int32(n_block - first == contributions - 1)
+        elif cute.arch.lane_idx() == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            dq_accum.fence_async_global()
+            # acq_rel: the last count's thread acquires every other add
+            before = cute.arch.atomic_add(
+                DqConverter.counter(mSemaphore, tile_index, head, buffer_batch), Int32(1),
+                sem="acq_rel", scope="gpu")
+            last = Int32(before == contributions - 1)
+        return cute.arch.shuffle_sync(last, 0) != 0

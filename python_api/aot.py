@@ -49,7 +49,8 @@ def symbol(variant: Variant) -> str:
 def launch_names(variant: Variant) -> list[str]:
     if variant.direction == "fwd":
         return ["fwd"]
-    return ["preprocess", "main", "postprocess"] + (["group_sum"] if variant.split_gqa else [])
+    post = [] if config_of(variant).convert_dq else ["postprocess"]
+    return ["preprocess", "main"] + post + (["group_sum"] if variant.split_gqa else [])
 
 
 def object_files(variants: list[Variant]) -> list[str]:

@@ -64,13 +64,14 @@ class CompiledBackward:
     preprocess(o, do, lse, dlse, lse2, dsum, dq_accum, semaphore)
     main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale, num_sms,
          window_left, window_right, pre_tanh)
-    postprocess(dq_accum, dq, scale)
+    postprocess(dq_accum, dq, scale)             (None where the main kernel writes dQ:
+                                                  BwdConfig.convert_dq)
     group_sum(dk_partials, dv_partials, dk, dv)   (split_gqa configs only, else None)
     row_gaps(dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqused,
              ctas_per_gap)                        (packed batches only, else None)"""
     preprocess: object
     main: object
-    postprocess: object
+    postprocess: object | None
     group_sum: object | None
     compile_seconds: float  # compiling, or loading from the kernel store
     from_disk: bool = False
@@ -86,7 +87,7 @@ class CompiledBackward:
 
     @classmethod
     def from_launches(cls, launches: dict, seconds: float, from_disk: bool) -> CompiledBackward:
-        return cls(launches["preprocess"], launches["main"], launches["postprocess"],
+        return cls(launches["preprocess"], launches["main"], launches.get("postprocess"),
                    launches.get("group_sum"), seconds, from_disk, launches.get("row_gaps"))
 
 

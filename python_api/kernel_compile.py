@@ -238,19 +238,21 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     start = time.perf_counter()
     fns = (
         _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse, config.tile_m,
-                                    features.varlen, features.sink), o, do, lse, dlse, lse2,
-                 dsum, dq_accum, semaphore, seqlen_tensors[0], seqlen_tensors[2],
+                                    features.varlen, features.sink, config.convert_dq,
+                                    config.deterministic), o, do, lse, dlse, lse2,
+                 dsum, dq_accum, dq, semaphore, seqlen_tensors[0], seqlen_tensors[2],
                  _sink_tensor(), _fake_rows(f32, _sym(), _sym(), _sym()), cutlass.Int32(0),
                  cutlass.Int32(1),
                  dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
-        _compile(main, q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, *seqlen_tensors,
+        _compile(main, q, k, v, do, lse2, dsum, dq_accum, dq, dk, dv, semaphore, *seqlen_tensors,
                  _block_sparse_tensor(), f32(1.0), f32(1.0), cutlass.Int32(1), *_score_args(),
                  cutlass.Int32(0),
                  dump_dir=dump_dir and os.path.join(dump_dir, "main")),
-        _compile(BackwardPostprocess(cute_dtype, head_dim, config, features.varlen), dq_accum,
-                 dq, seqlen_tensors[0], seqlen_tensors[2], f32(1.0), cutlass.Int32(0),
-                 cutlass.Int32(1),
-                 dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
+        # with convert_dq the main kernel writes dQ
+        None if config.convert_dq else _compile(
+            BackwardPostprocess(cute_dtype, head_dim, config, features.varlen), dq_accum,
+            dq, seqlen_tensors[0], seqlen_tensors[2], f32(1.0), cutlass.Int32(0),
+            cutlass.Int32(1), dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
     )
     group_sum = None
     if config.split_gqa:

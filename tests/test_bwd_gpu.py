@@ -228,12 +228,21 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(tile_m=64, head_dim=96, dq_one_warpgroup=True,
                                             deterministic=True),
                                        dict(tile_m=64, head_dim=96, dq_one_warpgroup=True,
-                                            dq_direct=True, dynamic_tiles=True, split_gqa=True)])
+                                            dq_direct=True, dynamic_tiles=True, split_gqa=True),
+                                       dict(convert_dq=True), dict(convert_dq=True,
+                                                                   dynamic_tiles=True),
+                                       dict(convert_dq=True, deterministic=True),
+                                       dict(convert_dq=True, split_gqa=True),
+                                       dict(tile_m=64, head_dim=128, convert_dq=True,
+                                            dynamic_tiles=True, stats_early=True),
+                                       dict(tile_m=64, head_dim=96, dq_one_warpgroup=True,
+                                            convert_dq=True, fp16=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)
+    dtype = torch.float16 if overrides.pop("fp16", False) else torch.bfloat16
     config = BwdConfig(tile_m=128).replace(**overrides)
-    q, k, v, grad_out = _inputs(2, 700, 900, 4, 1, head_dim, torch.bfloat16, seed=5)
+    q, k, v, grad_out = _inputs(2, 700, 900, 4, 1, head_dim, dtype, seed=5)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     ours = backward_cuda(grad_out, q, k, v, out, lse, default_scale(head_dim), True,
                          config=config)

@@ -178,7 +178,8 @@ def test_backward_plan(deterministic, split_gqa):
     assert shapes[grad_q] == (batch, seqlen, heads, d)
     assert shapes[grad_k] == shapes[grad_v] == (batch, seqlen, heads_kv, d)
     main_tensors = [i for kind, i, _ in plan.launches[1][1] if kind == launch_plan.ARG_BUFFER]
-    dk_main, dv_main = main_tensors[7:9]
+    assert main_tensors[7] == grad_q  # written by the main kernel with convert_dq
+    dk_main, dv_main = main_tensors[8:10]
     if split_gqa:  # fp32 per query head, summed into the outputs by the fourth launch
         assert shapes[dk_main] == (batch, seqlen, heads, d)
         assert _workspace(plan, dk_main).dtype == launch_plan.F32
@@ -201,7 +202,7 @@ def test_sink_plans():
     bwd = launch_plan.plan_bwd(config, shape, 132, sink=True)
     assert bwd.num_inputs == 8 and len(bwd.outputs) == 4
     pre = [i for kind, i, _ in bwd.launches[0][1] if kind == launch_plan.ARG_BUFFER]
-    assert pre[10:] == [7, bwd.outputs[3]]
+    assert pre[11:] == [7, bwd.outputs[3]]
     padded = -(-1000 // config.tile_m) * config.tile_m
     partials = _workspace(bwd, bwd.outputs[3])
     assert partials.shape == (2, 8, padded // 16 * 4) and partials.dtype == launch_plan.F32
@@ -281,7 +282,7 @@ def test_window_arguments_are_clamped_to_the_shape(window, expected):
     for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
                                               window=window), 0, 19),
                         (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
-                                              window=window), 1, 18)):
+                                              window=window), 1, 19)):
         args = dict(enumerate(plan.launches[launch][1]))
         assert (args[first][2], args[first + 1][2]) == expected
         assert args[first + 2][0] == launch_plan.ARG_PRE_TANH
