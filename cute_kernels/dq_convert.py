@@ -2,9 +2,9 @@
 
 Without it, every key block adds its partial into the fp32 accumulator and
 a postprocess kernel reads the whole accumulator back from memory, scales
-it and writes dQ. At short sequences that pass costs as much as a third of
-the main kernel: the accumulator is twice dQ's size, and by the time the
-postprocess runs most of it has left L2 for DRAM.
+it and writes dQ. At short sequences that pass costs a sixth of the main
+kernel's time (docs/findings.md, "Backward"): the accumulator is twice dQ's
+size, and by the time the postprocess runs most of it has left L2.
 
 With convert_dq the key block whose partial completes a query tile
 converts that tile at once, while the tile is still in L2:
