@@ -49,7 +49,7 @@ from . import dq_accum, wgmma
 from .bwd_config import CONVERT_STAGES
 from .config import WARPGROUP_THREADS
 from .dsl_struct import DslStruct
-from .pipeline import consumer_state, release, wait_full
+from .pipeline import BwdBarrier, consumer_state, release, wait_full
 from .varlen import Seqlens
 
 # The semaphore's element 0 (of head 0, sequence 0) is the tile counter of
@@ -57,7 +57,6 @@ from .varlen import Seqlens
 COUNTER_BASE = 1
 CONVERTER_WARPS = (2, 3)  # of the producer warpgroup
 CONVERTER_THREADS = 32 * len(CONVERTER_WARPS)
-CONVERT_READ_BARRIER = 10  # named barrier of the converter's threads (BwdBarrier: 1-9)
 L2_LINE_BYTES = 128
 
 
@@ -173,7 +172,7 @@ class DqConverter(DslStruct):
                                         g.element_type)
             # every converter thread has read the region before the next copy
             # overwrites it
-            cute.arch.barrier(barrier_id=CONVERT_READ_BARRIER,
+            cute.arch.barrier(barrier_id=int(BwdBarrier.CONVERT_READ),
                               number_of_threads=CONVERTER_THREADS)
         return loads
 

@@ -183,6 +183,9 @@ class BwdBarrier(enum.IntEnum):
         warpgroup's rows are written before the TMA stores read them.
     DS_FREE (BwdConfig.ds_buffers 1): every consumer warpgroup has retired
         the step before's dQ GEMM, which read all of dSᵀ's one buffer.
+    CONVERT_READ (BwdConfig.convert_dq): every converter thread has read the
+        staged dQ region before the next bulk copy overwrites it
+        (dq_convert.py).
     """
 
     DS_READY = 1
@@ -190,6 +193,7 @@ class BwdBarrier(enum.IntEnum):
     DQ_EMPTY_BASE = 5
     EPILOGUE = 8
     DS_FREE = 9
+    CONVERT_READ = 10
 
 
 # DQ_FULL / DQ_EMPTY count one consumer warpgroup and the dQ-writer warp.
