@@ -372,10 +372,14 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             make_tma_pipeline(storage.do_barriers.data_ptr(), self.cfg.dO_stages(),
                               arrivals, self.tile_m * self.head_dim_v * elem + stat_bytes),
         )
-        convert_pipe = make_thread_pipeline(storage.convert_barriers.data_ptr(), CONVERT_STAGES,
-                                            1, CONVERTER_THREADS)
-        convert_loaded = storage.convert_barriers.data_ptr() + 2 * CONVERT_STAGES
+        # convert_dq's ring and staging barrier: initialised only where it is on
+        convert_pipe = convert_slots = convert_loaded = None
         if cutlass.const_expr(self.cfg.convert_dq):
+            convert_pipe = make_thread_pipeline(storage.convert_barriers.data_ptr(),
+                                                CONVERT_STAGES, 1, CONVERTER_THREADS)
+            convert_slots = storage.convert_slots.get_tensor(
+                cute.make_layout((SLOT_FIELDS, CONVERT_STAGES)))
+            convert_loaded = storage.convert_barriers.data_ptr() + 2 * CONVERT_STAGES
             if cute.arch.thread_idx()[0] == 0:
                 cute.arch.mbarrier_init(convert_loaded, 1)
                 cute.arch.mbarrier_init_fence()
@@ -408,8 +412,6 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE2, mD, copies, smem, pipes, tiles, limits)
-            convert_slots = storage.convert_slots.get_tensor(
-                cute.make_layout((SLOT_FIELDS, CONVERT_STAGES)))
             if warp_idx == 1:
                 self.dq_writer.run(mdQaccum, mSemaphore, smem.dq, pipes.kv, tiles, limits,
                                    convert_pipe, convert_slots)
