@@ -71,6 +71,9 @@ class Features:
         position in the causal/local mask: a KV-cache step with several new
         tokens packs each token's g query heads of one KV head into g rows
         (decode.py), row r being token r // g.
+    heads_in_rows: (forward, packed batch, with rows_per_query g) q, O and
+        LSE in the caller's layout, each KV head's g query heads seen as g
+        rows of every token (head_groups.py): no copies into that order.
     block_sparse: the tiles each query tile (forward) or key tile
         (backward) visits come from a list per (batch, head, tile), and the
         tiles that are partly visible from a bit mask (block_sparse.py): a
@@ -84,6 +87,7 @@ class Features:
     split_kv: bool = False
     paged_kv: bool = False
     rows_per_query: int = 1
+    heads_in_rows: bool = False
     block_sparse: bool = False
 
 

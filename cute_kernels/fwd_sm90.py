@@ -50,7 +50,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from . import fp8_operands, wgmma
+from . import fp8_operands, head_groups, wgmma
 from .block_sparse import SparseRow, SparseScoreMask
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .fwd_epilogue import ForwardEpilogue
@@ -169,6 +169,11 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         if features.rows_per_query < 1:
             raise ValueError(f"features.rows_per_query: expected at least 1, got "
                              f"{features.rows_per_query}")
+        if features.heads_in_rows and (not features.varlen or features.sink
+                                       or self.tile_m % features.rows_per_query):
+            raise ValueError(f"features.heads_in_rows: expected a varlen kernel without sinks "
+                             f"whose rows_per_query divides tile_m {self.tile_m} (a TMA box of "
+                             f"whole groups), got {features}")
         if features.block_sparse and (causal or features.local or features.varlen
                                       or features.split_kv or features.paged_kv
                                       or features.rows_per_query != 1 or config.split_tail):
@@ -234,13 +239,19 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         if cutlass.const_expr(self.features.split_kv):
             mPartials = permute(mPartials, [1, 3, 2, 0])
+        mLSE = permute(mLSE, [2, 1, 0])
+        if cutlass.const_expr(self.features.heads_in_rows):
+            group = self.features.rows_per_query
+            mLSE = head_groups.lse_rows(mLSE, group, mQ.shape[0] // mLSE.shape[0])
+            mQ, mO = head_groups.token_rows(mQ, group), head_groups.token_rows(mO, group)
+            if cutlass.const_expr(self.features.split_kv):
+                mPartials = head_groups.token_rows(mPartials, group)
         rows_k = mK.shape[0]
         if cutlass.const_expr(self.features.paged_kv):  # a sequence's most keys
             rows_k = mPageTable.shape[2] * mK.shape[0]
         seqlens = Seqlens(self.features.varlen, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                          seqused, mQ.shape[0], rows_k)
+                          seqused, cute.size(mQ, mode=[0]), rows_k)
         kv_blocks = KvBlocks(self.features.paged_kv, mPageTable)
-        mLSE = permute(mLSE, [2, 1, 0])
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, self.q_ring_stages)
@@ -274,7 +285,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                                              sO_layout)
 
         if cutlass.const_expr(self.features.varlen):
-            num_tiles = VarlenScheduler.max_tiles(mQ.shape[0], seqlens.num_batch(mQ.shape[3]),
+            num_tiles = VarlenScheduler.max_tiles(seqlens.rows_q, seqlens.num_batch(mQ.shape[3]),
                                                   mQ.shape[2], tile_m)
         else:
             num_tiles = cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3]

@@ -13,15 +13,21 @@ keys and values are read once per KV head, not once per query head, and
 with several tokens once for all of them. Each batch row is one sequence
 of the kernel per KV head, with s_q · g rows: row t · g + j is query head j
 of the KV head's group at token t, and the kernel's causal mask gives g
-rows each token's place (Features.rows_per_query). With one token this is
-a view: q (b, 1, h, d) is contiguous and the g query heads of a KV head lie
-d apart, KV heads g · d apart, so with rows d apart and KV "heads" g · d
-apart sequence b starts at row b · h and holds g rows. Its rows past g
-belong to other heads: loaded, masked, never stored (the packed epilogue
-stores a sequence's last rows one by one). O and the per-row LSE use the
-same views. With several tokens the rows of one KV head are no longer one
-stride apart, so q is copied into that order (b, s_q · g, h_kv, d) and O
-and LSE back: s_q · h · d values each way against a cache's keys.
+rows each token's place (Features.rows_per_query). How the kernel reaches
+those rows (Rows):
+- one token: a view. q (b, 1, h, d) is contiguous and the g query heads of
+  a KV head lie d apart, KV heads g · d apart, so with rows d apart and KV
+  "heads" g · d apart sequence b starts at row b · h and holds g rows. Its
+  rows past g belong to other heads: loaded, masked, never stored (the
+  packed epilogue stores a sequence's last rows one by one). O and the
+  per-row LSE use the same views.
+- several tokens, g dividing the tile's 64 rows: the rows of one KV head
+  are no longer one stride apart (heads d apart, tokens h · d), and the
+  kernel itself sees q, O and LSE with two and three row strides
+  (Features.heads_in_rows, cute_kernels/head_groups.py), which TMA loads
+  as boxes of whole groups. Nothing is copied.
+- several tokens otherwise: q is copied into that order (b, s_q · g, h_kv,
+  d) and O and LSE back, three launches more.
 
 A tile keeps WGMMA's 64 rows though a decode step fills g of them (4 for
 Llama-3-8B): the kernel is bound by the bytes of K and V, and the tensor
@@ -39,6 +45,7 @@ is read on the host.
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass
 
@@ -46,8 +53,8 @@ import torch
 
 from . import ops
 from .kernels.config import MAX_KV_SPLITS as MAX_SPLITS
-from .kernels.config import (SEQUSED_K, SEQUSED_Q, Features, FwdConfig, decode_fwd_config,
-                             kernel_head_dim)
+from .kernels.config import (SEQUSED_K, SEQUSED_Q, WGMMA_M, Features, FwdConfig,
+                             decode_fwd_config, kernel_head_dim)
 from .launch_plan import LOG2_E
 from .variants import fwd_kernel_for, num_sms
 
@@ -59,13 +66,33 @@ SPLIT_TARGET_SM_SHARE = 0.5
 MIN_SPLIT_SAVED_BLOCKS = 6
 
 
+class Rows(enum.Enum):
+    """How the kernel reaches a problem's query rows (the module's docstring)."""
+
+    VIEW = "view"  # one token: strided views of q, O and LSE
+    IN_KERNEL = "in_kernel"  # several tokens, g divides the tile: the kernel's own view
+    COPY = "copy"  # several tokens otherwise: copied into the packed order and back
+
+
+def groups_fill_tile(group: int) -> bool:
+    """Whether the kernel reads several tokens' rows in place: groups of g > 1
+    query heads, whole groups to a 64-row tile (a TMA box of them)."""
+    return group > 1 and WGMMA_M % group == 0
+
+
+def rows_for(seqlen_q: int, group: int) -> Rows:
+    if seqlen_q == 1:
+        return Rows.VIEW
+    return Rows.IN_KERNEL if groups_fill_tile(group) else Rows.COPY
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """How one KV-cache problem runs: each batch row a sequence of the
     kernel per KV head, holding its s_q · g query rows, and the split of its
     keys."""
 
-    viewed: bool  # s_q == 1: q's rows seen in place; else copied in packed order
+    layout: Rows
     sequences: int  # the kernel's packed sequences: b
     rows: int  # query rows per sequence: s_q · g
     heads: int  # the kernel's heads: h_kv
@@ -93,15 +120,15 @@ def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, ti
     """The plan of a problem from its shapes (capacity: the most keys a
     sequence holds; num_splits 0: choose_splits)."""
     group = heads // heads_kv
-    viewed = seqlen_q == 1
+    layout = rows_for(seqlen_q, group)
     rows = seqlen_q * group
-    total_rows = (batch - 1) * heads + group if viewed else batch * rows
+    total_rows = (batch - 1) * heads + group if layout is Rows.VIEW else batch * rows
     n_blocks = -(-capacity // tile_n)
     if num_splits == 0:
         tiles = batch * heads_kv * -(-rows // 64)
         num_splits = choose_splits(tiles, n_blocks, sms)
     num_splits = max(1, min(num_splits, MAX_SPLITS, max(n_blocks, 1)))
-    return DecodePlan(viewed, batch, rows, heads_kv, group, total_rows, num_splits)
+    return DecodePlan(layout, batch, rows, heads_kv, group, total_rows, num_splits)
 
 
 def _pack_tokens(q: torch.Tensor, p: DecodePlan) -> torch.Tensor:
@@ -126,7 +153,7 @@ def _rows_view(t: torch.Tensor, p: DecodePlan) -> torch.Tensor:
     s_q · g, h_kv, x) one (packed order) as the kernel's (parts, total_rows,
     heads, x) packed batch (the module's docstring)."""
     parts, x = t.shape[0], t.shape[-1]
-    if not p.viewed:
+    if p.layout is not Rows.VIEW:
         return t.view(parts, p.total_rows, p.heads, x)
     return t.as_strided((parts, p.total_rows, p.heads, x),
                         (t.stride(0), x, p.group * x, 1))
@@ -136,7 +163,7 @@ def _lse_buffer(parts: int, batch: int, p: DecodePlan, device):
     """A per-row fp32 buffer as (the kernel's (parts, heads, total_rows)
     view, the combine's (parts, b, heads, rows) view): viewed rows are laid
     (b, h), so a KV head's g rows are adjacent; packed ones (h_kv, b, rows)."""
-    if p.viewed:
+    if p.layout is Rows.VIEW:
         buf = torch.empty((parts, batch, 1, p.heads * p.group), dtype=torch.float32,
                           device=device)
         kernel = buf.as_strided((parts, p.heads, p.total_rows), (buf.stride(0), p.group, 1))
@@ -167,8 +194,8 @@ _by_shape: dict = {}  # _shape_cached
 def _make_constants(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
     i32 = dict(dtype=torch.int32, device=device)
     steps = torch.arange(p.sequences + 1, **i32)
-    # viewed: sequence b starts at row b · h of the strided view
-    per_sequence = p.group * p.heads if p.viewed else p.rows
+    # one token: sequence b starts at row b · h of the strided view
+    per_sequence = p.group * p.heads if p.layout is Rows.VIEW else p.rows
     cu_k = (steps * (0 if paged else capacity)).view(1, 1, -1)
     used_q = torch.full((1, 1, p.sequences), p.rows, **i32)
     full = torch.full((p.sequences,), capacity, **i32)
@@ -234,9 +261,11 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None) -> FwdC
 @functools.lru_cache(maxsize=None)  # asked on every call: one Features per combination
 def kernel_features(split: bool, paged: bool, rows_per_query: int = 1) -> Features:
     """The forward's features for a KV-cache problem; rows_per_query: g for
-    a causal step of several tokens (each token's g rows share its mask
-    row), else 1."""
-    return Features(varlen=True, split_kv=split, paged_kv=paged, rows_per_query=rows_per_query)
+    a step of several tokens (each token's g rows share its mask row) the
+    kernel reads in place (Rows.IN_KERNEL: heads_in_rows) or a causal one
+    copied into the packed order, else 1."""
+    return Features(varlen=True, split_kv=split, paged_kv=paged, rows_per_query=rows_per_query,
+                    heads_in_rows=groups_fill_tile(rows_per_query))
 
 
 def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int) -> bool:
@@ -289,33 +318,66 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     c = _constants_for(p, capacity, paged, q.device)
     split = p.num_splits > 1
     kernel_causal = bool(causal) and seqlen_q > 1
-    q_rows = _rows_view((q if p.viewed else _pack_tokens(q, p)).unsqueeze(0), p)
-    features = kernel_features(split, paged, p.group if kernel_causal else 1)
-    kernel, _, _ = fwd_kernel_for(q_rows, values, kernel_causal, config, features)
-    # viewed: O in the caller's layout; packed: in the kernel's order, then copied
-    out_rows = seqlen_q if p.viewed else p.rows
-    out_heads = heads if p.viewed else p.heads
-    out = q.new_empty((batch, out_rows, out_heads, kernel_dim_v))
-    parts = p.num_splits
-    lse_kernel, lse_combine = _lse_buffer(parts, batch, p, q.device)
-    partials = c.stand_in
-    if split:
-        o_part = torch.empty((parts, batch, out_rows, out_heads, kernel_dim_v),
-                             dtype=torch.float32, device=q.device)
-        partials = _rows_view(o_part, p)
+    b = _buffers(q, p, seqlen_q, kernel_dim_v)
+    # the rows' mask groups: the kernel's own view needs them causal or not
+    group = p.group if kernel_causal or p.layout is Rows.IN_KERNEL else 1
+    kernel, _, _ = fwd_kernel_for(b.q, values, kernel_causal, config,
+                                  kernel_features(split, paged, group))
     cu_k, used_k = _key_sequences(c, capacity, cache_rows, lengths)
     pages = c.no_pages if not paged else page_table.unsqueeze(0)
-    kernel.fn(q_rows, keys, values, _rows_view(out.unsqueeze(0), p), lse_kernel, c.no_pages,
-              partials, c.cu_q, cu_k, c.used_q, used_k, c.stand_in, pages, c.stand_in,
-              c.no_pages, softmax_scale * LOG2_E, sms, 0, parts, 0, 0, 0.0, SEQUSED_Q | SEQUSED_K)
+    kernel.fn(b.q, keys, values, b.out_kernel, b.lse_kernel, c.no_pages,
+              c.stand_in if b.o_parts is None else b.o_parts_kernel, c.cu_q, cu_k, c.used_q,
+              used_k, c.stand_in, pages, c.stand_in, c.no_pages, softmax_scale * LOG2_E, sms, 0,
+              p.num_splits, 0, 0, 0.0, SEQUSED_Q | SEQUSED_K)
+    out, lse = b.out, b.lse
     if split:
-        lse = torch.empty((batch, out_heads, out_rows), dtype=torch.float32, device=q.device)
-        kernel.combine(o_part, lse_combine, out, lse)
-    else:
-        lse = lse_combine[0]
-    if not p.viewed:
+        kernel.combine(b.o_parts, b.lse_parts, out, lse)
+    if p.layout is Rows.COPY:
         out, lse = _unpack_tokens(out, lse, seqlen_q, p)
-    lse = lse.contiguous()
     if kernel_dim_v != head_dim_v:
         out = out[..., :head_dim_v]
-    return out.contiguous(), lse
+    return out.contiguous(), lse.contiguous()
+
+
+@dataclass
+class _Buffers:
+    """What one call's kernel reads and writes and the split's merge takes,
+    in the views of the problem's Rows."""
+
+    q: torch.Tensor  # the kernel's q
+    out: torch.Tensor  # O as the merge writes it: the caller's, or (COPY) the packed order
+    out_kernel: torch.Tensor  # the kernel's view of `out`
+    lse: torch.Tensor  # LSE (b, heads, rows) as the merge writes it
+    lse_kernel: torch.Tensor  # the kernel's per-row LSE: `lse`, or the parts' (split)
+    o_parts: torch.Tensor | None = None  # split: fp32 O per part (parts, b, rows, heads, x)
+    o_parts_kernel: torch.Tensor | None = None
+    lse_parts: torch.Tensor | None = None  # split: (parts, b, heads, rows)
+
+
+def _buffers(q: torch.Tensor, p: DecodePlan, seqlen_q: int, dim_v: int) -> _Buffers:
+    batch, heads, parts = q.shape[0], q.shape[2], p.num_splits
+    f32 = dict(dtype=torch.float32, device=q.device)
+    if p.layout is Rows.IN_KERNEL:  # q, O and LSE as the caller has them
+        tokens = batch * seqlen_q
+        out = q.new_empty((batch, seqlen_q, heads, dim_v))
+        lse = torch.empty((batch, heads, seqlen_q), **f32)
+        b = _Buffers(q.view(1, tokens, heads, q.shape[3]), out, out.view(1, tokens, heads, dim_v),
+                     lse, lse)
+        if parts > 1:
+            b.o_parts = torch.empty((parts, batch, seqlen_q, heads, dim_v), **f32)
+            b.o_parts_kernel = b.o_parts.view(parts, tokens, heads, dim_v)
+            b.lse_parts = torch.empty((parts, batch, heads, seqlen_q), **f32)
+            b.lse_kernel = b.lse_parts.view(parts * batch, heads, seqlen_q)
+        return b
+    # one token: O in the caller's layout; COPY: in the packed order, then copied
+    rows, out_heads = (seqlen_q, heads) if p.layout is Rows.VIEW else (p.rows, p.heads)
+    out = q.new_empty((batch, rows, out_heads, dim_v))
+    lse_kernel, lse_parts = _lse_buffer(parts, batch, p, q.device)
+    q_rows = _rows_view((q if p.layout is Rows.VIEW else _pack_tokens(q, p)).unsqueeze(0), p)
+    b = _Buffers(q_rows, out, _rows_view(out.unsqueeze(0), p), lse_parts[0], lse_kernel)
+    if parts > 1:
+        b.lse = torch.empty((batch, out_heads, rows), **f32)
+        b.lse_parts = lse_parts
+        b.o_parts = torch.empty((parts, batch, rows, out_heads, dim_v), **f32)
+        b.o_parts_kernel = _rows_view(b.o_parts, p)
+    return b

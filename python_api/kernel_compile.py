@@ -146,6 +146,8 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
         lse = _fake_rows(cutlass.Float32, parts_batch, heads_q, seqlen_q)
     else:
         partials = _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())  # tail_split.py
+    if features.heads_in_rows:  # q and O (1, b · s_q, h, d), LSE (parts · b, h, s_q)
+        lse = _fake_rows(cutlass.Float32, _sym(), heads_q, _sym())
     start = time.perf_counter()
     page_table = _fake_rows(cutlass.Int32, _sym(), _sym(), _sym())  # (1, b, max_pages)
     if features.paged_kv:  # the caches (num_pages, page_size, h_kv, d)

@@ -65,7 +65,7 @@ class Variant:
     head_dim_v: int | None = None  # that of v and the output; None: head_dim
     split_kv: bool = False  # decode: key ranges merged after
     page_size: int = 0  # decode: a paged cache's page size; 0: contiguous
-    rows_per_query: int = 1  # decode, causal: query heads per KV head (several tokens a step)
+    rows_per_query: int = 1  # decode: query heads per KV head (several tokens a step)
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
@@ -168,8 +168,9 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
     length_tiles: also the forwards of long and short sequences where their
     tiles differ (config.fwd_config_for_problem);
     page_sizes: the decode variants' (0: a contiguous cache); query_groups:
-    the causal decode variants' query heads per KV head (a step of several
-    tokens masks g rows per token; 1 also serves one token)."""
+    the decode variants' query heads per KV head (a step of several tokens
+    masks g rows per token where causal, and reads them in place where g
+    divides the tile, causal or not; 1 also serves one token)."""
     pairs = [(d, dv) for d in head_dims for dv in (head_dims_v or [d]) if dv <= d]
     out = []
     for dtype, (head_dim, head_dim_v), causal in itertools.product(dtypes, pairs, causal_flags):
@@ -181,12 +182,12 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
                 lengths = _long_variants(base) + _short_variants(base)
                 out += lengths + _one_round([base, *lengths])
         if "decode" in directions:
-            from .decode import reads_pages_in_place
+            from .decode import groups_fill_tile, reads_pages_in_place
 
             # a page size these head dims' kernels gather first has no kernel of its own
             pages = [p for p in page_sizes
                      if not p or reads_pages_in_place(p, head_dim, head_dim_v)]
-            groups = query_groups if causal else (1,)
+            groups = [g for g in query_groups if causal or g == 1 or groups_fill_tile(g)]
             out += [Variant("decode", dtype, head_dim, causal, head_dim_v=dv, split_kv=split,
                             page_size=page, rows_per_query=group)
                     for split, page, group in itertools.product((False, True), pages, groups)]
@@ -343,9 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a contiguous cache, comma-separated (default: 0,16,256)")
     p.add_argument("--query-groups", type=csv_list(positive_int), default=[1, 4, 8],
                    metavar="LIST",
-                   help="with --directions decode and causal: query heads per KV head of the "
-                        "models served, comma-separated; a step of several new tokens masks "
-                        "each token's group of rows (default: 1,4,8)")
+                   help="with --directions decode: query heads per KV head of the models "
+                        "served, comma-separated; a step of several new tokens reads each "
+                        "token's group of rows in place where the group divides 64, and "
+                        "masks it where causal (default: 1,4,8)")
     return p
 
 

@@ -537,7 +537,10 @@ def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
     (64, Features(varlen=True, split_kv=True, paged_kv=True), 0),
     (128, Features(varlen=True, paged_kv=True), 16),
     (256, Features(varlen=True, split_kv=True, paged_kv=True), 32),
-    (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=4), 16)])
+    (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=6), 16),
+    (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=4,
+                   heads_in_rows=True), 16),
+    (64, Features(varlen=True, rows_per_query=8, heads_in_rows=True), 0)])
 def test_decode_kernels(tmp_path, head_dim, features, load_rows):
     """The KV-cache forward (python_api/decode.py's config) stays
     warp-specialised and spill-free on HGMMA and TMA; a split one leaves its
@@ -545,11 +548,13 @@ def test_decode_kernels(tmp_path, head_dim, features, load_rows):
     a load, with shuffles and no spills; pages smaller than a block
     come in one TMA load per page and 64-column box (loads per stage: K and
     V blocks of 128 keys, here). With rows_per_query (a causal step of
-    several tokens, 4 rows each) too."""
+    several tokens, 6 rows each) too; with heads_in_rows q comes in boxes of
+    whole groups (d, g, tokens: with the heads and the batch, 5-D), and so
+    does an unsplit O."""
     from cute_fa.kernels.config import decode_fwd_config
 
     config = decode_fwd_config(head_dim).replace(kv_load_rows=load_rows)
-    causal = features.rows_per_query > 1
+    causal = features.rows_per_query > 1 and features.paged_kv
     kernel = compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
                          features=features)
     info = dumped_kernel_info(str(tmp_path))
@@ -563,6 +568,10 @@ def test_decode_kernels(tmp_path, head_dim, features, load_rows):
         combine = _ptx(tmp_path / "combine")
         assert "ld.global.v4" in combine and "shfl.sync" in combine
         assert dumped_kernel_info(str(tmp_path / "combine")).counts["local_memory"] == 0
+    loads_5d = re.findall(r"cp\.async\.bulk\.tensor\.5d\.shared::\w+\.global", ptx)
+    assert bool(loads_5d) == features.heads_in_rows
+    stores_5d = "cp.async.bulk.tensor.5d.global.shared" in ptx
+    assert stores_5d == (features.heads_in_rows and not features.split_kv)
     if load_rows:
         boxes = config.tile_n // load_rows * (head_dim // 64)  # per K or V block
         loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\d+d\.shared::\w+\.global", ptx))

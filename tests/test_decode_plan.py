@@ -38,14 +38,16 @@ def test_splits_fill_half_the_sms_in_powers_of_two():
 
 
 @pytest.mark.parametrize("seqlen_q,heads,heads_kv", [
-    (1, 32, 8), (1, 8, 8), (3, 32, 4), (4, 32, 8), (5, 32, 32)])
+    (1, 32, 8), (1, 8, 8), (3, 32, 4), (4, 32, 8), (5, 32, 32), (2, 24, 4), (2, 128, 1)])
 def test_every_kv_head_is_one_sequence_of_all_its_query_rows(seqlen_q, heads, heads_kv):
     """Keys and values are read once per (batch row, KV head): its s_q · g
     query rows are one sequence of the kernel, in place for one token."""
     p = decode.plan(2, seqlen_q, heads, heads_kv, 4096, 128, 0, 132)
     g = heads // heads_kv
     assert (p.sequences, p.rows, p.heads, p.group) == (2, seqlen_q * g, heads_kv, g)
-    assert p.viewed == (seqlen_q == 1)
+    expected = (decode.Rows.VIEW if seqlen_q == 1 else
+                decode.Rows.IN_KERNEL if g in (2, 4, 8, 16, 32, 64) else decode.Rows.COPY)
+    assert p.layout is expected
 
 
 def test_forced_splits_are_kept_within_the_blocks_and_the_merge():
@@ -54,24 +56,25 @@ def test_forced_splits_are_kept_within_the_blocks_and_the_merge():
     assert decode.plan(1, 1, 32, 8, 10 ** 6, 128, 500, 132).num_splits == MAX_KV_SPLITS
 
 
-@pytest.mark.parametrize("batch,seqlen_q,heads,heads_kv", [(3, 1, 32, 8), (2, 3, 16, 2),
-                                                            (2, 4, 8, 8), (1, 1, 8, 1),
-                                                            (2, 5, 12, 4)])
+@pytest.mark.parametrize("batch,seqlen_q,heads,heads_kv", [(3, 1, 32, 8), (2, 4, 8, 8),
+                                                            (1, 1, 8, 1), (2, 5, 12, 4)])
 def test_row_views_address_the_queries_they_stand_for(batch, seqlen_q, heads, heads_kv):
     """Kernel row r of sequence b and kernel head k is query head h = k·g + r
     % g of token s = r // g: one token, the view's sequence b starts at row
-    b·h; several, the packed copy's at b·s_q·g. The LSE the kernel leaves
-    per row comes back as (b, h, s_q) and O as (b, s_q, h, x). A view past
-    its tensor would raise in as_strided."""
+    b·h; several (copied), the packed copy's at b·s_q·g. The LSE the kernel
+    leaves per row comes back as (b, h, s_q) and O as (b, s_q, h, x). A view
+    past its tensor would raise in as_strided."""
     d = 8
     p = decode.plan(batch, seqlen_q, heads, heads_kv, 512, 128, 0, 132)
+    assert p.layout is not decode.Rows.IN_KERNEL
+    viewed = p.layout is decode.Rows.VIEW
     g = heads // heads_kv
     q = torch.arange(batch * seqlen_q * heads * d, dtype=torch.float32).view(
         batch, seqlen_q, heads, d)
-    packed = q if p.viewed else decode._pack_tokens(q, p)
+    packed = q if viewed else decode._pack_tokens(q, p)
     rows = decode._rows_view(packed.unsqueeze(0), p)[0]
     lse_kernel, lse_combine = decode._lse_buffer(1, batch, p, "cpu")
-    sequence_start = heads if p.viewed else seqlen_q * g
+    sequence_start = heads if viewed else seqlen_q * g
     expected_lse = torch.empty(batch, heads, seqlen_q)
     for b in range(batch):
         for s in range(seqlen_q):
@@ -80,10 +83,38 @@ def test_row_views_address_the_queries_they_stand_for(batch, seqlen_q, heads, he
                 assert torch.equal(rows[row, head], q[b, s, h])
                 lse_kernel[0, head, row] = expected_lse[b, h, s] = float(row * 1000 + head)
     lse = lse_combine[0]
-    if not p.viewed:
+    if not viewed:
         out, lse = decode._unpack_tokens(packed, lse, seqlen_q, p)
         assert torch.equal(out, q)
     assert torch.equal(lse.reshape(batch, heads, seqlen_q), expected_lse)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_several_tokens_of_whole_groups_are_read_in_place(splits):
+    """g dividing the 64-row tile: the kernel takes q and O as the caller's
+    tensors, token-major (1, b · s_q, h, d) views of them, and LSE (or each
+    part's) as (b, h, s_q): nothing is copied before or after it; the split
+    merge reads and writes the caller's order."""
+    batch, seqlen_q, heads, heads_kv, d = 2, 3, 16, 2, 8
+    p = decode.plan(batch, seqlen_q, heads, heads_kv, 512, 128, splits, 132)
+    assert p.layout is decode.Rows.IN_KERNEL and p.num_splits == splits
+    q = torch.randn(batch, seqlen_q, heads, d)
+    b = decode._buffers(q, p, seqlen_q, d)
+    assert b.q.shape == (1, batch * seqlen_q, heads, d) and b.q.data_ptr() == q.data_ptr()
+    assert torch.equal(b.q[0, 1 * seqlen_q + 2], q[1, 2])  # token t of sequence b: b · s_q + t
+    assert b.out.shape == (batch, seqlen_q, heads, d) and b.lse.shape == (batch, heads, seqlen_q)
+    assert b.out_kernel.data_ptr() == b.out.data_ptr() and b.out_kernel.shape == b.q.shape
+    assert decode.kernel_features(splits > 1, False, heads // heads_kv).heads_in_rows
+    if splits == 1:
+        assert b.lse_kernel is b.lse and b.o_parts is None
+    else:
+        assert b.o_parts.shape == (splits, batch, seqlen_q, heads, d)
+        assert b.o_parts_kernel.shape == (splits, batch * seqlen_q, heads, d)
+        assert b.o_parts_kernel.data_ptr() == b.o_parts.data_ptr()
+        assert b.lse_parts.shape == (splits, batch, heads, seqlen_q)
+        assert b.lse_kernel.shape == (splits * batch, heads, seqlen_q)
+        assert b.lse_kernel.data_ptr() == b.lse_parts.data_ptr()
+    assert not decode.kernel_features(False, False, 6).heads_in_rows  # copied: 6 ∤ 64
 
 
 def test_sequences_start_at_their_rows_and_cache_rows():

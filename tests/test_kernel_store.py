@@ -280,18 +280,21 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
         ["--directions", "decode", "--head-dims", "128", "--dtypes", "bf16", "--causal", "no",
          "--page-sizes", "0,16,256"])
     todo = precompile.chosen_variants(args)
+    # groups 4 and 8 (the default --query-groups) divide the tile: several
+    # tokens' rows are read in place, a kernel per group, causal or not
     assert sorted(v.label() for v in todo) == sorted(
-        f"decode bf16 d128 full{s}{p}" for s in ("", " split_kv")
-        for p in ("", " pages16", " pages256"))
+        f"decode bf16 d128 full{s}{p}{g}" for s in ("", " split_kv")
+        for p in ("", " pages16", " pages256") for g in ("", " group4", " group8"))
     asked = []
     monkeypatch.setattr("cute_fa.compile_cache.get_fwd", lambda *a: asked.append(a))
     for v in todo:
         precompile.kernels_of(v)
     for page in (None, 16, 256):
         for split in (False, True):
-            key = (torch.bfloat16, 128, False, decode.kernel_config(128, 128, page), 128,
-                   decode.kernel_features(split, page is not None))
-            assert key in asked
+            for group in (1, 4, 8):
+                key = (torch.bfloat16, 128, False, decode.kernel_config(128, 128, page), 128,
+                       decode.kernel_features(split, page is not None, group))
+                assert key in asked
     assert decode.kernel_config(128, 128, 16).kv_load_rows == 16
     # causal: one kernel per group size (each token's g rows share its mask row)
     args = precompile.build_parser().parse_args(

@@ -69,15 +69,17 @@ def test_kvcache_matches_the_reference(page_size, seqlen_q, new):
     _check_against_reference(q, k_cache, v_cache, k, page_table, lengths, new, True, out, lse)
 
 
-# GQA ratios 1, 4 and 8; 1 and several query tokens (packed per KV head
-# while s_q < g, decode.py); causal and not; head dims 64 and 128.
-@pytest.mark.parametrize("heads_kv", [32, 8, 4])
+# GQA ratios 1, 4, 8, 6 and 64; 1 and several query tokens (each KV head's
+# rows packed, decode.py: read in place where the group divides the 64-row
+# tile, copied for 6; a group of 64 fills a tile a token); causal and not;
+# head dims 64 and 128.
+@pytest.mark.parametrize("heads,heads_kv", [(32, 32), (32, 8), (32, 4), (24, 4), (64, 1)])
 @pytest.mark.parametrize("seqlen_q,causal", [(1, False), (3, True), (6, True), (5, False)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gqa_packing_and_query_tokens(heads_kv, seqlen_q, causal, d):
+def test_gqa_packing_and_query_tokens(heads, heads_kv, seqlen_q, causal, d):
     capacity = 2048
     q, k_cache, v_cache, _, _, _ = _problem(heads_kv + seqlen_q + d, 3, seqlen_q, capacity, 0,
-                                            heads_kv=heads_kv, d=d)
+                                            heads=heads, heads_kv=heads_kv, d=d)
     lengths = torch.tensor([5, capacity, 1000], dtype=torch.int32, device="cuda")
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=causal,
                                        return_softmax_lse=True)
