@@ -15,6 +15,9 @@ problem; causal with more than one query aligns them to the end. Peers:
 flash-attn-4 (flash_attn.cute: dense, and paged through its page_table),
 PyTorch SDPA pinned to each backend (dense caches, one query: its causal
 mask is top-left aligned), FlashInfer's batch decode where installed.
+cute_e4m3: ours on the same tokens cast to e4m3 caches (and q), descales 1:
+half the bytes, its TB/s counted on its own bytes; beside the 16-bit rows,
+not a peer.
 Timing: timing.time_interleaved (round-robin, L2 flushed, median).
 Writes <out>.json and <out>.md.
 """
@@ -37,6 +40,12 @@ HBM_PEAK_TBPS = 3.35  # H100 SXM5 HBM3
 SHAPES = {"llama3_8b": (32, 8), "70b_tp8": (8, 1), "mqa": (32, 1)}
 HEAD_DIM = 128
 PEERS = ("fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flashinfer")
+OURS = ("cute", "cute_e4m3")
+
+
+def backend_bytes(problem: dict, backend: str) -> int:
+    """The K and V bytes a backend's call reads: half for e4m3 caches."""
+    return problem["kv_bytes"] // 2 if backend == "cute_e4m3" else problem["kv_bytes"]
 
 
 def kv_bytes(batch: int, cache: int, heads_kv: int, head_dim: int = HEAD_DIM,
@@ -103,9 +112,11 @@ def callables(problem, backends, device) -> tuple[dict, dict]:
 
 def _callable(name, q, k, v, table, lengths):
     causal = q.shape[1] > 1
-    if name == "cute":
+    if name in OURS:
         from cute_fa import flash_attn_with_kvcache
 
+        if name == "cute_e4m3":
+            q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, page_table=table,
                                                causal=causal)
     if name == "fa4":
@@ -127,7 +138,7 @@ def _callable(name, q, k, v, table, lengths):
         return run
     if name == "flashinfer":
         return _flashinfer(q, k, v, table, lengths)
-    raise ValueError(f"backend: expected cute or one of {PEERS}, got {name!r}")
+    raise ValueError(f"backend: expected one of {OURS + PEERS}, got {name!r}")
 
 
 # FlashInfer's recommended workspace for its split-KV decode
@@ -190,7 +201,8 @@ def build_parser():
     p.add_argument("--pages", type=csv_list(int), default=[0, 16, 256],
                    help="page sizes, 0: a contiguous cache (default: 0,16,256)")
     p.add_argument("--backends", type=csv_list(str), default=["cute", *PEERS],
-                   help=f"ours (cute) and peers from {', '.join(PEERS)} (default: all)")
+                   help=f"ours (cute; cute_e4m3: e4m3 caches) and peers from "
+                        f"{', '.join(PEERS)} (default: cute and every peer)")
     p.add_argument("--max-gib", type=float, default=24.0,
                    help="skip problems whose K and V pass this many GiB (default: 24)")
     p.add_argument("--repeats", type=positive_int, default=30,
@@ -208,8 +220,9 @@ def parse_args(argv=None):
         if shape not in SHAPES:
             p.error(f"--shapes: expected names from {', '.join(SHAPES)}, got {shape!r}")
     for name in args.backends:
-        if name != "cute" and name not in PEERS:
-            p.error(f"--backends: expected cute or names from {', '.join(PEERS)}, got {name!r}")
+        if name not in OURS and name not in PEERS:
+            p.error(f"--backends: expected names from {', '.join(OURS + PEERS)}, got "
+                    f"{name!r}")
     for option, values in (("--batches", args.batches), ("--caches", args.caches),
                            ("--seqlens-q", args.seqlens_q)):
         if min(values) < 1:
@@ -232,7 +245,8 @@ def main(argv=None) -> int:
             row = dict(problem, backend=name)
             if name in times:
                 ms = times[name][0]
-                row.update(status="ok", us=ms * 1e3, tbps=problem["kv_bytes"] / ms / 1e9)
+                row.update(status="ok", us=ms * 1e3,
+                           tbps=backend_bytes(problem, name) / ms / 1e9)
             else:
                 row.update(status=f"unavailable: {missing.get(name, '?')}")
             rows.append(row)
@@ -267,7 +281,7 @@ def format_markdown(rows: list[dict], env: dict, command: str) -> str:
             return f"{r['us']:.1f} ({r['tbps']:.2f})" if r and r["status"] == "ok" else "n/a"
 
         peers = [r["tbps"] for name, r in by.items()
-                 if name not in ("cute", "copy") and r["status"] == "ok"]
+                 if name not in (*OURS, "copy") and r["status"] == "ok"]
         ours = by.get("cute")
         ratio = (f"{ours['tbps'] / max(peers):.2f}" if ours and ours["status"] == "ok" and peers
                  else "n/a")

@@ -232,30 +232,33 @@ def _key_sequences(c: _Constants, capacity: int, cache_rows, lengths):
     return cu_k, used_k.view(1, 1, -1)
 
 
-def paged_config(config: FwdConfig, page_size: int) -> FwdConfig | None:
+def paged_config(config: FwdConfig, page_size: int, fp8: bool = False) -> FwdConfig | None:
     """The config that reads a paged cache in place (cute_kernels/paged.py):
     blocks inside pages where tile_n divides the page size; page-wise loads
     into each block where the page divides tile_n (kv_load_rows); else a
     block of one page where it is a WGMMA N (a multiple of 16 below
-    tile_n). None: the cache is gathered into contiguous sequences first."""
+    tile_n; of 32, the e4m3 WGMMA's K, for e4m3 caches). None: the cache is
+    gathered into contiguous sequences first."""
     tile_n = config.tile_n
     if page_size % tile_n == 0:
         return config
     if tile_n % page_size == 0 and page_size % 8 == 0:
         return config.replace(kv_load_rows=page_size)
-    if page_size < tile_n and page_size % 16 == 0:
+    if page_size < tile_n and page_size % (32 if fp8 else 16) == 0:
         return config.replace(tile_n=page_size)
     return None
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call
-def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None) -> FwdConfig | None:
+def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
+                  fp8: bool = False) -> FwdConfig | None:
     """The forward config of a KV-cache problem at these kernel head dims: a
     contiguous cache (page_size None) or pages read in place (None where
-    paged_config does not take the page size). With kernel_features, what the precompile
-    command builds (python -m cute_fa.precompile --directions decode)."""
+    paged_config does not take the page size); fp8: e4m3 caches. With
+    kernel_features, what the precompile command builds (python -m
+    cute_fa.precompile --directions decode)."""
     config = decode_fwd_config(head_dim, head_dim_v)
-    return config if page_size is None else paged_config(config, page_size)
+    return config if page_size is None else paged_config(config, page_size, fp8)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call: one Features per combination
@@ -268,11 +271,22 @@ def kernel_features(split: bool, paged: bool, rows_per_query: int = 1) -> Featur
                     heads_in_rows=groups_fill_tile(rows_per_query))
 
 
-def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int) -> bool:
+def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int,
+                         fp8: bool = False) -> bool:
     """Whether the kernel loads a paged cache's blocks from its pages
     (paged_config takes the page size), rather than from a gathered copy."""
     return kernel_config(kernel_head_dim(head_dim), kernel_head_dim(head_dim_v),
-                         page_size) is not None
+                         page_size, fp8) is not None
+
+
+def descales(q: torch.Tensor, heads_kv: int, given: tuple) -> torch.Tensor | None:
+    """e4m3 q: the kernel's descales (3, b, h_kv) fp32 from the given (q, k,
+    v) ones (None: 1); None for 16-bit inputs."""
+    if q.dtype != torch.float8_e4m3fn:
+        return None
+    from .fp8_ops import kernel_descales
+
+    return kernel_descales(q.shape[0], heads_kv, *given, q.device)
 
 
 def reads_rows_as_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
@@ -297,38 +311,44 @@ def row_pages(cache_rows, batch: int, device) -> torch.Tensor:
 
 
 def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, page_table,
-        lengths, capacity: int, softmax_scale: float, causal: bool, num_splits: int):
+        lengths, capacity: int, softmax_scale: float, causal: bool, num_splits: int,
+        descales: torch.Tensor | None = None):
     """q (b, s_q, h, d) against a cache of K and V: contiguous, (1, rows,
     h_kv, d) holding each sequence's in `capacity` rows, sequence b's from
     row cache_rows[b] · capacity (None: b · capacity); or paged, (num_pages,
     page_size, h_kv, d) with page_table (b, max_pages) int32 (paged_config
     must take the page size). lengths[b] keys of sequence b (int32 (b,);
-    None: all, `capacity`). Returns O (b, s_q, h, d_v) and LSE (b, h, s_q)
-    fp32."""
+    None: all, `capacity`). e4m3 q, K and V take `descales` (fp32 (3, b,
+    h_kv): q's, k's, v's) and give a bf16 O. Returns O (b, s_q, h, d_v) and
+    LSE (b, h, s_q) fp32."""
     batch, seqlen_q, heads, head_dim = q.shape
     head_dim_v = values.shape[3]
     paged = page_table is not None
     kernel_dim, kernel_dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     q = ops.pad_head_dim(q.contiguous(), kernel_dim)
     keys, values = ops.pad_head_dim(keys, kernel_dim), ops.pad_head_dim(values, kernel_dim_v)
-    config = kernel_config(kernel_dim, kernel_dim_v, keys.shape[1] if paged else None)
+    fp8 = descales is not None
+    out_dtype = torch.bfloat16 if fp8 else q.dtype
+    config = kernel_config(kernel_dim, kernel_dim_v, keys.shape[1] if paged else None, fp8)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     sms = num_sms(device_index)
     p = plan(batch, seqlen_q, heads, keys.shape[2], capacity, config.tile_n, num_splits, sms)
     c = _constants_for(p, capacity, paged, q.device)
     split = p.num_splits > 1
     kernel_causal = bool(causal) and seqlen_q > 1
-    b = _buffers(q, p, seqlen_q, kernel_dim_v)
+    b = _buffers(q, p, seqlen_q, kernel_dim_v, out_dtype)
     # the rows' mask groups: the kernel's own view needs them causal or not
     group = p.group if kernel_causal or p.layout is Rows.IN_KERNEL else 1
     kernel, _, _ = fwd_kernel_for(b.q, values, kernel_causal, config,
-                                  kernel_features(split, paged, group))
+                                  kernel_features(split, paged, group),
+                                  out_dtype if fp8 else None)
     cu_k, used_k = _key_sequences(c, capacity, cache_rows, lengths)
     pages = c.no_pages if not paged else page_table.unsqueeze(0)
     kernel.fn(b.q, keys, values, b.out_kernel, b.lse_kernel, c.no_pages,
               c.stand_in if b.o_parts is None else b.o_parts_kernel, c.cu_q, cu_k, c.used_q,
-              used_k, c.stand_in, pages, c.stand_in, c.no_pages, softmax_scale * LOG2_E, sms, 0,
-              p.num_splits, 0, 0, 0.0, SEQUSED_Q | SEQUSED_K)
+              used_k, c.stand_in, pages, c.stand_in if descales is None else descales,
+              c.no_pages, softmax_scale * LOG2_E, sms, 0, p.num_splits, 0, 0, 0.0,
+              SEQUSED_Q | SEQUSED_K)
     out, lse = b.out, b.lse
     if split:
         kernel.combine(b.o_parts, b.lse_parts, out, lse)
@@ -354,12 +374,13 @@ class _Buffers:
     lse_parts: torch.Tensor | None = None  # split: (parts, b, heads, rows)
 
 
-def _buffers(q: torch.Tensor, p: DecodePlan, seqlen_q: int, dim_v: int) -> _Buffers:
+def _buffers(q: torch.Tensor, p: DecodePlan, seqlen_q: int, dim_v: int,
+             out_dtype: torch.dtype) -> _Buffers:
     batch, heads, parts = q.shape[0], q.shape[2], p.num_splits
     f32 = dict(dtype=torch.float32, device=q.device)
     if p.layout is Rows.IN_KERNEL:  # q, O and LSE as the caller has them
         tokens = batch * seqlen_q
-        out = q.new_empty((batch, seqlen_q, heads, dim_v))
+        out = torch.empty((batch, seqlen_q, heads, dim_v), dtype=out_dtype, device=q.device)
         lse = torch.empty((batch, heads, seqlen_q), **f32)
         b = _Buffers(q.view(1, tokens, heads, q.shape[3]), out, out.view(1, tokens, heads, dim_v),
                      lse, lse)
@@ -371,7 +392,7 @@ def _buffers(q: torch.Tensor, p: DecodePlan, seqlen_q: int, dim_v: int) -> _Buff
         return b
     # one token: O in the caller's layout; COPY: in the packed order, then copied
     rows, out_heads = (seqlen_q, heads) if p.layout is Rows.VIEW else (p.rows, p.heads)
-    out = q.new_empty((batch, rows, out_heads, dim_v))
+    out = torch.empty((batch, rows, out_heads, dim_v), dtype=out_dtype, device=q.device)
     lse_kernel, lse_parts = _lse_buffer(parts, batch, p, q.device)
     q_rows = _rows_view((q if p.layout is Rows.VIEW else _pack_tokens(q, p)).unsqueeze(0), p)
     b = _Buffers(q_rows, out, _rows_view(out.unsqueeze(0), p), lse_parts[0], lse_kernel)

@@ -79,14 +79,15 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
         raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
 
 
-def _descales(q, k, q_descale, k_descale, v_descale) -> torch.Tensor:
+def kernel_descales(batch: int, heads_kv: int, q_descale, k_descale, v_descale,
+                    device) -> torch.Tensor:
     """The kernel's descales, fp32 (3, batch, nheads_kv): q's, k's, v's (1 where None)."""
     ones = None
     parts = []
     for d in (q_descale, k_descale, v_descale):
         if d is None:
             if ones is None:
-                ones = torch.ones((q.shape[0], k.shape[2]), dtype=torch.float32, device=q.device)
+                ones = torch.ones((batch, heads_kv), dtype=torch.float32, device=device)
             d = ones
         parts.append(d)
     return torch.stack(parts).contiguous()
@@ -127,7 +128,8 @@ def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
                                 tail, scores.window, fp8=True)
     inputs = [tma_ready(q), tma_ready(k), tma_ready(v),
-              _descales(q, k, q_descale, k_descale, v_descale)]
+              kernel_descales(q.shape[0], k.shape[2], q_descale, k_descale, v_descale,
+                              q.device)]
     nvtx_ranges.push(name)
     try:
         return launch_plan.execute(plan, [kernel.fn], inputs, resolve_scale(q, softmax_scale),

@@ -162,7 +162,7 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
                   cutlass.Int32(1),
                   *_score_args(), cutlass.Int32(0), dump_dir=dump_dir)
     if features.split_kv:
-        combine = _compile_combine(cute_dtype, head_dim_v,
+        combine = _compile_combine(cute_out, head_dim_v,
                                    dump_dir and os.path.join(dump_dir, "combine"))
     return CompiledKernel(fn, time.perf_counter() - start, combine=combine)
 

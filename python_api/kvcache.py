@@ -26,6 +26,14 @@ a multiple of the kernel's key block (128 keys; 64 above head dim 128) is
 read the same way, one page per cache row (cache_batch_idx, or the batch
 index, its page table).
 
+FP8: q, k_cache, v_cache (and new k, v) all torch.float8_e4m3fn, with
+q_descale, k_descale, v_descale fp32 (batch, nheads_kv) (x ≈ x8 · descale,
+fp8.py; None: 1), as FlashAttention-3 takes them; out is then bf16. The
+same kernel with e4m3 operands (the FP8 forward's: Q·Kᵀ and P·V on FP8
+WGMMA, V transposed in shared memory), descales folded into the score
+scale and O; head dims of the FP8 forward (kernels.config.FP8_HEAD_DIMS),
+v's that of q. Half the bytes of a 16-bit cache to read.
+
 What is checked: shapes, dtypes, devices, head counts, contiguous pages.
 The values of cache_seqlens, page_table and cache_batch_idx are checked on
 the CPU; on the GPU reading them would stall every decode step, so they are
@@ -40,24 +48,31 @@ import torch
 
 from . import compile_cache, decode, ops, reference
 from . import nvtx as nvtx_ranges
+from .kernels.config import FP8_HEAD_DIMS
 from .validate import SUPPORTED_DTYPES, describe
+
+E4M3 = torch.float8_e4m3fn
+E4M3_OUT = torch.bfloat16  # the output of e4m3 inputs, as FlashAttention-3's
 
 _lib = ops._lib
 _lib.define("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
             "Tensor? v=None, Tensor? cache_seqlens=None, Tensor? page_table=None, "
             "Tensor? cache_batch_idx=None, float? softmax_scale=None, bool causal=False, "
-            "int num_splits=0) -> (Tensor, Tensor)")
+            "int num_splits=0, Tensor? q_descale=None, Tensor? k_descale=None, "
+            "Tensor? v_descale=None) -> (Tensor, Tensor)")
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-                         cache_batch_idx, num_splits) -> None:
+                         cache_batch_idx, num_splits, q_descale=None, k_descale=None,
+                         v_descale=None) -> None:
     """Shapes, dtypes and devices (no values: see the module's docstring)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D torch.Tensor, got {describe(t)}")
-        if t.dtype not in SUPPORTED_DTYPES or t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(f"{name}: expected dtype bfloat16 or float16, that of q, on "
-                            f"{q.device}, got {describe(t)}")
+        if (t.dtype not in SUPPORTED_DTYPES and t.dtype != E4M3) or t.dtype != q.dtype \
+                or t.device != q.device:
+            raise TypeError(f"{name}: expected dtype bfloat16, float16 or float8_e4m3fn, that "
+                            f"of q, on {q.device}, got {describe(t)}")
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected the last dimension to be contiguous, got "
                              f"strides {tuple(t.stride())}")
@@ -108,6 +123,27 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0: chosen from the shapes), got "
                          f"{num_splits!r}")
+    _check_descales(q, heads_kv, v_cache.shape[3], q_descale, k_descale, v_descale)
+
+
+def _check_descales(q, heads_kv, head_dim_v, q_descale, k_descale, v_descale) -> None:
+    descales = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    if q.dtype != E4M3:
+        for name, d in descales:
+            if d is not None:
+                raise ValueError(f"{name}: expected None for {q.dtype} inputs (descales "
+                                 f"belong to float8_e4m3fn ones), got {describe(d)}")
+        return
+    head_dim = q.shape[3]
+    if head_dim not in FP8_HEAD_DIMS or head_dim_v != head_dim:
+        raise ValueError(f"q, v_cache: expected headdim one of {FP8_HEAD_DIMS}, v's that of q, "
+                         f"for float8_e4m3fn inputs, got {head_dim} and {head_dim_v}")
+    expected = (q.shape[0], heads_kv)
+    for name, d in descales:
+        if d is not None and (not isinstance(d, torch.Tensor) or tuple(d.shape) != expected
+                              or d.dtype != torch.float32 or d.device != q.device):
+            raise ValueError(f"{name}: expected None or an fp32 tensor of shape {expected} "
+                             f"(batch, nheads_kv) on {q.device}, got {describe(d)}")
 
 
 def _check_index(name, t, shape, device) -> None:
@@ -174,6 +210,8 @@ def append_to_cache(k_cache, v_cache, k, v, cache_seqlens, page_table,
         rows = owners[:, None].expand(batch, new)
     keep = inside[..., None, None]
     for cache, values in ((k_cache, k), (v_cache, v)):
+        if cache.dtype == E4M3:  # moved as bytes (torch.where takes no e4m3)
+            cache, values = cache.view(torch.uint8), values.view(torch.uint8)
         cache[rows, slots] = torch.where(keep, values, cache[rows, slots])
     return cache_seqlens + new
 
@@ -209,23 +247,41 @@ def _sequences(k_cache, v_cache, page_table, in_place: bool):
     return keys, values, k_cache.shape[1]
 
 
-def _reference(q, keys, values, cache_rows, lengths, capacity, scale, causal):
-    """The CPU path: reference math over the same sequences the kernels see."""
+def _reference(q, keys, values, cache_rows, lengths, capacity, scale, causal, descales):
+    """The CPU path: reference math over the same sequences the kernels see.
+    e4m3 (descales (q, k, v), each (batch, nheads_kv) or None): on the
+    dequantized values, a sequence's k descale folded into its q and its v
+    descale into its output (a cache row may serve sequences of other
+    descales)."""
     batch, seqlen_q, heads, _ = q.shape
     steps = torch.arange(batch + 1, dtype=torch.int32)
     rows = steps[:batch] if cache_rows is None else cache_rows
     starts = rows * capacity
+    fp8 = q.dtype == E4M3
+    group = heads // keys.shape[2]
+    if fp8:
+        q_descale, k_descale, v_descale = (
+            torch.ones(batch, keys.shape[2]) if d is None else d for d in descales)
+        q = q.float() * (q_descale * k_descale).repeat_interleave(group, 1)[:, None, :, None]
+        keys, values = keys.float(), values.float()
     out, lse = reference.varlen_attention_reference(
         q.reshape(batch * seqlen_q, heads, -1), keys[0], values[0], steps * seqlen_q,
         torch.cat([starts, starts[-1:]]), scale, causal, seqused_k=lengths)
-    return (out.view(batch, seqlen_q, heads, -1),
-            lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous())
+    out = out.view(batch, seqlen_q, heads, -1)
+    if fp8:
+        if descales[2] is not None:
+            out = out * descales[2].repeat_interleave(group, 1)[:, None, :, None]
+        out = out.to(E4M3_OUT)
+    return out, lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
-             cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0):
+             cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0,
+             q_descale=None, k_descale=None, v_descale=None):
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-                         cache_batch_idx, num_splits)
+                         cache_batch_idx, num_splits, q_descale, k_descale, v_descale)
+    descales = (q_descale, k_descale, v_descale)
+    out_dtype = E4M3_OUT if q.dtype == E4M3 else q.dtype
     paged = page_table is not None
     if q.device.type == "cpu":
         _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
@@ -239,7 +295,7 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
                                       cache_batch_idx)
         on_gpu = q.device.type == "cuda"
         in_place = paged and on_gpu and decode.reads_pages_in_place(
-            k_cache.shape[1], head_dim, v_cache.shape[3])
+            k_cache.shape[1], head_dim, v_cache.shape[3], q.dtype == E4M3)
         if not paged and on_gpu and decode.reads_rows_as_pages(k_cache, v_cache, head_dim):
             page_table = decode.row_pages(cache_batch_idx, batch, q.device)
             cache_batch_idx, paged, in_place = None, True, True
@@ -253,20 +309,25 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
             if lengths is None:
                 lengths = torch.full((batch,), capacity, dtype=torch.int32)
             return _reference(q, keys, values, cache_batch_idx, lengths, capacity, scale,
-                              causal)
+                              causal, descales)
         if capacity == 0:  # no keys: output 0, LSE -inf
-            return (q.new_zeros((batch, seqlen_q, heads, v_cache.shape[3])),
+            return (torch.zeros((batch, seqlen_q, heads, v_cache.shape[3]), dtype=out_dtype,
+                                device=q.device),
                     ops.keyless_lse((batch, heads, seqlen_q), 0, None, q.device))
         return decode.run(q, keys, values, cache_batch_idx, page_table if in_place else None,
-                          lengths, capacity, scale, causal, num_splits)
+                          lengths, capacity, scale, causal, num_splits,
+                          decode.descales(q, keys.shape[2], descales))
 
 
 def _fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
-          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0):
+          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0,
+          q_descale=None, k_descale=None, v_descale=None):
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-                         cache_batch_idx, num_splits)
+                         cache_batch_idx, num_splits, q_descale, k_descale, v_descale)
     batch, seqlen_q, heads, _ = q.shape
-    return (q.new_empty((batch, seqlen_q, heads, v_cache.shape[3])),
+    out_dtype = E4M3_OUT if q.dtype == E4M3 else q.dtype
+    return (torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=out_dtype,
+                        device=q.device),
             torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device))
 
 
@@ -275,14 +336,17 @@ ops.register_kernels("fwd_kvcache", _forward, _forward, _fake)
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             page_table=None, cache_batch_idx=None, softmax_scale=None,
-                            causal=False, num_splits=0, return_softmax_lse=False):
+                            causal=False, num_splits=0, return_softmax_lse=False,
+                            q_descale=None, k_descale=None, v_descale=None):
     """Attention of q against a KV cache, appending k, v first (the module's
     docstring has the layouts). Returns out (batch, seqlen_q, nheads, d_v),
     and with return_softmax_lse the fp32 LSE (batch, nheads, seqlen_q).
     Inference only: no gradient. num_splits: key ranges per (sequence, KV
     head) computed by different CTAs and merged exactly (flash-decoding);
     0 chooses it from the shapes and the SM count (decode.choose_splits),
-    1 never splits; at most 128 and the cache's 128-key blocks."""
+    1 never splits; at most 128 and the cache's 128-key blocks. e4m3 q and
+    caches take q_descale, k_descale, v_descale (batch, nheads_kv) fp32 (None:
+    1) and give a bf16 out."""
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
@@ -292,5 +356,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                   "(call it under torch.no_grad())")
     out, lse = torch.ops.cute_fa.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
                                              page_table, cache_batch_idx, softmax_scale,
-                                             bool(causal), num_splits)
+                                             bool(causal), num_splits, q_descale, k_descale,
+                                             v_descale)
     return (out, lse) if return_softmax_lse else out

@@ -70,12 +70,13 @@ def kvcache_range_name(q, k_cache, page_table, causal: bool) -> str:
     length (tokens, or per page), its pages per sequence (0: contiguous).
     Cached: a decoder asks for the same few at every step."""
     pages = 0 if page_table is None else page_table.shape[1]
-    key = ("fwd_kvcache", q.shape, k_cache.shape, pages, causal)
+    key = ("fwd_kvcache", q.shape, k_cache.shape, pages, causal, q.dtype)
     name = _names.get(key)
     if name is None:
         b, sq, hq, d = q.shape
         name = (f"cute_fa.fwd_kvcache[b={b},sq={sq},cache={k_cache.shape[1]},pages={pages},"
-                f"hq={hq},hkv={k_cache.shape[2]},d={d},causal={int(causal)}]")
+                f"hq={hq},hkv={k_cache.shape[2]},d={d},causal={int(causal)},"
+                f"{_SHORT_DTYPE.get(str(q.dtype), str(q.dtype))}]")
         if len(_names) < _MAX_NAMES:
             _names[key] = name
     return name

@@ -165,6 +165,34 @@ def test_fp8_forward_kernel(tmp_path, head_dim, causal, seqlen_k):
     _assert_no_spills(info)
 
 
+@pytest.mark.parametrize("head_dim,features", [
+    (128, Features(varlen=True, split_kv=True, paged_kv=True)),
+    (64, Features(varlen=True, rows_per_query=4, heads_in_rows=True))])
+def test_fp8_decode_kernels(tmp_path, head_dim, features):
+    """e4m3 caches (python_api/decode.py): the KV-cache forward on FP8
+    WGMMA (QGMMA) over packed sequences, split key ranges and pages, V
+    transposed in shared memory; spill-free; a split one's merge writes
+    bf16."""
+    from cute_fa.kernels.config import decode_fwd_config
+
+    config = decode_fwd_config(head_dim).replace(kv_load_rows=16 if features.paged_kv else 0)
+    kernel = compile_fwd(torch.float8_e4m3fn, head_dim, features.rows_per_query > 1, config,
+                         dump_dir=str(tmp_path), features=features, out_dtype=torch.bfloat16)
+    ptx = _ptx(tmp_path)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx
+    info = dumped_kernel_info(str(tmp_path))
+    assert info.sass is not None and info.sass["qgmma"] > 0 and info.sass["hgmma"] == 0
+    assert not info.wgmma_serialized, info.sass
+    assert info.counts["mbarrier_wait"] > 0 and info.warpgroups == 2
+    assert ("dec", config.producer_regs) in info.setmaxnreg
+    _assert_no_spills(info)
+    assert (kernel.combine is not None) == features.split_kv
+    if features.split_kv:
+        assert "st.global.v2.f32" in ptx or "st.global.v2.b32" in ptx  # fp32 partial rows
+        assert "cvt.rn.bf16x2.f32" in _ptx(tmp_path / "combine")
+
+
 def test_claimed_tiles_add_one_atomic_and_no_math(tmp_path):
     """FwdConfig.dynamic_tiles: the producer claims each further tile with
     one atomic add; the main loop does the same GEMMs and exponentials as

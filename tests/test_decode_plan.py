@@ -99,7 +99,7 @@ def test_several_tokens_of_whole_groups_are_read_in_place(splits):
     p = decode.plan(batch, seqlen_q, heads, heads_kv, 512, 128, splits, 132)
     assert p.layout is decode.Rows.IN_KERNEL and p.num_splits == splits
     q = torch.randn(batch, seqlen_q, heads, d)
-    b = decode._buffers(q, p, seqlen_q, d)
+    b = decode._buffers(q, p, seqlen_q, d, q.dtype)
     assert b.q.shape == (1, batch * seqlen_q, heads, d) and b.q.data_ptr() == q.data_ptr()
     assert torch.equal(b.q[0, 1 * seqlen_q + 2], q[1, 2])  # token t of sequence b: b · s_q + t
     assert b.out.shape == (batch, seqlen_q, heads, d) and b.lse.shape == (batch, heads, seqlen_q)

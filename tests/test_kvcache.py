@@ -141,7 +141,10 @@ def test_compiled_decode_step():
     (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)),
      "cache_batch_idx: expected None with a page_table"),
     (dict(q=torch.zeros(3, 1, 7, D, dtype=torch.bfloat16)), "nheads_kv to divide nheads = 7"),
-    (dict(q=torch.zeros(3, 1, HEADS, D)), "q: expected dtype bfloat16 or float16"),
+    (dict(q=torch.zeros(3, 1, HEADS, D)), "q: expected dtype bfloat16, float16 or float8"),
+    (dict(q=torch.zeros(3, 1, HEADS, D, dtype=torch.float8_e4m3fn)),
+     "k_cache: expected dtype bfloat16, float16 or float8_e4m3fn, that of q"),
+    (dict(q_descale=torch.ones(3, HEADS_KV)), "q_descale: expected None for torch.bfloat16"),
     (dict(num_splits=-1), "num_splits: expected an int >= 0"),
 ])
 def test_bad_inputs_are_clear_errors(change, message):
@@ -158,3 +161,99 @@ def test_non_contiguous_pages_are_refused():
     strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match="expected contiguous pages"):
         flash_attn_with_kvcache(q, strided, v_cache, page_table=page_table)
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8_problem(seed, batch, seqlen_q, capacity, heads, heads_kv, d, new=0, page_size=None):
+    """e4m3 q, caches and new k, v with their descales (fp8.quantize_fp8)."""
+    from cute_fa.fp8 import quantize_fp8
+
+    gen = torch.Generator().manual_seed(seed)
+    q8, q_descale = quantize_fp8(torch.randn(batch, seqlen_q, heads, d, generator=gen),
+                                 heads_kv)
+    k8, k_descale = quantize_fp8(torch.randn(batch, capacity, heads_kv, d, generator=gen))
+    v8, v_descale = quantize_fp8(torch.randn(batch, capacity, heads_kv, d, generator=gen))
+    k_new = v_new = None
+    if new:
+        k_new, v_new = (torch.randn(batch, new, heads_kv, d, generator=gen).to(E4M3)
+                        for _ in range(2))
+    page_table = None
+    if page_size:  # the same tokens as pages, in a shuffled page order
+        pages = capacity // page_size
+        order = torch.randperm(batch * pages, generator=gen)
+        page_table = order.view(batch, pages).int()
+        paged = [torch.empty(batch * pages, page_size, heads_kv, d, dtype=E4M3) for _ in (k8, v8)]
+        for cache, dense in zip(paged, (k8, v8)):
+            cache.view(torch.uint8)[order] = dense.view(torch.uint8).reshape(
+                batch * pages, page_size, heads_kv, d)
+        k8, v8 = paged
+    return q8, k8, v8, k_new, v_new, page_table, (q_descale, k_descale, v_descale)
+
+
+@pytest.mark.parametrize("page_size,new,seqlen_q", [(None, 0, 1), (None, 2, 3), (8, 1, 4)])
+def test_e4m3_caches_match_the_dequantized_attention(page_size, new, seqlen_q):
+    """e4m3 q and caches with descales (batch, nheads_kv): a bf16 out equal to
+    the attention of the dequantized values, LSE too; new e4m3 k, v land in
+    the cache as bytes."""
+    from cute_fa.fp8 import dequantize_fp8
+
+    batch, capacity, d = 2, 32, 64
+    q8, k8, v8, k_new, v_new, table, (qs, ks, vs) = _fp8_problem(
+        12, batch, seqlen_q, capacity, HEADS, HEADS_KV, d, new, page_size)
+    lengths = torch.tensor([5, capacity - new], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q8, k8, v8, k_new, v_new, cache_seqlens=lengths,
+                                       page_table=table, causal=True, return_softmax_lse=True,
+                                       q_descale=qs, k_descale=ks, v_descale=vs)
+    assert out.dtype == torch.bfloat16 and out.shape == (batch, seqlen_q, HEADS, d)
+    for b in range(batch):
+        n = int(lengths[b]) + new
+        keys, values = _logical(k8, table, b), _logical(v8, table, b)
+        if new:
+            assert torch.equal(keys[n - new:n].view(torch.uint8), k_new[b].view(torch.uint8))
+        ref, ref_lse = attention_reference(
+            dequantize_fp8(q8[b:b + 1], qs[b:b + 1]), dequantize_fp8(keys[None, :n], ks[b:b + 1]),
+            dequantize_fp8(values[None, :n], vs[b:b + 1]), None, True)
+        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[b:b + 1], ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(k_descale=torch.ones(2, HEADS)), r"k_descale: expected None or an fp32 tensor of "
+                                           r"shape \(2, 2\)"),
+    (dict(v_descale=torch.ones(2, HEADS_KV, dtype=torch.float64)), "v_descale: expected"),
+    (dict(q=torch.zeros(2, 1, HEADS, 80, dtype=E4M3)), "expected \\(\\*, \\*, nheads_kv, 80\\)"),
+])
+def test_e4m3_bad_inputs_are_clear_errors(change, message):
+    q8, k8, v8, _, _, _, (qs, ks, vs) = _fp8_problem(13, 2, 1, 16, HEADS, HEADS_KV, 64)
+    args = dict(q=q8, k_cache=k8, v_cache=v8, q_descale=qs, k_descale=ks, v_descale=vs)
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=message):
+        flash_attn_with_kvcache(**args)
+
+
+def test_e4m3_head_dims_are_those_of_the_fp8_forward():
+    from cute_fa.kernels.config import FP8_HEAD_DIMS
+
+    q8, k8, v8, _, _, _, _ = _fp8_problem(14, 1, 1, 16, HEADS, HEADS_KV, 32)
+    assert 32 not in FP8_HEAD_DIMS
+    with pytest.raises(ValueError, match="expected headdim one of"):
+        flash_attn_with_kvcache(q8, k8, v8)
+
+
+def test_e4m3_opcheck_and_fake_out_dtype():
+    q8, k8, v8, k_new, v_new, table, (qs, ks, vs) = _fp8_problem(15, 2, 2, 16, HEADS, HEADS_KV,
+                                                                  64, new=1, page_size=8)
+    lengths = torch.tensor([3, 0], dtype=torch.int32)
+    # test_schema (the mutation declaration, checked with 16-bit caches above)
+    # perturbs the inputs with arithmetic torch has no e4m3 kernel for
+    torch.library.opcheck(torch.ops.cute_fa.fwd_kvcache.default,
+                          (q8, k8, v8, k_new, v_new, lengths, table, None, None, True, 0, qs, ks,
+                           vs),
+                          test_utils=("test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    with torch._subclasses.FakeTensorMode() as mode:
+        fq, fk, fv, ftable = (mode.from_tensor(t) for t in (q8, k8, v8, table))
+        out, lse = torch.ops.cute_fa.fwd_kvcache(fq, fk, fv, page_table=ftable)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32

@@ -230,3 +230,71 @@ def test_one_launch_append_writes_what_the_index_writes_do(monkeypatch, page_siz
     for a, b in zip(caches, want_caches):
         assert torch.equal(a, b)
     assert not torch.equal(caches[0], k_cache)  # something was written
+
+
+def _rmse(a, b):
+    return (a.float() - b.float()).pow(2).mean().sqrt().item()
+
+
+# e4m3 caches: contiguous (read as pages of a cache row, and not), paged in
+# place (16, 256) and gathered (24), one token and several (in place: g 4 and
+# 8; copied: g 6), appended tokens, split and not; head dims 64 and 128.
+@pytest.mark.parametrize("page_size,capacity", [(None, 1024), (None, 1000), (16, 1024),
+                                                (256, 1024), (24, 984)])
+@pytest.mark.parametrize("seqlen_q,new,heads,heads_kv,splits", [
+    (1, 0, 32, 8, 0), (1, 1, 32, 8, 1), (4, 4, 32, 8, 0), (3, 0, 32, 4, 3), (2, 0, 24, 4, 0)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_e4m3_cache_within_the_emulations_error(page_size, capacity, seqlen_q, new, heads,
+                                                heads_kv, splits, d):
+    """Against the exact attention of the dequantized values, within 1.5x of
+    the error of the FP8 forward's emulation (P rounded to e4m3: the bound
+    of tests/test_fp8_gpu.py), over all sequences; LSE to the FP8 WGMMA's
+    accumulation; out bf16."""
+    from cute_fa.fp8 import dequantize_fp8, fp8_attention_emulation, quantize_fp8
+
+    batch = 3
+    gen = torch.Generator(device="cuda").manual_seed((page_size or 0) + seqlen_q + d)
+
+    def randn(*shape):
+        return torch.randn(shape, device="cuda", generator=gen)
+
+    q8, qs = quantize_fp8(randn(batch, seqlen_q, heads, d), heads_kv)
+    k8, ks = quantize_fp8(randn(batch, capacity, heads_kv, d))
+    v8, vs = quantize_fp8(randn(batch, capacity, heads_kv, d))
+    k_new = v_new = page_table = None
+    if new:
+        k_new, v_new = (randn(batch, new, heads_kv, d).to(torch.float8_e4m3fn) for _ in "kv")
+    k_cache, v_cache = k8, v8
+    if page_size:
+        pages = capacity // page_size
+        order = torch.randperm(batch * pages, device="cuda", generator=gen)
+        page_table = order.view(batch, pages).int()
+        k_cache, v_cache = (torch.empty(batch * pages, page_size, heads_kv, d, device="cuda",
+                                        dtype=torch.float8_e4m3fn) for _ in "kv")
+        for cache, dense in ((k_cache, k8), (v_cache, v8)):
+            cache.view(torch.uint8)[order] = dense.view(torch.uint8).reshape(
+                batch * pages, page_size, heads_kv, d)
+    lengths = torch.tensor([300, capacity - new, 555], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q8, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                       page_table=page_table, causal=True, num_splits=splits,
+                                       return_softmax_lse=True, q_descale=qs, k_descale=ks,
+                                       v_descale=vs)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    outs, emulated, exact, lses, exact_lses = [], [], [], [], []
+    for b in range(batch):
+        n = int(lengths[b]) + new
+        keys, values = (_logical(c, page_table, b)[None, :n] for c in (k_cache, v_cache))
+        if new:
+            assert torch.equal(keys[0, n - new:].view(torch.uint8), k_new[b].view(torch.uint8))
+        sel = slice(b, b + 1)
+        emu, _ = fp8_attention_emulation(q8[sel], keys, values, qs[sel], ks[sel], vs[sel],
+                                         causal=True)
+        ref, ref_lse = attention_reference(dequantize_fp8(q8[sel], qs[sel]),
+                                           dequantize_fp8(keys, ks[sel]),
+                                           dequantize_fp8(values, vs[sel]), None, True)
+        outs.append(out[sel]), emulated.append(emu), exact.append(ref)
+        lses.append(lse[sel]), exact_lses.append(ref_lse)
+    ours, bound = _rmse(torch.cat(outs), torch.cat(exact)), _rmse(torch.cat(emulated),
+                                                                 torch.cat(exact))
+    assert ours <= 1.5 * bound + 1e-6, f"RMSE {ours:.3e} > 1.5 x the emulation's {bound:.3e}"
+    torch.testing.assert_close(torch.cat(lses), torch.cat(exact_lses), atol=2e-2, rtol=2e-3)
