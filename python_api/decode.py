@@ -64,6 +64,11 @@ SPLIT_TARGET_SM_SHARE = 0.5
 # A split pays where the K/V blocks it takes off each tile's chain outweigh
 # the merge it adds: at least this many (docs/findings.md, "Decode").
 MIN_SPLIT_SAVED_BLOCKS = 6
+# K/V stages of e4m3 caches on a grid of at most SPLIT_TARGET_SM_SHARE of the
+# SMs, whose CTAs each stream at the rate their bytes in flight allow: an
+# e4m3 stage holds half a 16-bit one's bytes (docs/findings.md, "Decode":
+# 8-10 % faster there, up to 3 % slower on a full GPU, which keeps two).
+E4M3_SMALL_GRID_STAGES = 3
 
 
 class Rows(enum.Enum):
@@ -99,6 +104,11 @@ class DecodePlan:
     group: int  # g = h / h_kv, query rows per token
     total_rows: int  # the packed row axis the views span
     num_splits: int
+
+    @property
+    def ctas(self) -> int:
+        """The forward's grid of work: tiles (64 rows each) times parts."""
+        return self.sequences * self.heads * -(-self.rows // 64) * self.num_splits
 
 
 def choose_splits(tiles: int, n_blocks: int, sms: int) -> int:
@@ -251,13 +261,16 @@ def paged_config(config: FwdConfig, page_size: int, fp8: bool = False) -> FwdCon
 
 @functools.lru_cache(maxsize=None)  # asked on every call
 def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
-                  fp8: bool = False) -> FwdConfig | None:
+                  fp8: bool = False, small_grid: bool = False) -> FwdConfig | None:
     """The forward config of a KV-cache problem at these kernel head dims: a
     contiguous cache (page_size None) or pages read in place (None where
-    paged_config does not take the page size); fp8: e4m3 caches. With
+    paged_config does not take the page size); fp8: e4m3 caches, with
+    E4M3_SMALL_GRID_STAGES where the grid is small (small_grid). With
     kernel_features, what the precompile command builds (python -m
     cute_fa.precompile --directions decode)."""
     config = decode_fwd_config(head_dim, head_dim_v)
+    if fp8 and small_grid:
+        config = config.replace(kv_stages=E4M3_SMALL_GRID_STAGES)
     return config if page_size is None else paged_config(config, page_size, fp8)
 
 
@@ -329,10 +342,13 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     keys, values = ops.pad_head_dim(keys, kernel_dim), ops.pad_head_dim(values, kernel_dim_v)
     fp8 = descales is not None
     out_dtype = torch.bfloat16 if fp8 else q.dtype
-    config = kernel_config(kernel_dim, kernel_dim_v, keys.shape[1] if paged else None, fp8)
+    page_size = keys.shape[1] if paged else None
+    config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     sms = num_sms(device_index)
     p = plan(batch, seqlen_q, heads, keys.shape[2], capacity, config.tile_n, num_splits, sms)
+    if fp8 and p.ctas <= int(SPLIT_TARGET_SM_SHARE * sms):
+        config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8, small_grid=True)
     c = _constants_for(p, capacity, paged, q.device)
     split = p.num_splits > 1
     kernel_causal = bool(causal) and seqlen_q > 1

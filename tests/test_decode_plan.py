@@ -170,3 +170,21 @@ def test_contiguous_rows_of_whole_blocks_are_read_as_pages():
     rows = torch.tensor([3, 0], dtype=torch.int32)
     assert torch.equal(decode.row_pages(rows, 2, rows.device), rows.view(2, 1))
     assert decode.row_pages(None, 3, torch.device("cpu")).flatten().tolist() == [0, 1, 2]
+
+
+def test_e4m3_small_grids_keep_more_stages_in_flight():
+    """e4m3 caches on a grid of at most half the SMs take
+    E4M3_SMALL_GRID_STAGES K/V stages (a stage holds half the bytes of a
+    16-bit one); full grids and 16-bit caches keep decode_fwd_config's."""
+    assert decode.plan(64, 1, 8, 1, 8192, 128, 0, 132).ctas == 64  # one tile a sequence
+    assert decode.plan(1, 1, 32, 8, 8192, 128, 0, 132).ctas == 64  # 8 tiles x 8 parts
+    assert decode.plan(16, 1, 32, 8, 8192, 128, 0, 132).ctas == 128
+    assert decode.plan(1, 4, 32, 1, 8192, 128, 1, 132).ctas == 2  # 128 rows: two tiles
+    base = decode_fwd_config(128)
+    for page in (None, 16, 256):
+        small = decode.kernel_config(128, 128, page, True, True)
+        assert small.kv_stages == decode.E4M3_SMALL_GRID_STAGES != base.kv_stages
+        assert decode.kernel_config(128, 128, page, True).kv_stages == base.kv_stages
+        assert decode.kernel_config(128, 128, page, False, True).kv_stages == base.kv_stages
+    for d in (64, 96, 128, 192, 256):
+        decode.kernel_config(d, d, None, True, True).validate(d, d, fp8=True)
