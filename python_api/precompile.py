@@ -7,6 +7,7 @@
     python -m cute_fa.precompile --directions decode --causal yes --query-groups 4 --page-sizes 0
     python -m cute_fa.precompile --directions block_sparse --head-dims 64,128 --dtypes bf16
     python -m cute_fa.precompile --directions fp8 --head-dims 128 --dtypes bf16  # e4m3 in, bf16 out
+    python -m cute_fa.precompile --directions decode_fp8 --head-dims 128 --dtypes bf16
 
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and those of long and short sequences
@@ -29,7 +30,10 @@ the default): the forward and backward kernels of a block mask
 with and without split_gqa. --directions fp8 (not in the default): the
 forwards of e4m3 q, k, v (head dims of config.FP8_HEAD_DIMS, --dtypes
 naming the output's), one per config that fp8_config_for_problem picks over
-row lengths (config.FP8_ROW_CLASS_KEYS). Variants
+row lengths (config.FP8_ROW_CLASS_KEYS). --directions decode_fp8 (not in
+the default): the decode kernels (as --directions decode) of e4m3 caches,
+whose output is bf16 (--dtypes bf16), each also with the deeper K/V ring of
+small grids (decode.E4M3_SMALL_GRID_STAGES), and the e4m3 append. Variants
 already in the store are loaded, not compiled. Kernels are stored per architecture: run it on the
 machine (or the GPU type) that will use them, or with no GPU for sm_90a.
 See kernel_store.py for where they go and how to move or disable the store.
@@ -55,7 +59,7 @@ from .profiling.problem import (CAUSAL_VALUES, DTYPES, add_causal_option, add_dt
 
 @dataclass(frozen=True)
 class Variant:
-    direction: str  # "fwd", "bwd", "decode" or "fp8" (the e4m3 forward)
+    direction: str  # "fwd", "bwd", "decode", "fp8" (the e4m3 forward) or "decode_fp8"
     dtype: str  # "bf16" or "fp16" (fp8: the output's)
     head_dim: int
     causal: bool
@@ -74,6 +78,7 @@ class Variant:
     one_round: bool = False  # fwd: one Q stage, as a grid of one round takes it
     long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
     row_keys: int = 0  # fp8: a row length (keys) of the class whose config it builds
+    small_grid: bool = False  # decode_fp8: the K/V stages of a grid of at most half the SMs
 
     @property
     def value_head_dim(self) -> int:
@@ -85,7 +90,7 @@ class Variant:
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
                                    "block_sparse", "long_rows", "short", "narrow", "tiny",
-                                   "one_round", "by_index")
+                                   "one_round", "by_index", "small_grid")
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
@@ -160,6 +165,27 @@ def _fp8_variants(dtype: str, head_dim: int, causal: bool) -> list[Variant]:
                              for keys in FP8_ROW_CLASS_KEYS)
 
 
+def _decode_variants(dtype: str, head_dim: int, dv: int | None, causal: bool, page_sizes,
+                     query_groups, fp8: bool = False) -> list[Variant]:
+    """The KV-cache forwards of a head dim: split and not, per page size read
+    in place (a page size these head dims' kernels gather first has no
+    kernel of its own) and query group; e4m3 caches (fp8: direction
+    decode_fp8, `dtype` the output's, head dims of the FP8 forward) each
+    also with the stages of a small grid."""
+    from .decode import groups_fill_tile, reads_pages_in_place
+    from .kernels.config import FP8_HEAD_DIMS
+
+    if fp8 and head_dim not in FP8_HEAD_DIMS:
+        return []
+    head_dim_v = dv or head_dim
+    pages = [p for p in page_sizes if not p or reads_pages_in_place(p, head_dim, head_dim_v, fp8)]
+    groups = [g for g in query_groups if causal or g == 1 or groups_fill_tile(g)]
+    return [Variant("decode_fp8" if fp8 else "decode", dtype, head_dim, causal, head_dim_v=dv,
+                    split_kv=split, page_size=page, rows_per_query=group, small_grid=small)
+            for split, page, group, small in itertools.product(
+                (False, True), pages, groups, (False, True) if fp8 else (False,))]
+
+
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
              head_dims_v=None, page_sizes=(0,), query_groups=(1,),
              length_tiles: bool = False) -> list[Variant]:
@@ -182,15 +208,10 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
                 lengths = _long_variants(base) + _short_variants(base)
                 out += lengths + _one_round([base, *lengths])
         if "decode" in directions:
-            from .decode import groups_fill_tile, reads_pages_in_place
-
-            # a page size these head dims' kernels gather first has no kernel of its own
-            pages = [p for p in page_sizes
-                     if not p or reads_pages_in_place(p, head_dim, head_dim_v)]
-            groups = [g for g in query_groups if causal or g == 1 or groups_fill_tile(g)]
-            out += [Variant("decode", dtype, head_dim, causal, head_dim_v=dv, split_kv=split,
-                            page_size=page, rows_per_query=group)
-                    for split, page, group in itertools.product((False, True), pages, groups)]
+            out += _decode_variants(dtype, head_dim, dv, causal, page_sizes, query_groups)
+        if "decode_fp8" in directions and dtype == "bf16" and dv is None:
+            out += _decode_variants(dtype, head_dim, dv, causal, page_sizes, query_groups,
+                                    fp8=True)
         if "bwd" in directions:
             for det, split, grad in itertools.product((False, True), (False, True),
                                                       (False, True) if lse_grad else (False,)):
@@ -213,10 +234,11 @@ def config_of(variant: Variant):
                                  narrow_fwd_config, one_q_stage, tiny_fwd_config)
     from .kernels.bwd_config import default_bwd_config
 
-    if variant.direction == "decode":
+    if variant.direction in ("decode", "decode_fp8"):
         from . import decode
         return decode.kernel_config(variant.head_dim, variant.value_head_dim,
-                                    variant.page_size or None)
+                                    variant.page_size or None, variant.direction == "decode_fp8",
+                                    variant.small_grid)
     if variant.direction == "fp8":
         from .kernels.config import PLAIN_FEATURES, fp8_config_for_problem
         return fp8_config_for_problem(variant.head_dim, variant.causal, PLAIN_FEATURES,
@@ -257,11 +279,18 @@ def kernels_of(variant: Variant, cached: bool = True):
         return compile_cache.compile_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
                                          config, head_dim_v=variant.head_dim, features=features,
                                          out_dtype=dtype)
+    if variant.direction in ("decode", "decode_fp8"):
+        from . import decode
+        features = decode.kernel_features(variant.split_kv, variant.page_size > 0,
+                                          variant.rows_per_query)
+    if variant.direction == "decode_fp8":  # `dtype` is the output's
+        if cached:
+            return compile_cache.get_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
+                                         config, variant.head_dim, features, dtype)
+        return compile_cache.compile_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
+                                         config, head_dim_v=variant.head_dim, features=features,
+                                         out_dtype=dtype)
     if variant.direction in ("fwd", "decode"):
-        if variant.direction == "decode":
-            from . import decode
-            features = decode.kernel_features(variant.split_kv, variant.page_size > 0,
-                                              variant.rows_per_query)
         if cached:
             return compile_cache.get_fwd(dtype, variant.head_dim, variant.causal, config,
                                          variant.value_head_dim, features)
@@ -280,10 +309,12 @@ def build(variant: Variant) -> tuple[float, bool]:
     """Load or compile one variant; returns (seconds, loaded from the store).
     A decode variant brings the KV-cache append of its head dims (new k, v)."""
     kernels = [kernels_of(variant)]
-    if variant.direction == "decode":
+    if variant.direction in ("decode", "decode_fp8"):
         from . import compile_cache
 
-        kernels.append(compile_cache.get_append(DTYPES[variant.dtype], variant.head_dim,
+        cache_dtype = torch.float8_e4m3fn if variant.direction == "decode_fp8" else DTYPES[
+            variant.dtype]
+        kernels.append(compile_cache.get_append(cache_dtype, variant.head_dim,
                                                 variant.value_head_dim))
     return (sum(k.compile_seconds for k in kernels), all(k.from_disk for k in kernels))
 
@@ -338,7 +369,7 @@ def _page_sizes(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cute_fa.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_variant_options(p, ("fwd", "bwd", "decode", "block_sparse", "fp8"))
+    add_variant_options(p, ("fwd", "bwd", "decode", "block_sparse", "fp8", "decode_fp8"))
     p.add_argument("--page-sizes", type=_page_sizes, default=[0, 16, 256], metavar="LIST",
                    help="with --directions decode: page sizes of the paged-cache kernels, 0 "
                         "for a contiguous cache, comma-separated (default: 0,16,256)")

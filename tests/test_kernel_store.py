@@ -310,6 +310,22 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
         key = (torch.bfloat16, 128, True, decode.kernel_config(128, 128, None), 128,
                decode.kernel_features(split, False, 4))
         assert key in asked
+    # e4m3 caches: bf16 out, each kernel also with the small grid's stages, the e4m3 append
+    args = precompile.build_parser().parse_args(
+        ["--directions", "decode_fp8", "--head-dims", "128", "--dtypes", "bf16,fp16",
+         "--causal", "no", "--page-sizes", "0,48", "--query-groups", "1"])
+    todo = precompile.chosen_variants(args)
+    assert sorted(v.label() for v in todo) == sorted(  # fp16: no e4m3 output; 48: gathered
+        f"decode_fp8 bf16 d128 full{s}{g}" for s in ("", " split_kv")
+        for g in ("", " small_grid"))
+    asked.clear()
+    for v in todo:
+        precompile.kernels_of(v)
+    for split, small in ((False, False), (True, True)):
+        config = decode.kernel_config(128, 128, None, True, small)
+        assert config.kv_stages == (decode.E4M3_SMALL_GRID_STAGES if small else 2)
+        assert (torch.float8_e4m3fn, 128, False, config, 128,
+                decode.kernel_features(split, False), torch.bfloat16) in asked
     with pytest.raises(SystemExit):
         precompile.build_parser().parse_args(["--query-groups", "0"])
     with pytest.raises(SystemExit):

@@ -466,6 +466,13 @@ def test_decode_bench_grid_bytes_and_table():
             dict(problem, backend="copy", status="ok", us=12.0, tbps=2.8)]
     table = decode_bench.format_markdown(rows, {}, "python -m cute_fa.profiling.decode_bench")
     assert "| 32/8 | 1 | 8192 | 1 | 16 | 20.0 (1.68) | 40.0 (0.84) | n/a | 2.80 | 2.00 |" in table
+    # ours on e4m3 caches: half the bytes, its own column, not a peer of the ratio
+    assert decode_bench.backend_bytes(problem, "cute_e4m3") == 2 ** 24
+    assert decode_bench.backend_bytes(problem, "fa4") == 2 ** 25
+    rows.insert(1, dict(problem, backend="cute_e4m3", status="ok", us=10.0, tbps=1.68))
+    table = decode_bench.format_markdown(rows, {}, "python -m cute_fa.profiling.decode_bench")
+    assert ("| 32/8 | 1 | 8192 | 1 | 16 | 20.0 (1.68) | 10.0 (1.68) | 40.0 (0.84) | n/a | 2.80 "
+            "| 2.00 |") in table
 
 
 def test_decode_bench_pages_hold_the_dense_tokens():
