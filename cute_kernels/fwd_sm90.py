@@ -212,7 +212,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                  stream: cuda.CUstream):
         """Tensors in torch order: Q, O (b, s_q, h, d); K, V (b, s_k, h_kv, d);
         LSE (b, h, s_q) fp32; a varlen kernel's are packed batches of one,
-        (1, total, h, d) and (1, h, total_q), with cu_seqlens (1, 1, b + 1)
+        (1, total, h, d) and (1, h, total_q) (heads_in_rows: LSE (parts · b,
+        h, s_q), head_groups.py), with cu_seqlens (1, 1, b + 1)
         int32 and, as the seqused bits say (varlen.SEQUSED_Q, _K), the
         seqused lengths (1, 1, b) int32; other kernels never read those four.
         A sink kernel's learnable sinks, (1, 1, h) fp32 (others never read it).

@@ -12,7 +12,7 @@ stores as a box of (d, g, tile rows / g): g must divide the tile's rows. In
 LSE tokens and sequences are apart too, three strides ((g, s_q, b)), and
 the parts of a split the next mode. The rows of several tokens were once
 copied into that order before the kernel and O and LSE back after it: three
-launches that cost more than the kernel at a short cache (docs/findings.md,
+launches, a quarter of a batch-1 step at an 8k cache (docs/findings.md,
 "Decode")."""
 
 from __future__ import annotations

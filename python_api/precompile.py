@@ -272,18 +272,11 @@ def kernels_of(variant: Variant, cached: bool = True):
 
     dtype, config = DTYPES[variant.dtype], config_of(variant)
     features = Features(block_sparse=True) if variant.block_sparse else PLAIN_FEATURES
-    if variant.direction == "fp8":  # `dtype` is the output's
-        if cached:
-            return compile_cache.get_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
-                                         config, variant.head_dim, features, dtype)
-        return compile_cache.compile_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
-                                         config, head_dim_v=variant.head_dim, features=features,
-                                         out_dtype=dtype)
     if variant.direction in ("decode", "decode_fp8"):
         from . import decode
         features = decode.kernel_features(variant.split_kv, variant.page_size > 0,
                                           variant.rows_per_query)
-    if variant.direction == "decode_fp8":  # `dtype` is the output's
+    if variant.direction in ("fp8", "decode_fp8"):  # `dtype` is the output's
         if cached:
             return compile_cache.get_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,
                                          config, variant.head_dim, features, dtype)
