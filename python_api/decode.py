@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .fp8_ops import E4M3_OUT
 from .kernels.config import MAX_KV_SPLITS as MAX_SPLITS
 from .kernels.config import (SEQUSED_K, SEQUSED_Q, WGMMA_M, Features, FwdConfig,
                              decode_fwd_config, kernel_head_dim)
@@ -103,12 +104,13 @@ class DecodePlan:
     heads: int  # the kernel's heads: h_kv
     group: int  # g = h / h_kv, query rows per token
     total_rows: int  # the packed row axis the views span
+    tiles: int  # the kernel's tiles: sequences x heads x 64-row blocks
     num_splits: int
 
     @property
     def ctas(self) -> int:
-        """The forward's grid of work: tiles (64 rows each) times parts."""
-        return self.sequences * self.heads * -(-self.rows // 64) * self.num_splits
+        """The forward's grid of work: tiles times parts."""
+        return self.tiles * self.num_splits
 
 
 def choose_splits(tiles: int, n_blocks: int, sms: int) -> int:
@@ -134,11 +136,11 @@ def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, ti
     rows = seqlen_q * group
     total_rows = (batch - 1) * heads + group if layout is Rows.VIEW else batch * rows
     n_blocks = -(-capacity // tile_n)
+    tiles = batch * heads_kv * -(-rows // WGMMA_M)
     if num_splits == 0:
-        tiles = batch * heads_kv * -(-rows // 64)
         num_splits = choose_splits(tiles, n_blocks, sms)
     num_splits = max(1, min(num_splits, MAX_SPLITS, max(n_blocks, 1)))
-    return DecodePlan(layout, batch, rows, heads_kv, group, total_rows, num_splits)
+    return DecodePlan(layout, batch, rows, heads_kv, group, total_rows, tiles, num_splits)
 
 
 def _pack_tokens(q: torch.Tensor, p: DecodePlan) -> torch.Tensor:
@@ -292,16 +294,6 @@ def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int,
                          page_size, fp8) is not None
 
 
-def descales(q: torch.Tensor, heads_kv: int, given: tuple) -> torch.Tensor | None:
-    """e4m3 q: the kernel's descales (3, b, h_kv) fp32 from the given (q, k,
-    v) ones (None: 1); None for 16-bit inputs."""
-    if q.dtype != torch.float8_e4m3fn:
-        return None
-    from .fp8_ops import kernel_descales
-
-    return kernel_descales(q.shape[0], heads_kv, *given, q.device)
-
-
 def reads_rows_as_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether a contiguous cache (rows, capacity, h_kv, d) is read as a
     paged one of one page per row: contiguous, and its rows whole K/V
@@ -341,7 +333,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     q = ops.pad_head_dim(q.contiguous(), kernel_dim)
     keys, values = ops.pad_head_dim(keys, kernel_dim), ops.pad_head_dim(values, kernel_dim_v)
     fp8 = descales is not None
-    out_dtype = torch.bfloat16 if fp8 else q.dtype
+    out_dtype = E4M3_OUT if fp8 else q.dtype
     page_size = keys.shape[1] if paged else None
     config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()

@@ -33,6 +33,7 @@ from .variants import fwd_kernel_for, num_sms
 
 E4M3 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16)
+E4M3_OUT = torch.bfloat16  # the output of e4m3 inputs unless asked otherwise
 
 _lib.define("fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale=None, "
             "Tensor? k_descale=None, Tensor? v_descale=None, float? softmax_scale=None, "
@@ -63,7 +64,17 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
         raise ValueError(f"k, v: expected headdim {head_dim} (that of q) for the FP8 forward, "
                          f"got k {k.shape[3]}, v {v.shape[3]}")
     check_kv_shapes(q, k, v)
-    expected = (q.shape[0], k.shape[2])
+    check_descales(q, k.shape[2], q_descale, k_descale, v_descale)
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected None (bf16), torch.bfloat16 or torch.float16, "
+                        f"got {out_dtype}")
+    if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
+
+
+def check_descales(q, heads_kv: int, q_descale, k_descale, v_descale) -> None:
+    """Each descale None or fp32 (batch, nheads_kv) on q's device."""
+    expected = (q.shape[0], heads_kv)
     for name, d in (("q_descale", q_descale), ("k_descale", k_descale),
                     ("v_descale", v_descale)):
         if d is None:
@@ -72,11 +83,6 @@ def check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
                 or d.dtype != torch.float32 or d.device != q.device:
             raise ValueError(f"{name}: expected None or an fp32 tensor of shape {expected} "
                              f"(batch, nheads_kv) on {q.device}, got {describe(d)}")
-    if out_dtype is not None and out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype: expected None (bf16), torch.bfloat16 or torch.float16, "
-                        f"got {out_dtype}")
-    if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
-        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
 
 
 def kernel_descales(batch: int, heads_kv: int, q_descale, k_descale, v_descale,
@@ -108,7 +114,7 @@ def _fwd_fp8_cpu(q, k, v, q_descale=None, k_descale=None, v_descale=None, softma
         out, lse = attention_reference(_dequantized(q, q_descale), _dequantized(k, k_descale),
                                        _dequantized(v, v_descale), resolve_scale(q, softmax_scale),
                                        causal)
-    return out.to(out_dtype or torch.bfloat16).contiguous(), lse.contiguous()
+    return out.to(out_dtype or E4M3_OUT).contiguous(), lse.contiguous()
 
 
 def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
@@ -116,7 +122,7 @@ def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     """The e4m3 forward kernel by its launch plan; `config` overrides the
     default (config.fp8_config_for_problem), `tail` a split_tail config's split
     (profiling.sweep)."""
-    out_dtype = out_dtype or torch.bfloat16
+    out_dtype = out_dtype or E4M3_OUT
     batch, seqlen_q, heads, _ = q.shape
     if q.numel() == 0 or k.shape[1] == 0:
         out = torch.zeros((batch, seqlen_q, heads, v.shape[3]), dtype=out_dtype, device=q.device)
@@ -149,7 +155,7 @@ def _fwd_fp8_fake(q, k, v, q_descale=None, k_descale=None, v_descale=None, softm
                   causal=False, out_dtype=None):
     check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale, softmax_scale, out_dtype)
     batch, seqlen_q, heads, _ = q.shape
-    out = torch.empty((batch, seqlen_q, heads, v.shape[3]), dtype=out_dtype or torch.bfloat16,
+    out = torch.empty((batch, seqlen_q, heads, v.shape[3]), dtype=out_dtype or E4M3_OUT,
                       device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse

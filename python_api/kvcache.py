@@ -48,11 +48,9 @@ import torch
 
 from . import compile_cache, decode, ops, reference
 from . import nvtx as nvtx_ranges
+from .fp8_ops import E4M3, E4M3_OUT, check_descales, kernel_descales
 from .kernels.config import FP8_HEAD_DIMS
 from .validate import SUPPORTED_DTYPES, describe
-
-E4M3 = torch.float8_e4m3fn
-E4M3_OUT = torch.bfloat16  # the output of e4m3 inputs, as FlashAttention-3's
 
 _lib = ops._lib
 _lib.define("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
@@ -138,12 +136,11 @@ def _check_descales(q, heads_kv, head_dim_v, q_descale, k_descale, v_descale) ->
     if head_dim not in FP8_HEAD_DIMS or head_dim_v != head_dim:
         raise ValueError(f"q, v_cache: expected headdim one of {FP8_HEAD_DIMS}, v's that of q, "
                          f"for float8_e4m3fn inputs, got {head_dim} and {head_dim_v}")
-    expected = (q.shape[0], heads_kv)
-    for name, d in descales:
-        if d is not None and (not isinstance(d, torch.Tensor) or tuple(d.shape) != expected
-                              or d.dtype != torch.float32 or d.device != q.device):
-            raise ValueError(f"{name}: expected None or an fp32 tensor of shape {expected} "
-                             f"(batch, nheads_kv) on {q.device}, got {describe(d)}")
+    check_descales(q, heads_kv, q_descale, k_descale, v_descale)
+
+
+def _out_dtype(q) -> torch.dtype:
+    return E4M3_OUT if q.dtype == E4M3 else q.dtype
 
 
 def _check_index(name, t, shape, device) -> None:
@@ -281,7 +278,6 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
                          cache_batch_idx, num_splits, q_descale, k_descale, v_descale)
     descales = (q_descale, k_descale, v_descale)
-    out_dtype = E4M3_OUT if q.dtype == E4M3 else q.dtype
     paged = page_table is not None
     if q.device.type == "cpu":
         _check_values(k_cache, k, cache_seqlens, page_table, cache_batch_idx, paged)
@@ -311,12 +307,13 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
             return _reference(q, keys, values, cache_batch_idx, lengths, capacity, scale,
                               causal, descales)
         if capacity == 0:  # no keys: output 0, LSE -inf
-            return (torch.zeros((batch, seqlen_q, heads, v_cache.shape[3]), dtype=out_dtype,
-                                device=q.device),
+            return (torch.zeros((batch, seqlen_q, heads, v_cache.shape[3]),
+                                dtype=_out_dtype(q), device=q.device),
                     ops.keyless_lse((batch, heads, seqlen_q), 0, None, q.device))
         return decode.run(q, keys, values, cache_batch_idx, page_table if in_place else None,
                           lengths, capacity, scale, causal, num_splits,
-                          decode.descales(q, keys.shape[2], descales))
+                          kernel_descales(batch, keys.shape[2], *descales, q.device)
+                          if q.dtype == E4M3 else None)
 
 
 def _fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
@@ -325,8 +322,7 @@ def _fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=No
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
                          cache_batch_idx, num_splits, q_descale, k_descale, v_descale)
     batch, seqlen_q, heads, _ = q.shape
-    out_dtype = E4M3_OUT if q.dtype == E4M3 else q.dtype
-    return (torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=out_dtype,
+    return (torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=_out_dtype(q),
                         device=q.device),
             torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device))
 
