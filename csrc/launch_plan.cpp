@@ -216,10 +216,11 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
   SeqlenArgs seqs = seqlen_inputs(b, s, varlen);
   int sinks = sink_input(b, s, sink);
   int sparse = block_sparse_input(b, block_sparse);
-  int descales = -1;
+  // e4m3: q's, k's and v's descales, each as the caller has it (no gather)
+  int descales[3] = {-1, -1, -1};
   if (fp8) {
-    const int64_t shape[3] = {3, s->batch, s->heads_kv};
-    descales = b.input(CUTE_FA_F32, 3, shape, false);
+    const int64_t shape[3] = {1, s->batch, s->heads_kv};
+    for (int& d : descales) d = b.input(CUTE_FA_F32, 3, shape, false);
   }
 
   const int64_t num_tiles = ceil_div(s->seqlen_q, v->tile_m) * s->heads * s->batch;
@@ -257,13 +258,13 @@ extern "C" int cute_fa_plan_fwd(const CuteFaFwdVariant* v, const CuteFaShape* s,
 
   dense_stand_in(b, seqs);
   sinks = f32_stand_in(b, sinks);
-  descales = f32_stand_in(b, descales);
+  if (!fp8) descales[0] = descales[1] = descales[2] = f32_stand_in(b, -1);
   sparse = i32_stand_in(b, sparse);
   // the page table of a paged KV cache (python_api/decode.py's kernels only)
   const int no_pages = b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
   CuteFaLaunch* fwd = b.launch(0);
   b.tensors(fwd, {q, k, vv, out, lse, counters, partials, seqs.cu_q, seqs.cu_k, seqs.used_q,
-                  seqs.used_k, sinks, no_pages, descales, sparse});
+                  seqs.used_k, sinks, no_pages, descales[0], descales[1], descales[2], sparse});
   b.arg(fwd, CUTE_FA_ARG_SCALE_LOG2);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, num_sms);
   b.arg(fwd, CUTE_FA_ARG_INT, 0, full_tiles);

@@ -22,9 +22,9 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 8
+#define CUTE_FA_PLAN_LAYOUT_VERSION 9
 #define CUTE_FA_PLAN_MAX_BUFFERS 24
-#define CUTE_FA_PLAN_MAX_ARGS 24
+#define CUTE_FA_PLAN_MAX_ARGS 32
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
 #define CUTE_FA_PLAN_MAX_OUTPUTS 4
 
@@ -139,7 +139,8 @@ typedef struct {
  * (1, 1, b), int32, those not in use bound to any int32 tensor); sink != 0:
  * then the learnable sinks, fp32 (1, 1, h); block_sparse: then the tile
  * lists (CuteFaBlockSparse); fp8 != 0 (e4m3 q, k, v, a dense
- * batch): then their descales, fp32 (3, b, h_kv), and out is OUTPUT_DTYPE.
+ * batch): then q's, k's and v's descales, fp32 (1, b, h_kv) each, any
+ * strides, and out is OUTPUT_DTYPE.
  * Launches: fwd. Outputs: out, lse ((b, h, s_q); packed (1, h, total_q)).
  * forced_parts 0: the split of the tail from the cost model (launch_plan.cpp);
  * otherwise forced_full_tiles / forced_parts (a sweep's A/B, checked by the

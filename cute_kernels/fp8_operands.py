@@ -40,8 +40,30 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .dsl_struct import DslStruct
+
 
 KEYS_PER_CHUNK = 16  # the key permutation repeats every 16 keys
+
+
+@dataclass
+class Descales(DslStruct):
+    """An e4m3 kernel's descales (x ≈ x8 · descale), fp32 (1, b, h_kv) each,
+    any strides: three tensors as the caller has them, so that a call needs
+    no launch to gather them (a scale given once per tensor may come
+    expanded, stride 0). Other kernels take stand-ins they never read."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+
+    def score_factor(self, batch: Int32, head_kv: Int32) -> Float32:
+        """What multiplies a tile's scores: Q's and K's descales."""
+        return self.q[0, batch, head_kv] * self.k[0, batch, head_kv]
+
+    def o_factor(self, batch: Int32, head_kv: Int32) -> Float32:
+        """What multiplies a tile's output: V's descale."""
+        return self.v[0, batch, head_kv]
 
 
 def key_of_position(p: int) -> int:

@@ -205,8 +205,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                  mLSE: cute.Tensor, mCounters: cute.Tensor, mPartials: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
                  mSeqUsedK: cute.Tensor, mSink: cute.Tensor, mPageTable: cute.Tensor,
-                 mDescale: cute.Tensor, mBlockSparse: cute.Tensor, softmax_scale_log2: Float32,
-                 num_sms: Int32,
+                 mDescaleQ: cute.Tensor, mDescaleK: cute.Tensor, mDescaleV: cute.Tensor,
+                 mBlockSparse: cute.Tensor, softmax_scale_log2: Float32, num_sms: Int32,
                  full_tiles: Int32, tail_parts: Int32, window_left: Int32,
                  window_right: Int32, score_pre_tanh: Float32, seqused: Int32,
                  stream: cuda.CUstream):
@@ -220,8 +220,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         A paged_kv kernel's K and V are the caches (num_pages, page_size,
         h_kv, d) and mPageTable its pages per sequence, int32 (1, b,
         max_pages); its cu_seqlens_k are 0 (others never read the table).
-        An e4m3 kernel's descales, fp32 (3, b, h_kv): Q's, K's and V's
-        (others never read it); O is then bf16 or fp16 (out_dtype). A
+        An e4m3 kernel's descales, Q's, K's and V's, fp32 (1, b, h_kv) each
+        (fp8_operands.Descales; others never read them); O is then bf16 or fp16 (out_dtype). A
         block_sparse kernel's tile lists, int32 (b or 1, (h or 1) · m_blocks,
         words) (block_sparse.py; others never read it).
         Read only by some configs: the counters, int32
@@ -252,6 +252,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         seqlens = Seqlens(self.features.varlen, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                           seqused, cute.size(mQ, mode=[0]), rows_k)
         kv_blocks = KvBlocks(self.features.paged_kv, mPageTable)
+        descales = fp8_operands.Descales(mDescaleQ, mDescaleK, mDescaleV)
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, self.q_ring_stages)
@@ -293,7 +294,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
         grid = TileScheduler.grid(self._num_units(num_tiles, tail),
                                   num_sms * self.cfg.ctas_per_sm, self.cfg.persistent)
-        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, mDescale, mBlockSparse, tail,
+        self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, descales, mBlockSparse, tail,
                     seqlens,
                     kv_blocks, tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
                     Window(window_left, window_right), score_pre_tanh,
@@ -391,7 +392,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mO_rows: cute.Tensor, mLSE: cute.Tensor, mCounters: cute.Tensor,
-               mSink: cute.Tensor, mDescale: cute.Tensor, mBlockSparse: cute.Tensor,
+               mSink: cute.Tensor, descales: fp8_operands.Descales, mBlockSparse: cute.Tensor,
                tail: TailSplit, seqlens: Seqlens,
                kv_blocks: KvBlocks, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
@@ -481,7 +482,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 consumer_pipes = pipes
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
                                mma_operand_view(storage.sK, sK_layout, self.dtype), mma_v, smem.o)
-            self.consume(mO, mO_rows, mLSE, mSink, mDescale, mBlockSparse, copies, seqlens,
+            self.consume(mO, mO_rows, mLSE, mSink, descales, mBlockSparse, copies, seqlens,
                          softmax_scale_log2, score_pre_tanh,
                          limits, mma_smem, consumer_pipes, tiles, tail,
                          storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
@@ -639,7 +640,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(self, mO: cute.Tensor, mO_rows: cute.Tensor, mLSE: cute.Tensor,
-                mSink: cute.Tensor, mDescale: cute.Tensor, mBlockSparse: cute.Tensor,
+                mSink: cute.Tensor, descales: fp8_operands.Descales, mBlockSparse: cute.Tensor,
                 copies: Copies,
                 seqlens: Seqlens, softmax_scale_log2: Float32, score_pre_tanh: Float32,
                 limits: Limits,
@@ -693,10 +694,10 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
             o_factor = None
             if cutlass.const_expr(self.fp8):
                 # the descales: Q's and K's into the score scale, V's into O
-                head_kv = work.head // (mO.shape[2] // mDescale.shape[2])
-                softmax.set_tile_scale(softmax_scale_log2 * mDescale[0, work.batch, head_kv]
-                                       * mDescale[1, work.batch, head_kv])
-                o_factor = mDescale[2, work.batch, head_kv]
+                head_kv = work.head // (mO.shape[2] // descales.q.shape[2])
+                softmax.set_tile_scale(softmax_scale_log2
+                                       * descales.score_factor(work.batch, head_kv))
+                o_factor = descales.o_factor(work.batch, head_kv)
             acc_o.fill(0.0)
             softmax.row_max.fill(-Float32.inf)
             softmax.row_sum.fill(0.0)

@@ -56,7 +56,7 @@ from .fp8_ops import E4M3_OUT
 from .kernels.config import MAX_KV_SPLITS as MAX_SPLITS
 from .kernels.config import (SEQUSED_K, SEQUSED_Q, WGMMA_M, Features, FwdConfig,
                              decode_fwd_config, kernel_head_dim)
-from .launch_plan import LOG2_E
+from .launch_plan import LOG2_E, cached_per_shape
 from .variants import fwd_kernel_for, num_sms
 
 # The share of the SMs whose CTAs (one tile part each) already stream a
@@ -200,9 +200,6 @@ class _Constants:
     # block mask's tile lists
 
 
-_by_shape: dict = {}  # _shape_cached
-
-
 def _make_constants(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
     i32 = dict(dtype=torch.int32, device=device)
     steps = torch.arange(p.sequences + 1, **i32)
@@ -216,20 +213,8 @@ def _make_constants(p: DecodePlan, capacity: int, paged: bool, device) -> _Const
                       torch.zeros((1, 1, 1), **i32))
 
 
-def _shape_cached(key: tuple, make):
-    """make(), once per key of shapes and device: kept unless made while a
-    CUDA graph is captured (a tensor made there holds its values only at
-    replay)."""
-    found = _by_shape.get(key)
-    if found is None:
-        found = make()
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            _by_shape[key] = found
-    return found
-
-
 def _constants_for(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
-    return _shape_cached((p, capacity, paged, device),
+    return cached_per_shape((p, capacity, paged, device),
                          lambda: _make_constants(p, capacity, paged, device))
 
 
@@ -311,20 +296,20 @@ def row_pages(cache_rows, batch: int, device) -> torch.Tensor:
     sequence b's one page its cache row (cache_rows[b], or b)."""
     if cache_rows is not None:
         return cache_rows.view(batch, 1)
-    return _shape_cached(("row_pages", batch, device), lambda: torch.arange(
+    return cached_per_shape(("row_pages", batch, device), lambda: torch.arange(
         batch, dtype=torch.int32, device=device).view(batch, 1))
 
 
 def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, page_table,
         lengths, capacity: int, softmax_scale: float, causal: bool, num_splits: int,
-        descales: torch.Tensor | None = None):
+        descales: list | None = None):
     """q (b, s_q, h, d) against a cache of K and V: contiguous, (1, rows,
     h_kv, d) holding each sequence's in `capacity` rows, sequence b's from
     row cache_rows[b] · capacity (None: b · capacity); or paged, (num_pages,
     page_size, h_kv, d) with page_table (b, max_pages) int32 (paged_config
     must take the page size). lengths[b] keys of sequence b (int32 (b,);
-    None: all, `capacity`). e4m3 q, K and V take `descales` (fp32 (3, b,
-    h_kv): q's, k's, v's) and give a bf16 O. Returns O (b, s_q, h, d_v) and
+    None: all, `capacity`). e4m3 q, K and V take `descales`
+    (fp8_ops.kernel_descales: q's, k's, v's) and give a bf16 O. Returns O (b, s_q, h, d_v) and
     LSE (b, h, s_q) fp32."""
     batch, seqlen_q, heads, head_dim = q.shape
     head_dim_v = values.shape[3]
@@ -354,7 +339,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     pages = c.no_pages if not paged else page_table.unsqueeze(0)
     kernel.fn(b.q, keys, values, b.out_kernel, b.lse_kernel, c.no_pages,
               c.stand_in if b.o_parts is None else b.o_parts_kernel, c.cu_q, cu_k, c.used_q,
-              used_k, c.stand_in, pages, c.stand_in if descales is None else descales,
+              used_k, c.stand_in, pages, *(descales if fp8 else (c.stand_in,) * 3),
               c.no_pages, softmax_scale * LOG2_E, sms, 0, p.num_splits, 0, 0, 0.0,
               SEQUSED_Q | SEQUSED_K)
     out, lse = b.out, b.lse

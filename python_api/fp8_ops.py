@@ -86,17 +86,17 @@ def check_descales(q, heads_kv: int, q_descale, k_descale, v_descale) -> None:
 
 
 def kernel_descales(batch: int, heads_kv: int, q_descale, k_descale, v_descale,
-                    device) -> torch.Tensor:
-    """The kernel's descales, fp32 (3, batch, nheads_kv): q's, k's, v's (1 where None)."""
-    ones = None
-    parts = []
-    for d in (q_descale, k_descale, v_descale):
+                    device) -> list:
+    """The kernel's descales of q, k and v: views (1, batch, nheads_kv) of
+    the caller's, and ones (made once per shape) where None, so that a call
+    launches nothing to gather them."""
+    def view(d):
         if d is None:
-            if ones is None:
-                ones = torch.ones((batch, heads_kv), dtype=torch.float32, device=device)
-            d = ones
-        parts.append(d)
-    return torch.stack(parts).contiguous()
+            return launch_plan.cached_per_shape(("descale_ones", batch, heads_kv, device),
+                                                lambda: torch.ones((1, batch, heads_kv),
+                                                                   device=device))
+        return d.unsqueeze(0)
+    return [view(d) for d in (q_descale, k_descale, v_descale)]
 
 
 def _dequantized(x8, descale):
@@ -134,8 +134,8 @@ def forward_fp8_cuda(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     plan = launch_plan.plan_fwd(config, launch_plan.shape_of(q, k, v), num_sms(device_index),
                                 tail, scores.window, fp8=True)
     inputs = [tma_ready(q), tma_ready(k), tma_ready(v),
-              kernel_descales(q.shape[0], k.shape[2], q_descale, k_descale, v_descale,
-                              q.device)]
+              *kernel_descales(q.shape[0], k.shape[2], q_descale, k_descale, v_descale,
+                               q.device)]
     nvtx_ranges.push(name)
     try:
         return launch_plan.execute(plan, [kernel.fn], inputs, resolve_scale(q, softmax_scale),

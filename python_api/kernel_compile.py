@@ -97,10 +97,14 @@ def _sink_tensor():
     return _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())
 
 
-def _descale_tensor():
-    """The descales of e4m3 q, k, v, fp32 (3, b, h_kv), which every forward
-    main kernel takes and only e4m3 kernels read."""
-    return _fake_rows(cutlass.Float32, _sym(), _sym(), _sym())
+def _descale_tensors() -> list:
+    """The descales of e4m3 q, k and v, fp32 (1, b, h_kv) each with any
+    strides (fp8_operands.Descales), which every forward main kernel takes
+    and only e4m3 kernels read."""
+    batch, heads_kv = _sym(), _sym()
+    return [cute.runtime.make_fake_tensor(
+        cutlass.Float32, (1, batch, heads_kv), stride=tuple(cute.sym_int64() for _ in range(3)),
+        assumed_align=4) for _ in "qkv"]
 
 
 def _block_sparse_tensor():
@@ -155,7 +159,7 @@ def compile_fwd(dtype: torch.dtype, head_dim: int, causal: bool, config: FwdConf
         k = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim)
         v = _fake_bshd(cute_dtype, pages, page_size, heads_kv, head_dim_v)
     fn = _compile(kernel, q, k, v, o, lse, counters, partials, *_seqlen_tensors(),
-                  _sink_tensor(), page_table, _descale_tensor(), _block_sparse_tensor(),
+                  _sink_tensor(), page_table, *_descale_tensors(), _block_sparse_tensor(),
                   cutlass.Float32(1.0),
                   cutlass.Int32(1),
                   cutlass.Int32(0),

@@ -33,8 +33,8 @@ from .kernels import tail_plan
 from .kernels.bwd_config import BwdConfig
 from .kernels.config import WARPGROUP_THREADS, FwdConfig
 
-LAYOUT_VERSION = 8
-MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 24, 24, 4, 4
+LAYOUT_VERSION = 9
+MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 24, 32, 4, 4
 LOG2_E = 1.4426950408889634
 
 
@@ -262,7 +262,8 @@ def plan_fwd(config: FwdConfig, shape: tuple, num_sms: int,
     right; -1 unbounded) is a local kernel's; `varlen` (total_q, total_k,
     seqused_q given, seqused_k given) a packed batch's; `sink`: the call
     hands learnable sinks (an input after the others); `fp8`: e4m3 inputs,
-    their descales (3, b, h_kv) the last input, out of execute's out_dtype;
+    q's, k's and v's descales (1, b, h_kv) the last three inputs, out of
+    execute's out_dtype;
     `block_sparse`: the shape of a block mask's tile lists (an input after
     the sinks)."""
     plan = _Plan()
@@ -310,6 +311,21 @@ _TORCH_DTYPE = {F32: torch.float32, I32: torch.int32}
 def _stand_in(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # One tiny tensor per device and dtype for the buffers a variant never reads.
     return torch.empty((1, 1, 1), dtype=dtype, device=device)
+
+
+_by_shape: dict = {}  # cached_per_shape
+
+
+def cached_per_shape(key: tuple, make):
+    """make(), once per key (shapes and device): kept unless made while a
+    CUDA graph is captured (a tensor made there holds its values only at
+    replay)."""
+    found = _by_shape.get(key)
+    if found is None:
+        found = make()
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            _by_shape[key] = found
+    return found
 
 
 def execute(plan: Plan, launches: list, inputs: list, softmax_scale: float,

@@ -99,6 +99,27 @@ def test_fp8_forward_fp16_output_and_unit_descales():
     _check(q8, k8, v8, ones, ones, ones, True, out, lse)
 
 
+def test_fp8_forward_reads_descales_in_any_layout():
+    """Descales reach the kernel as the caller's tensors: one scale per tensor
+    expanded to (batch, nheads_kv) (stride 0) and a transposed view give
+    the bits that contiguous copies give."""
+    gen = torch.Generator().manual_seed(6)
+    q8, k8, v8 = (torch.randn(s, generator=gen).to(torch.float8_e4m3fn).cuda()
+                  for s in ((3, 200, 8, 64), (3, 200, 4, 64), (3, 200, 4, 64)))
+    expanded = torch.tensor(0.75, device="cuda").expand(3, 4)
+    transposed = (torch.rand(4, 3, generator=gen) + 0.5).cuda().t()
+    per_tensor = torch.tensor(1.25, device="cuda").expand(3, 4)
+    got = flash_attn_func(q8, k8, v8, causal=True, q_descale=expanded, k_descale=transposed,
+                          v_descale=per_tensor, return_lse=True)
+    want = flash_attn_func(q8, k8, v8, causal=True, q_descale=expanded.contiguous(),
+                           k_descale=transposed.contiguous(), v_descale=per_tensor.contiguous(),
+                           return_lse=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    _check(q8, k8, v8, expanded.contiguous(), transposed.contiguous(), per_tensor.contiguous(),
+           True, *got)
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_fp8_forward_persistent_tail_split(split):
     """Non-causal tiles of a partial last round, split into key ranges and

@@ -41,6 +41,23 @@ def test_missing_descales_are_one():
         flash_attn_func(q8, k8, v8, q_descale=ones, k_descale=ones, v_descale=ones))
 
 
+def test_the_kernels_descales_are_views_and_shared_ones():
+    """What the kernel reads costs a call no launch: the caller's descales
+    as (1, b, h_kv) views (a per-tensor scale expanded, stride 0, too), and
+    for None one ones tensor per shape, made once."""
+    from cute_fa.fp8_ops import kernel_descales
+
+    ks = torch.rand(3, 2).t()  # (2, 3), not contiguous
+    vs = torch.tensor(0.5).expand(2, 3)
+    first = kernel_descales(2, 3, None, ks, vs, ks.device)
+    assert [tuple(d.shape) for d in first] == [(1, 2, 3)] * 3
+    assert first[1].data_ptr() == ks.data_ptr() and torch.equal(first[1][0], ks)
+    assert first[2].data_ptr() == vs.data_ptr() and first[2].stride()[1:] == (0, 0)
+    assert torch.equal(first[0], torch.ones(1, 2, 3))
+    again = kernel_descales(2, 3, None, None, None, ks.device)
+    assert all(d is first[0] for d in again)
+
+
 def test_registration_opcheck_and_compile():
     q8, k8, v8, qs, ks, vs = _fp8(seed=2)
     # test_schema compares inputs with arithmetic torch has no e4m3 CPU kernel for

@@ -165,13 +165,22 @@ def test_lengths_beyond_the_cache_are_cut_at_its_end(page_size, capacity):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("splits", [0, 4])
-def test_a_decode_step_replays_in_a_cuda_graph(splits):
+def test_a_decode_step_replays_in_a_cuda_graph(splits, e4m3):
+    """New tokens, lengths and (e4m3) descales copied into the captured
+    tensors between replays reach the replayed kernels: nothing of them is
+    baked into the capture."""
     q, k_cache, v_cache, k, v, _ = _problem(1, 8, 1, 2048, 1)
     lengths = torch.full((8,), 100, dtype=torch.int32, device="cuda")
+    descales = {}
+    if e4m3:
+        q, k_cache, v_cache, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k_cache, v_cache, k,
+                                                                         v))
+        descales = {f"{x}_descale": torch.ones(8, 8, device="cuda") for x in "qkv"}
     step = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v,  # noqa: E731
                                            cache_seqlens=lengths, causal=True,
-                                           num_splits=splits)
+                                           num_splits=splits, **descales)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -181,13 +190,15 @@ def test_a_decode_step_replays_in_a_cuda_graph(splits):
     with torch.cuda.graph(graph):
         out = step()
     for token in range(3):  # new inputs and lengths, copied into the captured tensors
-        q.copy_(torch.randn_like(q))
-        k.copy_(torch.randn_like(k))
+        q.copy_(torch.randn(q.shape, device="cuda").to(q.dtype))
+        k.copy_(torch.randn(k.shape, device="cuda").to(k.dtype))
+        for d in descales.values():
+            d.copy_(torch.rand_like(d) + 0.5)
         lengths.add_(1)
         graph.replay()
         expected = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                            cache_seqlens=lengths, causal=True,
-                                           num_splits=splits)
+                                           num_splits=splits, **descales)
         torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 

@@ -62,10 +62,10 @@ def test_fp8_forward_plan_takes_descales_and_gives_the_output_dtype():
     config = fp8_fwd_config(128, True)
     shape = (2, 1000, 1000, 8, 2, 128, 128)
     plan = launch_plan.plan_fwd(config, shape, 132, fp8=True)
-    assert plan.num_inputs == 4  # q, k, v, then the descales
+    assert plan.num_inputs == 6  # q, k, v, then their descales
     _, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
-    assert buffers[-2] == 3  # the descales input, before the block mask's stand-in
+    assert buffers[-4:-1] == [3, 4, 5]  # the descales, before the block mask's stand-in
     assert _workspace(plan, plan.outputs[0]).dtype == launch_plan.OUTPUT_DTYPE
     with pytest.raises(ValueError, match="no forward launch plan"):  # dense batches only
         launch_plan.plan_fwd(config, shape, 132, varlen=(2000, 2000, 0, 0), fp8=True)
@@ -106,18 +106,19 @@ def test_forward_plan():
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
     # q, k, v, out, lse, counters, partials, the four sequence-length tensors
     # (a dense batch: one stand-in), the sinks (none: a stand-in), the page
-    # table (a stand-in), the e4m3 descales (a stand-in), a block mask's tile
+    # table (a stand-in), the e4m3 descales (one stand-in), a block mask's tile
     # lists (a stand-in), then scale·log2(e), SMs, the tail, the window
     # (unbounded: every key on the left, every query on the right), scale /
     # softcap and the seqused bits
-    assert buffers == list(range(7)) + [7] * 4 + [8, 11, 9, 10] and plan.outputs == (3, 4)
+    assert buffers == list(range(7)) + [7] * 4 + [8, 11, 9, 9, 9, 10]
+    assert plan.outputs == (3, 4)
     assert {_workspace(plan, i).init for i in (7, 8, 9, 10, 11)} == {launch_plan.UNUSED}
     assert _workspace(plan, 8).dtype == launch_plan.F32
     assert _workspace(plan, 9).dtype == launch_plan.F32
     assert _workspace(plan, 10).dtype == launch_plan.I32
     assert _workspace(plan, 11).dtype == launch_plan.I32
     assert _workspace(plan, 3).dtype == launch_plan.INPUT_DTYPE
-    assert [(kind, value) for kind, _, value in args[15:]] == [
+    assert [(kind, value) for kind, _, value in args[17:]] == [
         (launch_plan.ARG_SCALE_LOG2, 0), (launch_plan.ARG_INT, 132),
         (launch_plan.ARG_INT, 1980), (launch_plan.ARG_INT, 3), (launch_plan.ARG_INT, 8192),
         (launch_plan.ARG_INT, 8192), (launch_plan.ARG_PRE_TANH, 0), (launch_plan.ARG_INT, 0)]
@@ -280,7 +281,7 @@ def test_window_arguments_are_clamped_to_the_shape(window, expected):
     """A side wider than any row reaches is the unbounded one, in int32 range."""
     shape = (1, 100, 300, 4, 4, 64, 64)
     for plan, launch, first in ((launch_plan.plan_fwd(default_fwd_config(64, False), shape, 132,
-                                              window=window), 0, 19),
+                                              window=window), 0, 21),
                         (launch_plan.plan_bwd(default_bwd_config(64, False), shape, 132,
                                               window=window), 1, 19)):
         args = dict(enumerate(plan.launches[launch][1]))
@@ -312,7 +313,7 @@ def test_packed_forward_plan():
     _, args = plan.launches[0]
     buffers = [index for kind, index, _ in args if kind == launch_plan.ARG_BUFFER]
     # then the sinks, the page table, the descales and the tile lists (stand-ins)
-    assert buffers[7:] == [3, 4, 5, 6, 11, 14, 12, 13]
+    assert buffers[7:] == [3, 4, 5, 6, 11, 14, 12, 12, 12, 13]
     assert [value for _, _, value in args[-4:-1]] == [900, 1000, 0]  # window, pre-tanh
     assert args[-1] == (launch_plan.ARG_INT, 0, 1)  # seqused_q read, seqused_k not
     assert _workspace(plan, plan.outputs[0]).shape == (1, 3000, 8, 128)
