@@ -60,8 +60,11 @@ from .launch_plan import LOG2_E, cached_per_shape
 from .variants import fwd_kernel_for, num_sms
 
 # The share of the SMs whose CTAs (one tile part each) already stream a
-# cache at the full rate: more parts only add partials and merge work.
+# 16-bit cache at the full rate: more parts only add partials and merge work.
 SPLIT_TARGET_SM_SHARE = 0.5
+# An e4m3 part streams about half the bytes a 16-bit one does in the same
+# time, so e4m3 caches need all the SMs for that (docs/findings.md, "Decode").
+E4M3_SPLIT_TARGET_SM_SHARE = 1.0
 # A split pays where the K/V blocks it takes off each tile's chain outweigh
 # the merge it adds: at least this many (docs/findings.md, "Decode").
 MIN_SPLIT_SAVED_BLOCKS = 6
@@ -113,14 +116,15 @@ class DecodePlan:
         return self.tiles * self.num_splits
 
 
-def choose_splits(tiles: int, n_blocks: int, sms: int) -> int:
+def choose_splits(tiles: int, n_blocks: int, sms: int,
+                  sm_share: float = SPLIT_TARGET_SM_SHARE) -> int:
     """Key ranges per tile from shapes only: the largest power of two whose
-    tiles · splits stay within SPLIT_TARGET_SM_SHARE of the SMs, at most
+    tiles · splits stay within sm_share of the SMs, at most
     one K/V block a range and MAX_SPLITS; 1 where the tiles alone reach
     that share, or where that split would take fewer than
     MIN_SPLIT_SAVED_BLOCKS blocks off a tile (docs/findings.md, "Decode":
     the measured split counts)."""
-    most = max(1, min(MAX_SPLITS, n_blocks, int(SPLIT_TARGET_SM_SHARE * sms) // max(tiles, 1)))
+    most = max(1, min(MAX_SPLITS, n_blocks, int(sm_share * sms) // max(tiles, 1)))
     splits = 1 << (most.bit_length() - 1)
     saved_blocks = n_blocks - -(-n_blocks // splits)
     return splits if saved_blocks >= MIN_SPLIT_SAVED_BLOCKS else 1
@@ -128,9 +132,10 @@ def choose_splits(tiles: int, n_blocks: int, sms: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, tile_n: int,
-         num_splits: int, sms: int) -> DecodePlan:
+         num_splits: int, sms: int, fp8: bool = False) -> DecodePlan:
     """The plan of a problem from its shapes (capacity: the most keys a
-    sequence holds; num_splits 0: choose_splits)."""
+    sequence holds; num_splits 0: choose_splits, for e4m3 caches (fp8) over
+    E4M3_SPLIT_TARGET_SM_SHARE of the SMs)."""
     group = heads // heads_kv
     layout = rows_for(seqlen_q, group)
     rows = seqlen_q * group
@@ -138,7 +143,8 @@ def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, ti
     n_blocks = -(-capacity // tile_n)
     tiles = batch * heads_kv * -(-rows // WGMMA_M)
     if num_splits == 0:
-        num_splits = choose_splits(tiles, n_blocks, sms)
+        num_splits = choose_splits(tiles, n_blocks, sms,
+                                   E4M3_SPLIT_TARGET_SM_SHARE if fp8 else SPLIT_TARGET_SM_SHARE)
     num_splits = max(1, min(num_splits, MAX_SPLITS, max(n_blocks, 1)))
     return DecodePlan(layout, batch, rows, heads_kv, group, total_rows, tiles, num_splits)
 
@@ -323,7 +329,8 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     sms = num_sms(device_index)
-    p = plan(batch, seqlen_q, heads, keys.shape[2], capacity, config.tile_n, num_splits, sms)
+    p = plan(batch, seqlen_q, heads, keys.shape[2], capacity, config.tile_n, num_splits, sms,
+             fp8)
     if fp8 and p.ctas <= int(SPLIT_TARGET_SM_SHARE * sms):
         config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8, small_grid=True)
     c = _constants_for(p, capacity, paged, q.device)

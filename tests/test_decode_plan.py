@@ -37,6 +37,19 @@ def test_splits_fill_half_the_sms_in_powers_of_two():
                 assert n_blocks - -(-n_blocks // splits) >= decode.MIN_SPLIT_SAVED_BLOCKS
 
 
+def test_e4m3_caches_split_over_all_the_sms():
+    """An e4m3 part streams half the bytes of a 16-bit one in about the same
+    time, so e4m3 caches split up to every SM (E4M3_SPLIT_TARGET_SM_SHARE):
+    measured on the H100, docs/findings.md, "Decode"."""
+    for batch, heads, heads_kv, capacity, parts_16, parts_e4m3 in [
+            (16, 8, 1, 32768, 4, 8), (64, 8, 1, 32768, 1, 2), (4, 32, 8, 32768, 2, 4),
+            (1, 32, 8, 32768, 8, 16), (16, 32, 8, 8192, 1, 1), (1, 8, 1, 8192, 64, 64)]:
+        args = (batch, 1, heads, heads_kv, capacity, 128, 0, 132)
+        assert decode.plan(*args).num_splits == parts_16
+        e4m3 = decode.plan(*args, fp8=True)
+        assert e4m3.num_splits == parts_e4m3 and e4m3.ctas <= 132
+
+
 @pytest.mark.parametrize("seqlen_q,heads,heads_kv", [
     (1, 32, 8), (1, 8, 8), (3, 32, 4), (4, 32, 8), (5, 32, 32), (2, 24, 4), (2, 128, 1)])
 def test_every_kv_head_is_one_sequence_of_all_its_query_rows(seqlen_q, heads, heads_kv):
