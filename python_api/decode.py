@@ -119,12 +119,16 @@ class DecodePlan:
 def choose_splits(tiles: int, n_blocks: int, sms: int,
                   sm_share: float = SPLIT_TARGET_SM_SHARE) -> int:
     """Key ranges per tile from shapes only: the largest power of two whose
-    tiles · splits stay within sm_share of the SMs, at most
-    one K/V block a range and MAX_SPLITS; 1 where the tiles alone reach
-    that share, or where that split would take fewer than
+    tiles · splits stay within sm_share of the SMs (and splits within
+    SPLIT_TARGET_SM_SHARE of them), at most one K/V block a range and
+    MAX_SPLITS; 1 where the tiles alone reach that share, or where that
+    split would take fewer than
     MIN_SPLIT_SAVED_BLOCKS blocks off a tile (docs/findings.md, "Decode":
     the measured split counts)."""
-    most = max(1, min(MAX_SPLITS, n_blocks, int(sm_share * sms) // max(tiles, 1)))
+    # a tile's merge of more parts than SPLIT_TARGET_SM_SHARE of the SMs costs
+    # more than the blocks they take off its chain (e4m3 caches at batch 1)
+    most = max(1, min(MAX_SPLITS, n_blocks, int(sm_share * sms) // max(tiles, 1),
+                      int(SPLIT_TARGET_SM_SHARE * sms)))
     splits = 1 << (most.bit_length() - 1)
     saved_blocks = n_blocks - -(-n_blocks // splits)
     return splits if saved_blocks >= MIN_SPLIT_SAVED_BLOCKS else 1
