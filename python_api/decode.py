@@ -122,9 +122,8 @@ def choose_splits(tiles: int, n_blocks: int, sms: int,
     tiles · splits stay within sm_share of the SMs (and splits within
     SPLIT_TARGET_SM_SHARE of them), at most one K/V block a range and
     MAX_SPLITS; 1 where the tiles alone reach that share, or where that
-    split would take fewer than
-    MIN_SPLIT_SAVED_BLOCKS blocks off a tile (docs/findings.md, "Decode":
-    the measured split counts)."""
+    split would take fewer than MIN_SPLIT_SAVED_BLOCKS blocks off a tile
+    (docs/findings.md, "Decode": the measured split counts)."""
     # a tile's merge of more parts than SPLIT_TARGET_SM_SHARE of the SMs costs
     # more than the blocks they take off its chain (e4m3 caches at batch 1)
     most = max(1, min(MAX_SPLITS, n_blocks, int(sm_share * sms) // max(tiles, 1),
@@ -225,7 +224,7 @@ def _make_constants(p: DecodePlan, capacity: int, paged: bool, device) -> _Const
 
 def _constants_for(p: DecodePlan, capacity: int, paged: bool, device) -> _Constants:
     return cached_per_shape((p, capacity, paged, device),
-                         lambda: _make_constants(p, capacity, paged, device))
+                            lambda: _make_constants(p, capacity, paged, device))
 
 
 def _key_sequences(c: _Constants, capacity: int, cache_rows, lengths):
@@ -319,8 +318,8 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     page_size, h_kv, d) with page_table (b, max_pages) int32 (paged_config
     must take the page size). lengths[b] keys of sequence b (int32 (b,);
     None: all, `capacity`). e4m3 q, K and V take `descales`
-    (fp8_ops.kernel_descales: q's, k's, v's) and give a bf16 O. Returns O (b, s_q, h, d_v) and
-    LSE (b, h, s_q) fp32."""
+    (fp8_ops.kernel_descales: q's, k's, v's) and give a bf16 O. Returns O
+    (b, s_q, h, d_v) and LSE (b, h, s_q) fp32."""
     batch, seqlen_q, heads, head_dim = q.shape
     head_dim_v = values.shape[3]
     paged = page_table is not None
