@@ -222,8 +222,9 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         max_pages); its cu_seqlens_k are 0 (others never read the table).
         An e4m3 kernel's descales, Q's, K's and V's, fp32 (1, b, h_kv) each
         (fp8_operands.Descales; others never read them); O is then bf16 or
-        fp16 (out_dtype). A block_sparse kernel's tile lists, int32 (b or 1, (h or 1) · m_blocks,
-        words) (block_sparse.py; others never read it).
+        fp16 (out_dtype). A block_sparse kernel's tile lists, int32 (b or
+        1, (h or 1) · m_blocks, words) (block_sparse.py; others never read
+        it).
         Read only by some configs: the counters, int32
         (1, 1, n) and zero at launch (dynamic_tiles: the tile counter, element
         0; split_tail: the split tiles' counters after it), and with

@@ -89,6 +89,13 @@ def groups_fill_tile(group: int) -> bool:
     return group > 1 and WGMMA_M % group == 0
 
 
+def kernel_rows_per_query(group: int, several_tokens: bool, causal: bool) -> int:
+    """The rows_per_query a step's kernel is built for: g where several
+    tokens' rows share a mask row per token (causal) or are read in place
+    (groups_fill_tile), else 1."""
+    return group if several_tokens and (causal or groups_fill_tile(group)) else 1
+
+
 def rows_for(seqlen_q: int, group: int) -> Rows:
     if seqlen_q == 1:
         return Rows.VIEW
@@ -272,10 +279,9 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
 
 @functools.lru_cache(maxsize=None)  # asked on every call: one Features per combination
 def kernel_features(split: bool, paged: bool, rows_per_query: int = 1) -> Features:
-    """The forward's features for a KV-cache problem; rows_per_query: g for
-    a step of several tokens (each token's g rows share its mask row) the
-    kernel reads in place (Rows.IN_KERNEL: heads_in_rows) or a causal one
-    copied into the packed order, else 1."""
+    """The forward's features for a KV-cache problem; rows_per_query:
+    kernel_rows_per_query's (heads_in_rows where those rows are read in
+    place, Rows.IN_KERNEL)."""
     return Features(varlen=True, split_kv=split, paged_kv=paged, rows_per_query=rows_per_query,
                     heads_in_rows=groups_fill_tile(rows_per_query))
 
@@ -340,8 +346,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     split = p.num_splits > 1
     kernel_causal = bool(causal) and seqlen_q > 1
     b = _buffers(q, p, seqlen_q, kernel_dim_v, out_dtype)
-    # the rows' mask groups: the kernel's own view needs them causal or not
-    group = p.group if kernel_causal or p.layout is Rows.IN_KERNEL else 1
+    group = kernel_rows_per_query(p.group, seqlen_q > 1, causal)
     kernel, _, _ = fwd_kernel_for(b.q, values, kernel_causal, config,
                                   kernel_features(split, paged, group),
                                   out_dtype if fp8 else None)

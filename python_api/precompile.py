@@ -172,14 +172,14 @@ def _decode_variants(dtype: str, head_dim: int, dv: int | None, causal: bool, pa
     kernel of its own) and query group; e4m3 caches (fp8: direction
     decode_fp8, `dtype` the output's, head dims of the FP8 forward) each
     also with the stages of a small grid."""
-    from .decode import groups_fill_tile, reads_pages_in_place
+    from .decode import kernel_rows_per_query, reads_pages_in_place
     from .kernels.config import FP8_HEAD_DIMS
 
     if fp8 and head_dim not in FP8_HEAD_DIMS:
         return []
     head_dim_v = dv or head_dim
     pages = [p for p in page_sizes if not p or reads_pages_in_place(p, head_dim, head_dim_v, fp8)]
-    groups = [g for g in query_groups if causal or g == 1 or groups_fill_tile(g)]
+    groups = [g for g in query_groups if kernel_rows_per_query(g, g > 1, causal) == g]
     return [Variant("decode_fp8" if fp8 else "decode", dtype, head_dim, causal, head_dim_v=dv,
                     split_kv=split, page_size=page, rows_per_query=group, small_grid=small)
             for split, page, group, small in itertools.product(
@@ -305,8 +305,8 @@ def build(variant: Variant) -> tuple[float, bool]:
     if variant.direction in ("decode", "decode_fp8"):
         from . import compile_cache
 
-        cache_dtype = torch.float8_e4m3fn if variant.direction == "decode_fp8" else DTYPES[
-            variant.dtype]
+        fp8 = variant.direction == "decode_fp8"
+        cache_dtype = torch.float8_e4m3fn if fp8 else DTYPES[variant.dtype]
         kernels.append(compile_cache.get_append(cache_dtype, variant.head_dim,
                                                 variant.value_head_dim))
     return (sum(k.compile_seconds for k in kernels), all(k.from_disk for k in kernels))
