@@ -90,7 +90,7 @@ from .mask import (Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
 from .pipeline import (BwdBarrier, consumer_state, make_thread_pipeline, make_tma_pipeline,
                        producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
-from .softcap import cap_scores_with_slope
+from .softcap import cap_scores, exp2_with_slope
 from .varlen import Seqlens, VarlenScheduler
 
 
@@ -696,10 +696,9 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         dp_a, dp_b = ops.dp(do_state.index)
         wgmma.gemm(me.mma_sdp, acc_dp, dp_a, dp_b, zero_init=True, wait_groups=-1)
         warpgroup.wait_group(1)  # the scores have landed
-        slope = None
-        if cutlass.const_expr(self.features.softcap):
-            slope = cute.make_rmem_tensor_like(acc_s, self.dtype)  # 1 − t², dS's factor
-            cap_scores_with_slope(acc_s, me.pre_tanh, slope)
+        softcap = self.features.softcap
+        if cutlass.const_expr(softcap):
+            cap_scores(acc_s, me.pre_tanh)  # t, the capped score / softcap
         if needs_mask:
             coords0 = wgmma.static_coords(me.mma_sdp, score_shape(self.cfg))
             if cutlass.const_expr(self.features.block_sparse):
@@ -710,12 +709,17 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             else:
                 apply_mask_transposed(acc_s, me.score_coords, tile.n_block, m_block,
                                       tile.seqlen_q, tile.seqlen_k, tile_n, tile_m, me.limits)
-        p = wgmma.acc_rows_cols(acc_s)
-        for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-                lse2_q = lse2[r] if keys_on_n else lse2[j]
-                p[r, j] = cute.math.exp2(p[r, j] * me.softmax_scale_log2 - lse2_q,
-                                         fastmath=True)
+        if cutlass.const_expr(softcap):
+            # P · (1 − t²), what dS multiplies, in 16 bits
+            ds_factor = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            exp2_with_slope(acc_s, me.softmax_scale_log2, lse2, keys_on_n, ds_factor)
+        else:
+            p = wgmma.acc_rows_cols(acc_s)
+            for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+                    lse2_q = lse2[r] if keys_on_n else lse2[j]
+                    p[r, j] = cute.math.exp2(p[r, j] * me.softmax_scale_log2 - lse2_q,
+                                             fastmath=True)
         dsum = self.query_stats(smem.d, coords, do_state.index)
         # The 16-bit P (dV's operand) is made at once, and dS reads it back:
         # the fp32 P is then dead before dP lands. Where the dV GEMM reads it
@@ -723,6 +727,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         shared = self.cfg.shares_scores()
         p_16bit = cute.make_rmem_tensor_like(acc_s, self.dtype) if shared else ops.dv_a
         wgmma.convert_to_16bit(acc_s, p_16bit)
+        if cutlass.const_expr(not softcap):
+            ds_factor = p_16bit
         if cutlass.const_expr(shared):
             self.store_slab(me, p_16bit, pt_buffer(self.cfg, ds_buffer))
         warpgroup.wait_group(0)  # dP has landed
@@ -730,10 +736,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         for j in cutlass.range_constexpr(cute.size(ds, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(ds, mode=[0])):
                 dsum_q = dsum[r] if keys_on_n else dsum[j]
-                p_rj = wgmma.read_16bit_as_f32(p_16bit, acc_s.layout.shape, r, j)
-                if cutlass.const_expr(self.features.softcap):
-                    p_rj = p_rj * wgmma.read_16bit_as_f32(slope, acc_s.layout.shape, r, j)
-                ds[r, j] = p_rj * (ds[r, j] - dsum_q)
+                factor = wgmma.read_16bit_as_f32(ds_factor, acc_s.layout.shape, r, j)
+                ds[r, j] = factor * (ds[r, j] - dsum_q)
         if cutlass.const_expr(not shared and not self.cfg.dv_at_ds_barrier):
             self.issue_dv(me, do_state, ds_buffer)
         if cutlass.const_expr(shared):

@@ -4,9 +4,10 @@ The kernels keep t = tanh(q·k · scale / softcap) in the score registers
 (one FMUL and one MUFU.TANH an element) and hand the softmax softcap · log2(e)
 as its exponent factor, so P = exp2(t · softcap · log2(e) − LSE₂) is the same
 one FFMA and ex2 as without a cap. The host folds the constants
-(launch_plan.ScoreParams). In the backward, the chain rule through the cap is
-d score / d(q·k) = scale · (1 − t²): the kernel multiplies dS by 1 − t² and
-the existing scale of dQ and dK does the rest.
+(launch_plan's scalars). In the backward, the chain rule through the cap is
+d score / d(q·k) = scale · (1 − t²): the kernel multiplies dS by 1 − t²
+(exp2_with_slope, folded into P as it is made) and the existing scale of dQ and
+dK does the rest.
 
 A capped score is bounded: t · softcap · log2(e) lies in [-c, c], c =
 softcap · log2(e). The bf16 forward then needs no running maximum
@@ -27,7 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .wgmma import acc_rows_cols, pack_rounded
+from .wgmma import acc_rows_cols, write_16bit_pair
 
 FIXED_EXP_FLOOR = -124.0
 FIXED_EXP_CEIL = 64.0
@@ -58,16 +59,24 @@ def cap_scores(acc_s: cute.Tensor, pre_tanh: Float32):
 
 
 @cute.jit
-def cap_scores_with_slope(acc_s: cute.Tensor, pre_tanh: Float32, slope: cute.Tensor):
-    """As cap_scores, and slope ← 1 − t², the factor the backward applies to
-    dS, packed in 16 bits (slope: the layout of acc_s in the kernel's dtype;
-    read back with wgmma.read_16bit_as_f32). Half the registers of fp32:
-    dS itself is rounded to 16 bits right after the product."""
-    words = cute.recast_tensor(slope, cutlass.Int32)
-    for w in cutlass.range_constexpr(cute.size(words)):
-        t0 = cute.math.tanh(acc_s[2 * w] * pre_tanh, approx=True)
-        t1 = cute.math.tanh(acc_s[2 * w + 1] * pre_tanh, approx=True)
-        acc_s[2 * w] = t0
-        acc_s[2 * w + 1] = t1
-        words[w] = pack_rounded(Float32(1.0) - t0 * t0, Float32(1.0) - t1 * t1,
-                                slope.element_type)
+def exp2_with_slope(acc_s: cute.Tensor, scale_log2: Float32, lse2, keys_on_n: cutlass.Constexpr,
+                    ds_factor: cute.Tensor):
+    """The backward's P = exp2(t · scale_log2 − LSE₂) in place of the capped
+    scores t, and ds_factor ← P · (1 − t²), the factor of dS, in 16 bits (the
+    kernel's dtype, acc_s's layout; read with wgmma.read_16bit_as_f32). Made
+    in fp32 while t is at hand and rounded once (P and the slope rounded
+    apart were two roundings), a column pair at a time: no fp32 copy is held.
+    lse2: this thread's statistic per row (keys_on_n) or per column. A masked
+    score is t = -inf (P = 0): the max makes its slope 0, not -inf, whose
+    product with P would be NaN."""
+    p = acc_rows_cols(acc_s)
+    for j in cutlass.range_constexpr(0, cute.size(p, mode=[1]), 2):
+        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+            t0, t1 = p[r, j], p[r, j + 1]
+            p[r, j] = cute.math.exp2(t0 * scale_log2 - (lse2[r] if keys_on_n else lse2[j]),
+                                     fastmath=True)
+            p[r, j + 1] = cute.math.exp2(t1 * scale_log2
+                                         - (lse2[r] if keys_on_n else lse2[j + 1]), fastmath=True)
+            write_16bit_pair(ds_factor, acc_s.layout.shape, r, j,
+                             p[r, j] * cute.arch.fmax(Float32(1.0) - t0 * t0, Float32(0.0)),
+                             p[r, j + 1] * cute.arch.fmax(Float32(1.0) - t1 * t1, Float32(0.0)))

@@ -153,6 +153,21 @@ def read_16bit_as_f32(packed: cute.Tensor, acc_shape: cutlass.Constexpr, r: cutl
 
 
 @cute.jit
+def write_16bit_pair(packed: cute.Tensor, acc_shape: cutlass.Constexpr,
+                     r: cutlass.Constexpr[int], c: cutlass.Constexpr[int], lo: Float32,
+                     hi: Float32):
+    """Elements (r, c) and (r, c + 1) of an accumulator, packed into the word
+    of `packed` that convert_to_16bit would give them (c even: a column pair
+    is one word), so that no fp32 copy of the whole accumulator is held."""
+    words = cute.recast_tensor(packed, cutlass.Int32)
+    k = cute.crd2idx((r, c), rows_cols_layout(acc_shape))
+    if cutlass.const_expr(k % 2 != 0 or cute.crd2idx((r, c + 1), rows_cols_layout(acc_shape))
+                          != k + 1):
+        raise ValueError(f"write_16bit_pair: columns {c}, {c + 1} of row {r} are not one word")
+    words[k // 2] = pack_rounded(lo, hi, packed.element_type)
+
+
+@cute.jit
 def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
     """fp32 registers -> bf16/fp16 registers of the same layout (round to
     nearest even, two neighbours per cvt)."""
