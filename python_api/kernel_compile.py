@@ -81,7 +81,7 @@ def _target_option() -> str:
 
 def _score_args() -> tuple:
     """Stand-ins for the runtime window (left, right) and scale / softcap,
-    which every forward and backward main kernel takes (launch_plan.ScoreParams)."""
+    which every forward and backward main kernel takes (the scalars launch_plan passes)."""
     return cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(0.0)
 
 
