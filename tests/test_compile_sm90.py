@@ -488,7 +488,7 @@ def test_forward_wide_window(tmp_path, features):
 def test_backward_score_mods(tmp_path, head_dim, features):
     """The backward's window and cap variants compile to warp-specialised,
     spill-free HGMMA code (the cap's P · (1 − t²) is one 16-bit value an
-    element, held where P alone would be)."""
+    element, held beside P where a 16-bit slope was)."""
     config = default_bwd_config(head_dim, True)  # what variants.bwd_kernels_for picks
     compile_bwd(torch.bfloat16, head_dim, False, config, dump_dir=str(tmp_path), features=features)
     info = dumped_kernel_info(str(tmp_path / "main"))
