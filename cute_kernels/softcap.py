@@ -72,11 +72,13 @@ def exp2_with_slope(acc_s: cute.Tensor, scale_log2: Float32, lse2, keys_on_n: cu
     p = acc_rows_cols(acc_s)
     for j in cutlass.range_constexpr(0, cute.size(p, mode=[1]), 2):
         for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-            t0, t1 = p[r, j], p[r, j + 1]
-            p[r, j] = cute.math.exp2(t0 * scale_log2 - (lse2[r] if keys_on_n else lse2[j]),
-                                     fastmath=True)
-            p[r, j + 1] = cute.math.exp2(t1 * scale_log2
-                                         - (lse2[r] if keys_on_n else lse2[j + 1]), fastmath=True)
+            t = (p[r, j], p[r, j + 1])
+            for i in cutlass.range_constexpr(2):
+                p[r, j + i] = cute.math.exp2(
+                    t[i] * scale_log2 - (lse2[r] if keys_on_n else lse2[j + i]), fastmath=True)
             write_16bit_pair(ds_factor, acc_s.layout.shape, r, j,
-                             p[r, j] * cute.arch.fmax(Float32(1.0) - t0 * t0, Float32(0.0)),
-                             p[r, j + 1] * cute.arch.fmax(Float32(1.0) - t1 * t1, Float32(0.0)))
+                             p[r, j] * _slope(t[0]), p[r, j + 1] * _slope(t[1]))
+
+
+def _slope(t: Float32) -> Float32:
+    return cute.arch.fmax(Float32(1.0) - t * t, Float32(0.0))
