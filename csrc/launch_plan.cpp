@@ -317,14 +317,16 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   const int dq_accum = b.buffer3(CUTE_FA_F32, CUTE_FA_EMPTY, B, H, padded_q * D);
   // Deterministic: a semaphore per query tile and dQ warpgroup. With
   // dynamic_tiles its first element is the tile counter, zeroed by the
-  // preprocess; with convert_dq a counter per query tile follows it
-  // (cute_kernels/dq_convert.py), zeroed by the preprocess too. One per
+  // preprocess; with convert_dq (a count of adds) or dq_first_store (the
+  // first touch's state) a slot per query tile follows it
+  // (cute_kernels/dq_accum.py), zeroed by the preprocess too. One per
   // call, as a shared one would be raced across streams.
   const int semaphore =
       v->deterministic
           ? b.buffer3(CUTE_FA_I32, CUTE_FA_ZERO, B, H,
                       padded_q / v->tile_m * v->dq_warpgroups)
-      : v->convert_dq    ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, B, H, 1 + padded_q / v->tile_m)
+      : v->convert_dq || v->dq_first_store
+          ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, B, H, 1 + padded_q / v->tile_m)
       : v->dynamic_tiles ? b.buffer3(CUTE_FA_I32, CUTE_FA_EMPTY, 1, 1, 1)
                          : b.buffer3(CUTE_FA_I32, CUTE_FA_UNUSED, 1, 1, 1);
   const int grad_q = b.buffer(CUTE_FA_INPUT_DTYPE, CUTE_FA_EMPTY, 4, bshd_q);
@@ -363,7 +365,7 @@ extern "C" int cute_fa_plan_bwd(const CuteFaBwdVariant* v, const CuteFaShape* s,
   int next_kernel = 2;
   if (!v->convert_dq) {
     CuteFaLaunch* post = b.launch(next_kernel++);
-    b.tensors(post, {dq_accum, grad_q, seqs.cu_q, seqs.used_q});
+    b.tensors(post, {dq_accum, grad_q, semaphore, seqs.cu_q, seqs.used_q});
     b.arg(post, CUTE_FA_ARG_SCALE);
     b.arg(post, CUTE_FA_ARG_INT, 0, seqs.seqused);
     b.arg(post, CUTE_FA_ARG_INT, 0, s->seqlen_q);

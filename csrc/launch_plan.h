@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define CUTE_FA_PLAN_LAYOUT_VERSION 9
+#define CUTE_FA_PLAN_LAYOUT_VERSION 10
 #define CUTE_FA_PLAN_MAX_BUFFERS 24
 #define CUTE_FA_PLAN_MAX_ARGS 32
 #define CUTE_FA_PLAN_MAX_LAUNCHES 4
@@ -78,6 +78,7 @@ typedef struct {
   int32_t dynamic_tiles, deterministic;
   int32_t split_gqa; /* fp32 dK/dV per query head, summed per group after */
   int32_t convert_dq; /* the main kernel writes dQ: no postprocess */
+  int32_t dq_first_store; /* a query tile's first dQ partial stored: its state in the semaphore */
 } CuteFaBwdVariant;
 
 /* INPUT_DTYPE: that of q; OUTPUT_DTYPE: the output's where it differs from

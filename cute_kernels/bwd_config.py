@@ -106,6 +106,12 @@ class BwdConfig(_KernelConfig):
         lines (dq_convert.py); no postprocess. Not with dq_direct (the
         consumers' own adds are not counted), a learnable sink or a block
         mask (bwd_sm90.py says why).
+    dq_first_store: a query tile's first dQ partial is stored into the fp32
+        accumulator and later ones added (dq_accum.py, first touch), so the
+        preprocess does not zero it: without the deterministic order the
+        first is claimed per tile with a compare-and-swap. Not with
+        dq_direct (each consumer thread adds its own share) nor convert_dq
+        (its counters take the tiles' slots).
     l2_section_mb: causal key blocks run longest-first inside sections of
         heads whose Q, dO and dQ accumulator fit in this many MB of L2, a
         power of two of them (scheduler.py).
@@ -128,6 +134,7 @@ class BwdConfig(_KernelConfig):
     dynamic_tiles: bool = False
     dkv_via_scores: bool = False
     convert_dq: bool = False
+    dq_first_store: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -265,6 +272,9 @@ class BwdConfig(_KernelConfig):
         if self.convert_dq and self.dq_direct:
             raise bad("convert_dq", "False with dq_direct (the consumers add dQ themselves, "
                                     "and no writer counts the adds)")
+        if self.dq_first_store and (self.dq_direct or self.convert_dq):
+            raise bad("dq_first_store", "False with dq_direct or convert_dq (the consumers add "
+                                        "dQ themselves, or the tiles' slots count the adds)")
         if self.dynamic_tiles and self.deterministic:
             raise bad("dynamic_tiles", "False with deterministic (its semaphore orders the "
                                        "key blocks of one CTA per tile)")
@@ -340,10 +350,16 @@ def claimed(config: BwdConfig, on: bool, head_dim: int, head_dim_v: int | None) 
     """config with its key blocks claimed by a persistent grid
     (dynamic_tiles) or not, and where they are claimed dK and dV staged in
     the dSᵀ buffers wherever those hold them (dkv_via_scores): the next
-    block's K/V load then runs under this block's epilogue (docs/findings.md)."""
+    block's K/V load then runs under this block's epilogue; and where they
+    are claimed or the dQ adds take turns, each query tile's first dQ
+    partial stored (dq_first_store) wherever the writer warp adds them.
+    Fixed tiles keep the zeroed accumulator: their CTAs walk the query
+    tiles in step, so all but one would wait at each tile for its first
+    store (docs/findings.md)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     return config.replace(dynamic_tiles=on,
-                          dkv_via_scores=on and config.dkv_fits_scores(head_dim, head_dim_v))
+                          dkv_via_scores=on and config.dkv_fits_scores(head_dim, head_dim_v),
+                          dq_first_store=(on or config.deterministic) and not config.dq_direct)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,8 @@ lane, half a sector per instruction; fa4's 0.081):
     D    = rowsum(dO ∘ O) − dLSE     (dLSE: gradient flowing into the LSE output, if any)
     LSE₂ = LSE · log2(e)             (+inf for rows with no visible key and for padding,
                                       so exp2(s·scale_log2 − LSE₂) is 0 there, never NaN)
-    dQ accumulator rows zeroed
+    dQ accumulator rows zeroed (not with BwdConfig.dq_first_store, whose
+        tiles' first partials are stored: dq_accum.py)
     with a learnable sink (Features.sink): each warp's share of
         dsink[h] = −Σ_rows exp(sink[h] − LSE) · D
     (the sink's probability times D: its column has no value, so dO·V
@@ -15,9 +16,10 @@ lane, half a sector per instruction; fa4's 0.081):
     deterministic)
     the main kernel's tile counter zeroed (BwdConfig.dynamic_tiles: the
     semaphore's first element; harmless otherwise)
-    with BwdConfig.convert_dq: the query tiles' counters zeroed (not
-    deterministic), and dQ rows with no visible key (LSE -inf) written as
-    zeros: no key block completes their tiles (dq_convert.py)
+    with BwdConfig.convert_dq or dq_first_store, not deterministic: the
+    query tiles' slots zeroed (dq_accum.tile_slot); with convert_dq, dQ
+    rows with no visible key (LSE -inf) written as zeros: no key block
+    completes their tiles (dq_convert.py)
 Both per-row vectors are padded to whole query tiles, so the main kernel's
 TMA loads of them never leave the buffer (in a packed batch, each sequence's
 rows are: varlen.py).
@@ -29,7 +31,8 @@ values each warpgroup holds as its slice of the main kernel's dQ tiled MMA,
 writes them to shared memory with stmatrix and the tile to dQ with one TMA
 store (a packed sequence's partial last tile row by row; 4-byte stores
 straight from registers fill half a sector each: at 16k tokens, d=128, the
-kernel took 96 µs where fa4's takes 68).
+kernel took 96 µs where fa4's takes 68). With BwdConfig.dq_first_store a
+tile no key block wrote is read as zeros (its rows see no key).
 
 Group sum, after a split_gqa main kernel (BwdConfig.split_gqa), one row
 (key, KV head, batch) per 8 threads: dK and dV = the fp32 partials of the
@@ -50,7 +53,6 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from . import dq_accum, wgmma
-from .dq_convert import COUNTER_BASE
 from .bwd_partition import dq_gemm_shape, dq_tiled_mma
 from .config import WARPGROUP_THREADS, WGMMA_M
 from .bwd_config import BwdConfig
@@ -72,7 +74,7 @@ def _query_seqlens(varlen: bool, mCuSeqlensQ, mSeqUsedQ, seqused, seqlen) -> Seq
 class BackwardPreprocess:
     def __init__(self, dtype, head_dim: int, has_grad_lse: bool, tile_m: int,
                  varlen: bool = False, sink: bool = False, convert_dq: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, first_store: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.has_grad_lse = has_grad_lse
@@ -80,7 +82,9 @@ class BackwardPreprocess:
         self.varlen = varlen
         self.sink = sink
         self.convert_dq = convert_dq  # the main kernel's BwdConfig.convert_dq
-        self.counts = convert_dq and not deterministic  # its counters: zeroed here
+        self.first_store = first_store  # BwdConfig.dq_first_store: nothing to zero
+        # the tiles' slots of convert_dq's counts or first_store's claims: zeroed here
+        self.zero_slots = (convert_dq or first_store) and not deterministic
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -92,8 +96,8 @@ class BackwardPreprocess:
         """O, dO (b, s, h, d); LSE, dLSE (b, h, s) fp32 (dLSE ignored unless
         has_grad_lse); LSE₂, D (b, h, s_pad) fp32; dQ accumulator (b, h, s_pad·d);
         dQ (b, s, h, d) (written only with convert_dq); the main kernel's
-        semaphore, int32 (its first element is zeroed; with convert_dq, not
-        deterministic, (b, h, 1 + s_pad / tile_m): the counters too).
+        semaphore, int32 (its first element is zeroed; with zero_slots,
+        (b, h, 1 + s_pad / tile_m): the tiles' slots too).
         Varlen: packed as the main kernel's, with its cu_seqlens_q, seqused_q
         and seqused bits; max_seqlen_q: the longest sequence (dense: s).
         With a sink: the sinks (1, 1, h) fp32 and the gradient's partials
@@ -153,16 +157,17 @@ class BackwardPreprocess:
                         dsum = dot - mdLSE[batch, head, start + row]
                 mLSE2[batch, head, stats_row] = lse2
                 mD[batch, head, stats_row] = dsum
-            acc_row = cute.local_tile(mdQaccum[batch, head, None], (self.head_dim,),
-                                      (stats_row,))
-            zeros, pieces = interleaved_pieces(acc_row, lane)
-            for i in cutlass.range_constexpr(cute.size(zeros, mode=[1])):
-                if lane + LANES_PER_ROW * i < pieces:
-                    zeros[None, i].fill(0.0)
-            if cutlass.const_expr(self.counts):
+            if cutlass.const_expr(not self.first_store):
+                acc_row = cute.local_tile(mdQaccum[batch, head, None], (self.head_dim,),
+                                          (stats_row,))
+                zeros, pieces = interleaved_pieces(acc_row, lane)
+                for i in cutlass.range_constexpr(cute.size(zeros, mode=[1])):
+                    if lane + LANES_PER_ROW * i < pieces:
+                        zeros[None, i].fill(0.0)
+            if cutlass.const_expr(self.zero_slots):
                 if stats_row % self.tile_m == 0 and lane == 0:
-                    counter = COUNTER_BASE + stats_row // self.tile_m
-                    mSemaphore[batch, head, counter] = cutlass.Int32(0)
+                    slot = dq_accum.TILE_SLOT_BASE + stats_row // self.tile_m
+                    mSemaphore[batch, head, slot] = cutlass.Int32(dq_accum.UNTOUCHED)
         if cutlass.const_expr(self.convert_dq):
             if row < seqlen:
                 if mLSE[batch, head, start + row] == -Float32.inf:
@@ -224,11 +229,12 @@ class BackwardPostprocess:
         return self.cfg.tile_m, self.head_dim // self.cfg.dq_warpgroups
 
     @cute.jit
-    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                 mSeqUsedQ: cute.Tensor, softmax_scale: Float32, seqused: cutlass.Int32,
-                 max_seqlen_q: cutlass.Int32, stream: cuda.CUstream):
-        """dQ accumulator (b, h, s_pad·d) fp32 -> dQ (b, s, h, d); varlen as
-        the preprocess."""
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mSemaphore: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mSeqUsedQ: cute.Tensor, softmax_scale: Float32,
+                 seqused: cutlass.Int32, max_seqlen_q: cutlass.Int32, stream: cuda.CUstream):
+        """dQ accumulator (b, h, s_pad·d) fp32 -> dQ (b, s, h, d); the main
+        kernel's semaphore (read with dq_first_store only); varlen as the
+        preprocess."""
         tile_m, d = self.cfg.tile_m, self.head_dim
         seqlens = _query_seqlens(self.varlen, mCuSeqlensQ, mSeqUsedQ, seqused, mdQ.shape[1])
         grid = (cute.ceil_div(max_seqlen_q, tile_m), mdQ.shape[2],
@@ -245,25 +251,26 @@ class BackwardPostprocess:
                                    SMEM_ALIGN]
 
         mma = dq_tiled_mma(self.dtype, self.cfg, d)
-        self.kernel(mdQaccum, tdQ, permute(mdQ, [1, 3, 2, 0]), seqlens, tma_dq, softmax_scale,
-                    mma, sdQ_layout, SharedStorage).launch(
+        self.kernel(mdQaccum, tdQ, permute(mdQ, [1, 3, 2, 0]), permute(mSemaphore, [2, 1, 0]),
+                    seqlens, tma_dq, softmax_scale, mma, sdQ_layout, SharedStorage).launch(
             grid=list(grid), block=[self.cfg.dq_warpgroups * WARPGROUP_THREADS, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mdQ_rows: cute.Tensor,
-               seqlens: Seqlens, tma_dq: cute.CopyAtom, softmax_scale: Float32,
-               mma: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
+               mSemaphore: cute.Tensor, seqlens: Seqlens, tma_dq: cute.CopyAtom,
+               softmax_scale: Float32, mma: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         m_block, head, batch = cute.arch.block_idx()
         rows_out = seqlens.len_q(batch) - m_block * self.cfg.tile_m
         if rows_out > 0:  # a packed batch's grid covers its longest sequence
-            self._tile(mdQaccum, mdQ, mdQ_rows, seqlens, tma_dq, softmax_scale, mma, sdQ_layout,
-                       SharedStorage, m_block, head, batch, rows_out)
+            self._tile(mdQaccum, mdQ, mdQ_rows, mSemaphore, seqlens, tma_dq, softmax_scale, mma,
+                       sdQ_layout, SharedStorage, m_block, head, batch, rows_out)
 
     @cute.jit
     def _tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mdQ_rows: cute.Tensor,
-              seqlens: Seqlens, tma_dq: cute.CopyAtom, softmax_scale: Float32,
+              mSemaphore: cute.Tensor, seqlens: Seqlens, tma_dq: cute.CopyAtom,
+              softmax_scale: Float32,
               mma: cute.TiledMma, sdQ_layout: cute.ComposedLayout,
               SharedStorage: cutlass.Constexpr, m_block, head, batch, rows_out):
         tid = cute.arch.thread_idx()[0]
@@ -273,10 +280,15 @@ class BackwardPostprocess:
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         first_row = seqlens.padded_start_q(batch, tile_m) + m_block * tile_m
-        tile = mdQaccum[seqlens.buffer_batch(batch), head, None].iterator + first_row * d
+        buffer_batch = seqlens.buffer_batch(batch)
+        tile = mdQaccum[buffer_batch, head, None].iterator + first_row * d
         src = dq_accum.thread_view(tile, wg, tid % WARPGROUP_THREADS, tile_m, d, wgs)
         values = cute.make_rmem_tensor(src.shape, Float32)
         cute.autovec_copy(src, values)
+        if cutlass.const_expr(self.cfg.dq_first_store):
+            # a tile no key block walked was never written: its rows see no key
+            if not self._written(mSemaphore, first_row // tile_m, head, buffer_batch):
+                values.fill(0.0)
         for j in cutlass.range(cute.size(values), unroll_full=True):
             values[j] = values[j] * softmax_scale
         values_16bit = cute.make_rmem_tensor(values.shape, self.dtype)
@@ -306,6 +318,19 @@ class BackwardPostprocess:
                                                         (tile_m, d), (m_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+    @cute.jit
+    def _written(self, mSemaphore: cute.Tensor, tile_index, head, buffer_batch) -> cutlass.Boolean:
+        """Whether a key block stored the tile's first partial (first touch):
+        its slot, or with the deterministic order its first warpgroup's
+        turns."""
+        if cutlass.const_expr(self.cfg.deterministic):
+            written = mSemaphore[tile_index * self.cfg.dq_warpgroups, head, buffer_batch] > 0
+        else:
+            written = mSemaphore[dq_accum.TILE_SLOT_BASE + tile_index, head,
+                                 buffer_batch] == dq_accum.WRITTEN
+        return written
 
 
 class GroupSum:

@@ -21,6 +21,17 @@ it with the same view and maps value j back to (row, col) through the same
 tiled MMA partition the main kernel used, so the two can never disagree.
 Query tiles follow each other, so the buffer holds ceil(seqlen_q / tile_m)
 whole tiles per (batch, head).
+
+First touch (BwdConfig.dq_first_store). Zeroing the buffer before the main
+kernel writes it whole once more (as many bytes as the preprocess reads of
+O and dO), so instead a tile's first partial is stored and later ones are
+added. Without the deterministic order the first is whoever claims the
+tile: its slot in the semaphore tensor (tile_slot) goes UNTOUCHED ->
+CLAIMED (a compare-and-swap by the key block whose partial is staged) ->
+WRITTEN (once that store has completed); the other key blocks wait for
+WRITTEN before they add. With the deterministic order the first turn
+stores. A tile no key block walks is never written: the postprocess reads
+its slot (or its turn count) and writes zeros there.
 """
 
 from __future__ import annotations
@@ -78,6 +89,33 @@ def bulk_reduce_add_f32(dst_gmem: cute.Pointer, src_smem: cute.Pointer, num_byte
 
 
 @dsl_user_op
+def bulk_store_f32(dst_gmem: cute.Pointer, src_smem: cute.Pointer, num_bytes: int, *,
+                   loc=None, ip=None) -> None:
+    """dst[i] = src[i] for num_bytes / 4 floats: bulk_reduce_add_f32's plain
+    copy, for a tile's first partial (first touch, above)."""
+    llvm.inline_asm(
+        None,
+        [dst_gmem.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         src_smem.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+        "l,r,r,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+
+
+@cute.jit
+def bulk_write_f32(dst_gmem: cute.Pointer, src_smem: cute.Pointer, num_bytes: int,
+                   first: Int32):
+    """A slab into the accumulator: stored where it is the tile's first
+    partial (first != 0), else added."""
+    if first != 0:
+        bulk_store_f32(dst_gmem, src_smem, num_bytes)
+    else:
+        bulk_reduce_add_f32(dst_gmem, src_smem, num_bytes)
+
+
+@dsl_user_op
 def _reduce_add_v4(dst_gmem: cute.Pointer, a, b, c, d, *, loc=None, ip=None) -> None:
     llvm.inline_asm(
         None,
@@ -121,12 +159,77 @@ def _release_add(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def _compare_and_swap(ptr: cute.Pointer, expected: Int32, desired: Int32, *, loc=None,
+                      ip=None) -> Int32:
+    return Int32(llvm.inline_asm(
+        T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                  Int32(expected).ir_value(loc=loc, ip=ip),
+                  Int32(desired).ir_value(loc=loc, ip=ip)],
+        "atom.relaxed.gpu.global.cas.b32 $0, [$1], $2, $3;", "=r,l,r,r,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+@dsl_user_op
 def fence_async_global(*, loc=None, ip=None) -> None:
     # The bulk reduce wrote through the async proxy; the semaphore is
     # released through the generic one.
     llvm.inline_asm(None, [], "fence.proxy.async.global;", "~{memory}",
                     has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+# A query tile's slot in the semaphore tensor: element TILE_SLOT_BASE + its
+# index (element 0 is the tile counter of dynamic_tiles). First touch keeps
+# its state there, convert_dq its count of adds (dq_convert.py).
+TILE_SLOT_BASE = 1
+UNTOUCHED, CLAIMED, WRITTEN = 0, 1, 2
+
+
+def tile_slot(mSemaphore: cute.Tensor, tile_index: Int32, head: Int32,
+              buffer_batch: Int32) -> cute.Pointer:
+    """A query tile's slot (tile_index: its tile in the per-row buffers, a
+    packed sequence's from its padded start) in the main kernel's
+    (slot, head, batch) view of the semaphore tensor."""
+    return mSemaphore.iterator + cute.crd2idx((TILE_SLOT_BASE + tile_index, head, buffer_batch),
+                                              mSemaphore.layout)
+
+
+@cute.jit
+def peek(slot: cute.Pointer) -> Int32:
+    """The slot's state, read ahead of the claim (its latency under the
+    consumers' step): a tile seen WRITTEN needs no atomic. An acquire, as
+    that sight alone then orders the first partial's store before the adds."""
+    return _load_acquire(slot)
+
+
+@cute.jit
+def claim_or_wait(slot: cute.Pointer, seen: Int32) -> Int32:
+    """1 if this key block's partial is the tile's first (it stores it, then
+    publishes), else 0 once the first's store has completed (it adds). One
+    thread calls this, with its partial staged: a claimer never waits on
+    another CTA, so the waits cannot form a cycle."""
+    state = seen
+    first = Int32(0)
+    if state == UNTOUCHED:
+        state = _compare_and_swap(slot, Int32(UNTOUCHED), Int32(CLAIMED))
+        if state == UNTOUCHED:
+            first = Int32(1)
+    if first == 0:
+        while state != WRITTEN:
+            state = _load_acquire(slot)
+        # the first partial's store, seen through the generic proxy, before
+        # this thread's bulk adds, issued through the async one
+        fence_async_global()
+    return first
+
+
+@cute.jit
+def publish(slot: cute.Pointer):
+    """After the first partial's store has completed (cp.async.bulk.wait_group
+    0 without .read): CLAIMED -> WRITTEN."""
+    fence_async_global()
+    _release_add(slot, Int32(WRITTEN - CLAIMED))
 
 
 @cute.jit

@@ -10,7 +10,7 @@ With convert_dq the key block whose partial completes a query tile
 converts that tile at once, while the tile is still in L2:
 - The dQ writer warp (dq_writer.py), once its reduce-add of a query tile
   has completed, counts it on the tile's counter (one int32 per query
-  tile, head and sequence in the semaphore tensor, from COUNTER_BASE on,
+  tile, head and sequence in the semaphore tensor (dq_accum.tile_slot),
   zeroed by the preprocess). The tile has as many contributions as key
   blocks that walk it (mask.BlockRange: the deterministic order's turns
   count the same blocks); the one that brings the count there sends the
@@ -52,9 +52,6 @@ from .dsl_struct import DslStruct
 from .pipeline import BwdBarrier, consumer_state, release, wait_full
 from .varlen import Seqlens
 
-# The semaphore's element 0 (of head 0, sequence 0) is the tile counter of
-# dynamic_tiles; query tile i's counter is element COUNTER_BASE + i.
-COUNTER_BASE = 1
 CONVERTER_WARPS = (2, 3)  # of the producer warpgroup
 CONVERTER_THREADS = 32 * len(CONVERTER_WARPS)
 L2_LINE_BYTES = 128
@@ -73,14 +70,6 @@ class DqConverter(DslStruct):
 
     def values_per_thread(self) -> int:
         return dq_accum.values_per_thread(self.tile_m, self.head_dim, self.warpgroups)
-
-    @staticmethod
-    def counter(mSemaphore: cute.Tensor, tile_index: Int32, head: Int32,
-                buffer_batch: Int32) -> cute.Pointer:
-        """A query tile's counter (tile_index: its tile in the per-row
-        buffers, a packed sequence's from its padded start)."""
-        return mSemaphore.iterator + cute.crd2idx((COUNTER_BASE + tile_index, head, buffer_batch),
-                                                  mSemaphore.layout)
 
     # ------------------------------------------------------------ writer side
     @cute.jit

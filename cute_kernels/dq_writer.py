@@ -9,7 +9,9 @@ order the handoff: DQ_FULL (the consumer's stores are done) and DQ_EMPTY
 query blocks as the consumers (bwd_tiles.KeyTiles), so each slab's
 destination is known without a message. In deterministic mode the adds into
 one query tile follow the key blocks' order (a semaphore per tile and
-warpgroup). With BwdConfig.dq_direct the consumers add dQ from registers
+warpgroup). With BwdConfig.dq_first_store a tile's first partial is
+stored, not added (dq_accum.py, first touch), so nothing zeroes the
+accumulator. With BwdConfig.dq_direct the consumers add dQ from registers
 and the warp only frees claimed tiles' K/V. With BwdConfig.convert_dq it
 counts each completed add on the query tile's counter and sends the tile
 its add completes to the converter warps (dq_convert.py).
@@ -26,7 +28,6 @@ from cutlass import Int32
 from . import dq_accum
 from .bwd_tiles import KeyTile, KeyTiles
 from .config import WARPGROUP_THREADS
-from .dq_convert import DqConverter
 from .dsl_struct import DslStruct
 from .mask import BlockRange, Limits
 from .pipeline import DQ_HANDOFF_THREADS, BwdBarrier, consumer_state
@@ -43,12 +44,14 @@ class DqWriter(DslStruct):
     direct: bool  # BwdConfig.dq_direct: no slabs, the consumers add dQ
     deterministic: bool
     dynamic_tiles: bool
+    first_store: bool  # BwdConfig.dq_first_store
     converter: object  # DqConverter with BwdConfig.convert_dq, else None
 
     @staticmethod
     def of(config, tile_m: int, tile_n: int, head_dim: int, converter=None) -> "DqWriter":
         return DqWriter(tile_m, tile_n, head_dim, config.dq_warpgroups, config.dq_direct,
-                        config.deterministic, config.dynamic_tiles, converter)
+                        config.deterministic, config.dynamic_tiles, config.dq_first_store,
+                        converter)
 
     @cute.jit
     def stage(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32, tid: Int32):
@@ -121,25 +124,39 @@ class DqWriter(DslStruct):
         # the key blocks that add into a query block before this one: all
         # before it, or with a window those from its first visible one on
         key_blocks = BlockRange(tile_m, self.tile_n, limits)
+        # first touch without the deterministic order: claimed per tile
+        claims = self.first_store and not self.deterministic
         for h in cutlass.range(tile.head_count, unroll=1):
             head = tile.first_head + h
             walk = tiles.query_walk(tile, head, m_min, m_count)
             for i in cutlass.range(walk.count, unroll=1):
                 m_block = walk.m_block(i)
+                tile_index = first_m_block + m_block
+                first = Int32(0)  # this partial is the tile's first: stored, not added
+                seen = Int32(0)
+                if cutlass.const_expr(claims):
+                    if lane == 0:
+                        seen = dq_accum.peek(dq_accum.tile_slot(mSemaphore, tile_index, head,
+                                                                buffer_batch))
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_BASE) + w,
                                       number_of_threads=DQ_HANDOFF_THREADS)
                     if lane == 0:
-                        offset = (first_m_block + m_block) * tile_m * d + w * region
+                        offset = tile_index * tile_m * d + w * region
                         dst = mdQaccum.iterator + cute.crd2idx((offset, head, buffer_batch),
                                                                mdQaccum.layout)
+                        src = sdQ.iterator + w * region
                         if cutlass.const_expr(self.deterministic):
                             semaphore = mSemaphore.iterator + cute.crd2idx(
-                                ((first_m_block + m_block) * wgs + w, head, buffer_batch),
-                                mSemaphore.layout)
-                            dq_accum.wait_turn(semaphore, n_block - key_blocks.n_block_min(
-                                m_block, seqlen_q, seqlen_k))
-                        dq_accum.bulk_reduce_add_f32(dst, sdQ.iterator + w * region, region * 4)
+                                (tile_index * wgs + w, head, buffer_batch), mSemaphore.layout)
+                            turn = n_block - key_blocks.n_block_min(m_block, seqlen_q, seqlen_k)
+                            dq_accum.wait_turn(semaphore, turn)
+                            first = Int32(turn == 0)
+                        elif cutlass.const_expr(claims and w == 0):
+                            first = dq_accum.claim_or_wait(
+                                dq_accum.tile_slot(mSemaphore, tile_index, head, buffer_batch),
+                                seen)
+                        dq_accum.bulk_write_f32(dst, src, region * 4, first)
                         cute.arch.cp_async_bulk_commit_group()
                         if cutlass.const_expr(self.deterministic):
                             cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -150,8 +167,14 @@ class DqWriter(DslStruct):
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_BASE) + w,
                                              number_of_threads=DQ_HANDOFF_THREADS)
+                if cutlass.const_expr(claims):
+                    # the others wait for WRITTEN: published once the stores
+                    # have landed, after the slabs went back to the consumers
+                    if first != 0:  # set on lane 0 only
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        dq_accum.publish(dq_accum.tile_slot(mSemaphore, tile_index, head,
+                                                            buffer_batch))
                 if cutlass.const_expr(self.converter is not None):
-                    tile_index = first_m_block + m_block
                     if self._completes(mSemaphore, tile_index, head, buffer_batch, n_block,
                                        key_blocks, m_block, seqlen_q, seqlen_k):
                         self.converter.send(convert_pipe, sent, convert_slots, m_block, head,
@@ -177,7 +200,7 @@ class DqWriter(DslStruct):
             dq_accum.fence_async_global()
             # acq_rel: the last count's thread acquires every other add
             before = cute.arch.atomic_add(
-                DqConverter.counter(mSemaphore, tile_index, head, buffer_batch), Int32(1),
+                dq_accum.tile_slot(mSemaphore, tile_index, head, buffer_batch), Int32(1),
                 sem="acq_rel", scope="gpu")
             last = Int32(before == contributions - 1)
         return cute.arch.shuffle_sync(last, 0) != 0

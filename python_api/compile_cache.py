@@ -64,7 +64,7 @@ class CompiledBackward:
     preprocess(o, do, lse, dlse, lse2, dsum, dq_accum, semaphore)
     main(q, k, v, do, lse2, dsum, dq_accum, dk, dv, semaphore, scale_log2, scale, num_sms,
          window_left, window_right, pre_tanh)
-    postprocess(dq_accum, dq, scale)             (None where the main kernel writes dQ:
+    postprocess(dq_accum, dq, semaphore, scale)  (None where the main kernel writes dQ:
                                                   BwdConfig.convert_dq)
     group_sum(dk_partials, dv_partials, dk, dv)   (split_gqa configs only, else None)
     row_gaps(dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqused,

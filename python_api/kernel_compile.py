@@ -245,8 +245,9 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     fns = (
         _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse, config.tile_m,
                                     features.varlen, features.sink, config.convert_dq,
-                                    config.deterministic), o, do, lse, dlse, lse2,
-                 dsum, dq_accum, dq, semaphore, seqlen_tensors[0], seqlen_tensors[2],
+                                    config.deterministic, config.dq_first_store),
+                 o, do, lse, dlse, lse2, dsum, dq_accum, dq, semaphore, seqlen_tensors[0],
+                 seqlen_tensors[2],
                  _sink_tensor(), _fake_rows(f32, _sym(), _sym(), _sym()), cutlass.Int32(0),
                  cutlass.Int32(1),
                  dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
@@ -257,7 +258,7 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
         # with convert_dq the main kernel writes dQ
         None if config.convert_dq else _compile(
             BackwardPostprocess(cute_dtype, head_dim, config, features.varlen), dq_accum,
-            dq, seqlen_tensors[0], seqlen_tensors[2], f32(1.0), cutlass.Int32(0),
+            dq, semaphore, seqlen_tensors[0], seqlen_tensors[2], f32(1.0), cutlass.Int32(0),
             cutlass.Int32(1), dump_dir=dump_dir and os.path.join(dump_dir, "postprocess")),
     )
     group_sum = None

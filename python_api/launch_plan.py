@@ -33,7 +33,7 @@ from .kernels import tail_plan
 from .kernels.bwd_config import BwdConfig
 from .kernels.config import WARPGROUP_THREADS, FwdConfig
 
-LAYOUT_VERSION = 9
+LAYOUT_VERSION = 10
 MAX_BUFFERS, MAX_ARGS, MAX_LAUNCHES, MAX_OUTPUTS = 24, 32, 4, 4
 LOG2_E = 1.4426950408889634
 
@@ -65,7 +65,7 @@ class FwdVariant(ctypes.Structure):
 class BwdVariant(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in (
         "tile_m", "dq_warpgroups", "dynamic_tiles", "deterministic", "split_gqa",
-        "convert_dq")]
+        "convert_dq", "dq_first_store")]
 
 
 class _Buffer(ctypes.Structure):
@@ -186,7 +186,8 @@ def bwd_variant(config: BwdConfig) -> BwdVariant:
     return BwdVariant(tile_m=config.tile_m, dq_warpgroups=config.dq_warpgroups,
                       dynamic_tiles=int(config.dynamic_tiles),
                       deterministic=int(config.deterministic), split_gqa=int(config.split_gqa),
-                      convert_dq=int(config.convert_dq))
+                      convert_dq=int(config.convert_dq),
+                      dq_first_store=int(config.dq_first_store))
 
 
 @dataclass(frozen=True)

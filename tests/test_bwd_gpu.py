@@ -236,7 +236,17 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, causal):
                                        dict(tile_m=64, head_dim=128, convert_dq=True,
                                             dynamic_tiles=True, stats_early=True),
                                        dict(tile_m=64, head_dim=96, dq_one_warpgroup=True,
-                                            convert_dq=True, fp16=True)])
+                                            convert_dq=True, fp16=True),
+                                       dict(dq_first_store=True, tile_n=64, tile_m=64),
+                                       dict(dq_first_store=True, dynamic_tiles=True,
+                                            split_gqa=True),
+                                       dict(dq_first_store=True, tile_m=80, head_dim=128,
+                                            deterministic=True),
+                                       dict(dq_first_store=True, tile_n=64, tile_m=64,
+                                            dim_split=2, head_dim=192, dynamic_tiles=True),
+                                       dict(dq_first_store=True, tile_n=96, tile_m=64,
+                                            keys_on_n=True, head_dim=192, do_stages=1,
+                                            ds_buffers=1, deterministic=True)])
 def test_backward_config_variants(overrides):
     overrides = dict(overrides)
     head_dim = overrides.pop("head_dim", 64)
@@ -252,6 +262,26 @@ def test_backward_config_variants(overrides):
         err = (g.float() - r.float()).abs().max().item()
         low_err = (lo.float() - r.float()).abs().max().item()
         assert err <= 2 * low_err + 1e-4, f"{config}: {name} error {err:.3e} vs {low_err:.3e}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_accumulator_never_read_unwritten(head_dim, deterministic):
+    """Nothing zeroes the fp32 dQ accumulator (BwdConfig.dq_first_store):
+    each query tile's first partial is stored. Memory the allocator hands
+    back full of NaN must not reach dQ, neither through a tile's adds nor
+    through the tiles no key block walks (causal with more queries than
+    keys: the first 1,300 rows see no key, and their dQ is exactly 0)."""
+    assert default_bwd_config(head_dim, True, deterministic).dq_first_store
+    q, k, v, grad_out = _inputs(2, 1700, 400, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
+    for _ in range(2):
+        torch.cuda.empty_cache()
+        poison = torch.full((1 << 28,), float("nan"), device="cuda")  # 1 GiB, then freed
+        del poison
+        dq, dk, dv = _ours(q, k, v, grad_out, True, deterministic=deterministic)
+        assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+        assert torch.count_nonzero(dq[:, :1300]) == 0
+    _check(q, k, v, grad_out, True)
 
 
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (96, True), (128, True), (128, False),

@@ -334,6 +334,13 @@ def test_backward_kernels(tmp_path, dtype, head_dim, causal):
         # the bulk fp32 reduce-add of dQ partials, one per slab of a warpgroup
         # that computes dQ
         assert info.counts["dq_reduce"] == config.dq_warpgroups
+        # with claimed key blocks, the bulk store of a query tile's first
+        # partial, which the writer claims, so that nothing zeroes the
+        # accumulator
+        assert config.dq_first_store == config.dynamic_tiles == causal
+        stores = ("cp.async.bulk.global.shared::cta.bulk_group" in _ptx(tmp_path / "main")
+                  and "atom.relaxed.gpu.global.cas.b32" in _ptx(tmp_path / "main"))
+        assert stores == causal
     # dK and dV leave through shared memory and TMA stores, not from registers
     assert info.counts["tma_store"] >= 2
     assert not re.search(r"st\.global\.b32\s", _ptx(tmp_path / "main"))

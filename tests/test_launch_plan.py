@@ -170,12 +170,17 @@ def test_backward_plan(deterministic, split_gqa):
     assert shapes[lse2] == shapes[dsum] == (batch, heads, padded)
     assert shapes[dq_accum] == (batch, heads, padded * d)
     sem = _workspace(plan, semaphore)
-    if deterministic:
+    assert config.dq_first_store  # nothing zeroes the dQ accumulator
+    if deterministic:  # turns per query tile and dQ warpgroup; the first stores
         assert sem.init == launch_plan.ZERO
         assert sem.shape == (batch, heads, padded // config.tile_m * config.consumer_warpgroups)
-    else:
-        assert sem.shape == (1, 1, 1)
+    else:  # the tile counter, then a first-touch slot per query tile (the preprocess zeroes)
+        assert sem.init == launch_plan.EMPTY
+        assert sem.shape == (batch, heads, 1 + padded // config.tile_m)
     grad_q, grad_k, grad_v = plan.outputs
+    # the postprocess reads the slots: a tile no key block wrote gets zeros
+    post = [i for kind, i, _ in plan.launches[2][1] if kind == launch_plan.ARG_BUFFER]
+    assert post[:3] == [dq_accum, grad_q, semaphore]
     assert shapes[grad_q] == (batch, seqlen, heads, d)
     assert shapes[grad_k] == shapes[grad_v] == (batch, seqlen, heads_kv, d)
     main_tensors = [i for kind, i, _ in plan.launches[1][1] if kind == launch_plan.ARG_BUFFER]
