@@ -89,6 +89,27 @@ class Seqlens(DslStruct):
             return Int32(0)
         return (self.start_q(batch) + batch * tile_m) // tile_m * tile_m
 
+    @cute.jit
+    def sequence_at_padded_row(self, row: Int32, tile_m: int) -> Int32:
+        """Packed: the sequence whose rows of the per-row buffers hold `row`
+        (the last whose padded_start_q is at most it), found by a whole warp,
+        32 sequences a step."""
+        num_batch = self.num_batch(Int32(1))
+        lane = cute.arch.lane_idx()
+        below = Int32(0)  # sequences that start at or before the row
+        base = Int32(0)
+        while base < num_batch:
+            starts_before = Int32(0)
+            if base + lane < num_batch:
+                if self.padded_start_q(base + lane, tile_m) <= row:
+                    starts_before = Int32(1)
+            count = cute.arch.popc(cute.arch.vote_ballot_sync(starts_before != 0))
+            below += count
+            base += 32
+            if count < 32:  # the starts grow with the sequence: none further
+                base = num_batch
+        return cute.arch.make_warp_uniform(cutlass.max(below - 1, 0))
+
     def rows(self, t: cute.Tensor, start: Int32, head: Int32, batch: Int32) -> cute.Tensor:
         """The (rows, d) view of one head of one sequence of a kernel-order
         (seq, d, head, batch) tensor, row 0 its first token."""
