@@ -72,20 +72,25 @@ def register_view(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, cute.make_layout((VECTOR, n // VECTOR)))
 
 
-@dsl_user_op
-def bulk_reduce_add_f32(dst_gmem: cute.Pointer, src_smem: cute.Pointer, num_bytes: int, *,
-                        loc=None, ip=None) -> None:
-    """dst[i] += src[i] for num_bytes / 4 floats, asynchronously, in the
-    calling thread's bulk group (cp.async.bulk.commit_group / wait_group)."""
+def _bulk_shared_to_global(opcode: str, dst_gmem: cute.Pointer, src_smem: cute.Pointer,
+                           num_bytes: int, loc, ip) -> None:
     llvm.inline_asm(
         None,
         [dst_gmem.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
          src_smem.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
          Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
-        "l,r,r,~{memory}",
+        f"{opcode} [$0], [$1], $2;", "l,r,r,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(dst_gmem: cute.Pointer, src_smem: cute.Pointer, num_bytes: int, *,
+                        loc=None, ip=None) -> None:
+    """dst[i] += src[i] for num_bytes / 4 floats, asynchronously, in the
+    calling thread's bulk group (cp.async.bulk.commit_group / wait_group)."""
+    _bulk_shared_to_global("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+                           dst_gmem, src_smem, num_bytes, loc, ip)
 
 
 @dsl_user_op
@@ -93,15 +98,8 @@ def bulk_store_f32(dst_gmem: cute.Pointer, src_smem: cute.Pointer, num_bytes: in
                    loc=None, ip=None) -> None:
     """dst[i] = src[i] for num_bytes / 4 floats: bulk_reduce_add_f32's plain
     copy, for a tile's first partial (first touch, above)."""
-    llvm.inline_asm(
-        None,
-        [dst_gmem.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         src_smem.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
-        "l,r,r,~{memory}",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
+    _bulk_shared_to_global("cp.async.bulk.global.shared::cta.bulk_group", dst_gmem, src_smem,
+                           num_bytes, loc, ip)
 
 
 @cute.jit
