@@ -74,23 +74,24 @@ def _query_seqlens(varlen: bool, mCuSeqlensQ, mSeqUsedQ, seqused, seqlen) -> Seq
 
 
 class BackwardPreprocess:
-    def __init__(self, dtype, head_dim: int, has_grad_lse: bool, tile_m: int,
-                 varlen: bool = False, sink: bool = False, convert_dq: bool = False,
-                 deterministic: bool = False, first_store: bool = False):
+    def __init__(self, dtype, head_dim: int, has_grad_lse: bool, config: BwdConfig,
+                 varlen: bool = False, sink: bool = False):
+        """config: the main kernel's."""
         self.dtype = dtype
         self.head_dim = head_dim
         self.has_grad_lse = has_grad_lse
-        self.tile_m = tile_m  # the main kernel's: the per-row buffers hold whole tiles
+        self.tile_m = config.tile_m  # the per-row buffers hold whole tiles
         self.varlen = varlen
         self.sink = sink
-        self.convert_dq = convert_dq  # the main kernel's BwdConfig.convert_dq
-        self.first_store = first_store  # BwdConfig.dq_first_store: nothing to zero
+        self.convert_dq = config.convert_dq
+        self.first_store = config.dq_first_store  # nothing to zero
         # packed: a CTA per 16 rows of the per-row buffers, not per 16 rows of
         # the longest sequence for every sequence (most of those CTAs had no
         # rows); a sink's gradient keeps the latter, one partial per CTA
         self.flat_rows = varlen and not sink
         # the tiles' slots of convert_dq's counts or first_store's claims: zeroed here
-        self.zero_slots = (convert_dq or first_store) and not deterministic
+        self.zero_slots = ((config.convert_dq or config.dq_first_store)
+                           and not config.deterministic)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -179,7 +180,7 @@ class BackwardPreprocess:
                         zeros[None, i].fill(0.0)
             if cutlass.const_expr(self.zero_slots):
                 if stats_row % self.tile_m == 0 and lane == 0:
-                    slot = dq_accum.TILE_SLOT_BASE + stats_row // self.tile_m
+                    slot = dq_accum.slot_index(stats_row // self.tile_m)
                     mSemaphore[batch, head, slot] = cutlass.Int32(dq_accum.UNTOUCHED)
         if cutlass.const_expr(self.convert_dq):
             if row < seqlen:
@@ -341,7 +342,7 @@ class BackwardPostprocess:
         if cutlass.const_expr(self.cfg.deterministic):
             written = mSemaphore[tile_index * self.cfg.dq_warpgroups, head, buffer_batch] > 0
         else:
-            written = mSemaphore[dq_accum.TILE_SLOT_BASE + tile_index, head,
+            written = mSemaphore[dq_accum.slot_index(tile_index), head,
                                  buffer_batch] == dq_accum.WRITTEN
         return written
 

@@ -177,11 +177,15 @@ def fence_async_global(*, loc=None, ip=None) -> None:
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
-# A query tile's slot in the semaphore tensor: element TILE_SLOT_BASE + its
-# index (element 0 is the tile counter of dynamic_tiles). First touch keeps
-# its state there, convert_dq its count of adds (dq_convert.py).
-TILE_SLOT_BASE = 1
+# First touch's states of a query tile's slot (slot_index).
 UNTOUCHED, CLAIMED, WRITTEN = 0, 1, 2
+
+
+def slot_index(tile_index):
+    """A query tile's slot in the semaphore tensor's last mode, after element
+    0, the tile counter of dynamic_tiles. First touch keeps its state there,
+    convert_dq its count of adds (dq_convert.py)."""
+    return tile_index + 1
 
 
 def tile_slot(mSemaphore: cute.Tensor, tile_index: Int32, head: Int32,
@@ -189,7 +193,7 @@ def tile_slot(mSemaphore: cute.Tensor, tile_index: Int32, head: Int32,
     """A query tile's slot (tile_index: its tile in the per-row buffers, a
     packed sequence's from its padded start) in the main kernel's
     (slot, head, batch) view of the semaphore tensor."""
-    return mSemaphore.iterator + cute.crd2idx((TILE_SLOT_BASE + tile_index, head, buffer_batch),
+    return mSemaphore.iterator + cute.crd2idx((slot_index(tile_index), head, buffer_batch),
                                               mSemaphore.layout)
 
 

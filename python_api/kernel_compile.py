@@ -243,12 +243,10 @@ def compile_bwd(dtype: torch.dtype, head_dim: int, causal: bool, config: BwdConf
     seqlen_tensors = _seqlen_tensors()
     start = time.perf_counter()
     fns = (
-        _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse, config.tile_m,
-                                    features.varlen, features.sink, config.convert_dq,
-                                    config.deterministic, config.dq_first_store),
+        _compile(BackwardPreprocess(cute_dtype, head_dim, has_grad_lse, config,
+                                    features.varlen, features.sink),
                  o, do, lse, dlse, lse2, dsum, dq_accum, dq, semaphore, seqlen_tensors[0],
-                 seqlen_tensors[2],
-                 _sink_tensor(), _fake_rows(f32, _sym(), _sym(), _sym()), cutlass.Int32(0),
+                 seqlen_tensors[2], _sink_tensor(), _fake_rows(f32, _sym(), _sym(), _sym()), cutlass.Int32(0),
                  cutlass.Int32(1),
                  dump_dir=dump_dir and os.path.join(dump_dir, "preprocess")),
         _compile(main, q, k, v, do, lse2, dsum, dq_accum, dq, dk, dv, semaphore, *seqlen_tensors,
