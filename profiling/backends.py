@@ -13,6 +13,7 @@ import torch
 from cute_fa.attention_backends import BACKEND_NAMES, BackendUnavailable, attention  # noqa: F401  (re-exported)
 
 from .cli import INSTALL_PEERS, choice_list
+from .problem import input_gradients
 
 BACKENDS = tuple(b for b in BACKEND_NAMES if b != "sdpa")  # each pinned, plus ours and fa4
 OURS = "cute"
@@ -87,8 +88,9 @@ def make_callable(name: str, q, k, v, causal: bool, softmax_scale: float, direct
                 return attend(q, k, v)
         return run_fwd
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    inputs = (qg, kg, vg) if sink is None else (qg, kg, vg, sink)
     grad_out = torch.randn(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
     if direction == "fwd_bwd":
-        return lambda: attend(qg, kg, vg).backward(grad_out)
+        return lambda: input_gradients(attend(qg, kg, vg), inputs, grad_out)
     out = attend(qg, kg, vg)
-    return lambda: out.backward(grad_out, retain_graph=True)
+    return lambda: input_gradients(out, inputs, grad_out, retain_graph=True)

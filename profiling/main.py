@@ -25,7 +25,7 @@ from cute_fa.kernels.bwd_config import default_bwd_config
 
 from .cli import command_parser, progress
 from .kernel_info import dumped_kernel_info
-from .problem import DTYPES, add_dtype_option, add_head_dim_option
+from .problem import DTYPES, add_dtype_option, add_head_dim_option, input_gradients
 
 
 def describe_kernels(kind: str, dtypes, head_dims, causals, overrides: dict | None = None
@@ -126,7 +126,8 @@ def run_default_problem() -> None:
         grad_out = torch.randn_like(q)
         with torch.no_grad():
             t = time_cuda(lambda: flash_attn_func(q, k, v, causal=causal))
-        t_train = time_cuda(lambda: flash_attn_func(q, k, v, causal=causal).backward(grad_out))
+        t_train = time_cuda(lambda: input_gradients(flash_attn_func(q, k, v, causal=causal),
+                                                    (q, k, v), grad_out))
         for name, timing in (("fwd", t), ("fwd+bwd", t_train)):
             flops = attention_flops(4, 16, 4096, 4096, 128, causal,
                                     "fwd" if name == "fwd" else "fwd_bwd")

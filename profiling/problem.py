@@ -249,12 +249,28 @@ def packed_lengths(tokens: int, min_len: int, max_len: int, seed: int) -> list[i
     return lengths
 
 
-def timed_step(fn, grad_out: torch.Tensor | None = None):
-    """What a benchmark times: fn(), and with grad_out the backward of its
-    output (the first element of an output tuple) too."""
+def input_gradients(out, inputs: tuple, grad_out: torch.Tensor, retain_graph: bool = False):
+    """The backward a benchmark times: the gradients of `inputs` from `out`
+    (the first element of an output tuple) returned, as an attention layer's
+    backward hands them to the projections before it. out.backward would add
+    each into the inputs' .grad of the call before: three elementwise adds
+    of q's, k's and v's size, no part of attention, that every backend paid
+    alike (141 us at 16k tokens of 2048 head dims, an H200). An input a
+    backend leaves out of its graph gets None, as .backward leaves its .grad
+    unset."""
+    out = out[0] if isinstance(out, tuple) else out
+    return torch.autograd.grad(out, inputs, grad_out, retain_graph=retain_graph,
+                               allow_unused=True)
+
+
+def timed_step(fn, grad_out: torch.Tensor | None = None, inputs: tuple = ()):
+    """What a benchmark times: fn(), and with grad_out the gradients of
+    `inputs` from its output too (input_gradients)."""
+    if grad_out is not None and not inputs:
+        raise ValueError("inputs: expected the tensors to differentiate with grad_out, got none")
+
     def call():
         out = fn()
         if grad_out is not None:
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(grad_out)
+            input_gradients(out, inputs, grad_out)
     return call

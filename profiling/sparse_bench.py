@@ -77,7 +77,7 @@ def _callables(name, batch, seqlen, heads, head_dim, direction, backends, seed):
     fns = {}
     if "cute" in backends:
         fns["cute"] = timed_step(lambda: flash_attn_func(q, k, v, block_mask=mask),
-                                 do if grad else None)
+                                 do if grad else None, (q, k, v))
     if "flex" in backends:
         # a fresh compile per problem: each mask_mod is a new closure, and the
         # recompiles would otherwise reach dynamo's limit and run eagerly
@@ -85,9 +85,10 @@ def _callables(name, batch, seqlen, heads, head_dim, direction, backends, seed):
         compiled = torch.compile(flex_attention)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         fns["flex"] = timed_step(lambda: compiled(qt, kt, vt, block_mask=block_mask),
-                                 do.transpose(1, 2) if grad else None)
+                                 do.transpose(1, 2) if grad else None, (q, k, v))
     if "cute_dense" in backends:
-        fns["cute_dense"] = timed_step(lambda: flash_attn_func(q, k, v), do if grad else None)
+        fns["cute_dense"] = timed_step(lambda: flash_attn_func(q, k, v), do if grad else None,
+                                       (q, k, v))
     return fns, pairs, mask.density()
 
 

@@ -51,20 +51,21 @@ def _callables(lengths, heads, head_dim, causal, direction, backends):
     if "cute" in backends:
         fns["cute"] = timed_step(lambda: flash_attn_varlen_func(q, k, v, cu, cu, max_len,
                                                                 max_len, causal=causal),
-                                 do if grad else None)
+                                 do if grad else None, (q, k, v))
     if "fa4" in backends:
         try:
             from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
             fns["fa4"] = timed_step(lambda: fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                        max_seqlen_q=max_len,
                                                        max_seqlen_k=max_len, causal=causal),
-                                    do if grad else None)
+                                    do if grad else None, (q, k, v))
         except Exception as exc:  # noqa: BLE001 (reported, not fatal)
             print(f"fa4: unavailable ({exc})", file=sys.stderr)
     if "cute_dense" in backends:
         fns["cute_dense"] = timed_step(
             lambda: flash_attn_func(*dense, causal=causal),
-            do[: dense[0].shape[0] * mean_len].view(dense[0].shape) if grad else None)
+            do[: dense[0].shape[0] * mean_len].view(dense[0].shape) if grad else None,
+            tuple(dense))
     dense_lengths = [mean_len] * dense[0].shape[0]
     return fns, dense_lengths, mean_len
 

@@ -210,6 +210,36 @@ def test_directions_run_on_cpu_through_sdpa_math(direction):
         assert out.shape == q.shape  # every backend answers in (b, s, h, d)
 
 
+def test_timed_backward_returns_gradients_without_accumulating():
+    """A timed step's backward is attention's alone: the inputs' gradients,
+    not adds into their .grad (which would time three elementwise adds per
+    call)."""
+    import torch
+    from cute_fa.profiling.problem import input_gradients, timed_step
+
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(1, 8, 2, 16)
+
+    def attend():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    step = timed_step(attend, grad_out, (q, k, v))
+    step()
+    step()
+    assert q.grad is None and k.grad is None and v.grad is None
+    grads = input_gradients(attend(), (q, k, v), grad_out)
+    attend().backward(grad_out)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want)
+    for direction in ("bwd", "fwd_bwd"):
+        fn = make_callable("sdpa_math", q.detach(), k.detach(), v.detach(), False, 0.25,
+                           direction)
+        assert [g.shape for g in fn()] == [q.shape, k.shape, v.shape]
+    with pytest.raises(ValueError, match="inputs"):
+        timed_step(attend, grad_out)
+
+
 def test_our_fwd_bwd_row_runs_on_cpu():
     import torch
 
