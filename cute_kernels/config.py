@@ -536,8 +536,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       stage (q_stages) at head dims 64-128, where short rows (causal: the
       diagonal's tiles of one to eight key blocks) leave too little work
       after the last Q·Kᵀ to hide the next tile's Q load; at head dim 64
-      causal or local at every length too, windows, caps and sinks
-      included (not in packed batches: no gain there);
+      causal at every length too, and under a window at head dims 64-128,
+      caps and sinks included (not in packed batches: no gain there);
       fwd_config_for_problem takes it back where a grid of one round has
       no next tile, and gives causal rows of up to TINY_SEQLEN tokens the
       tiny tiles on a grid of two rounds or more (tiny_fwd_config: head
@@ -573,11 +573,13 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
                          pv_wait_after_exp2=8)
     plain = not (features.local or features.varlen or features.softcap or features.sink)
     # the next tile's Q loads under this one's: where a tile's rows are short
-    # (causal diagonal tiles of one to eight key blocks, or short rows) and at
+    # (causal diagonal tiles of one to eight key blocks, or short rows), at
     # head dim 64 causal or local, any score variant (its three K/V stages
-    # still fit); not in packed batches (no gain measured)
-    d64_claimed = head_dim <= 64 and (causal or features.local) and not features.varlen
-    q_stages = 2 if (plain and short) or d64_claimed else 1
+    # still fit), and under a window up to head dim 128 (a row's keys end at
+    # its window); not in packed batches (no gain measured)
+    q_ring = (head_dim <= 64 and causal or head_dim <= 128 and features.local) \
+        and not features.varlen
+    q_stages = 2 if (plain and short) or q_ring else 1
     if head_dim <= 64 and short and plain:
         # two CTAs an SM: one's prologue and epilogue under the other's steps
         return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,

@@ -47,6 +47,14 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
         assert config(64, True, 4096, features).q_stages == 2
     assert config(64, True, 4096, Features(varlen=True)).q_stages == 1
     assert config(64, False, 4096, Features(softcap=True)).q_stages == 1
+    # a window ends every row's keys: the Q ring up to head dim 128, sinks
+    # and caps too, not in packed batches; none above 128 (no room)
+    for head_dim in (64, 96, 128):
+        for features in (Features(local=True), Features(local=True, sink=True),
+                         Features(local=True, softcap=True)):
+            assert config(head_dim, False, 16384, features).q_stages == 2
+        assert config(head_dim, False, 16384, Features(local=True, varlen=True)).q_stages == 1
+    assert config(192, False, 16384, Features(local=True)).q_stages == 1
     # a long key side makes the problem long
     assert fwd_config_for_problem(128, False, None, PLAIN_FEATURES, 1, 8192).tile_n == 160
     # a packed batch: head dim 64's 192-row tile, claimed, never split; the
