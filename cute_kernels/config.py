@@ -574,9 +574,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     plain = not (features.local or features.varlen or features.softcap or features.sink)
     # the next tile's Q loads under this one's: where a tile's rows are short
     # (causal diagonal tiles of one to eight key blocks, or short rows), at
-    # head dim 64 causal or local, any score variant (its three K/V stages
-    # still fit), and under a window up to head dim 128 (a row's keys end at
-    # its window); not in packed batches (no gain measured)
+    # head dim 64 causal with any score variant (its three K/V stages still
+    # fit), and under a window up to head dim 128 (a row's keys end at its
+    # window); not in packed batches (no gain measured)
     q_ring = (head_dim <= 64 and causal or head_dim <= 128 and features.local) \
         and not features.varlen
     q_stages = 2 if (plain and short) or q_ring else 1

@@ -251,13 +251,12 @@ def packed_lengths(tokens: int, min_len: int, max_len: int, seed: int) -> list[i
 
 def input_gradients(out, inputs: tuple, grad_out: torch.Tensor, retain_graph: bool = False):
     """The backward a benchmark times: the gradients of `inputs` from `out`
-    (the first element of an output tuple) returned, as an attention layer's
-    backward hands them to the projections before it. out.backward would add
-    each into the inputs' .grad of the call before: three elementwise adds
-    of q's, k's and v's size, no part of attention, that every backend paid
-    alike (141 us at 16k tokens of 2048 head dims, an H200). An input a
-    backend leaves out of its graph gets None, as .backward leaves its .grad
-    unset."""
+    (the first element of an output tuple), returned as an attention layer's
+    backward hands them to the projections before it. out.backward would
+    also add each into its input's .grad: three elementwise adds of q's,
+    k's and v's size a call, no part of attention (docs/findings.md,
+    Backward). An input a backend leaves out of its graph gets None, as
+    .backward would leave its .grad unset."""
     out = out[0] if isinstance(out, tuple) else out
     return torch.autograd.grad(out, inputs, grad_out, retain_graph=retain_graph,
                                allow_unused=True)

@@ -274,7 +274,7 @@ def _method(arguments: dict) -> str:
            "the events time the GPU's work (kernels and the gaps between them), not host "
            "latency. ")
         + "A backward returns the inputs' gradients (torch.autograd.grad), as a layer's "
-        "backward hands them on, instead of adding them into the .grad of the call before. "
+        "backward hands them on, instead of adding them into the inputs' .grad. "
         + "TFLOP/s counts 4·batch·heads·seqlen_q·seqlen_k·head_dim FLOPs for the forward "
         "(2·batch·heads·seqlen_q·seqlen_k·(head_dim + head_dim_v) where v's head dim "
         "differs; half of it when causal), 2.5 times that for the backward and 3.5 times for "
