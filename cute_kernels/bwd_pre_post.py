@@ -340,7 +340,8 @@ class BackwardPostprocess:
         its slot, or with the deterministic order its first warpgroup's
         turns."""
         if cutlass.const_expr(self.cfg.deterministic):
-            written = mSemaphore[tile_index * self.cfg.dq_warpgroups, head, buffer_batch] > 0
+            turns = dq_accum.turn_index(tile_index, 0, self.cfg.dq_warpgroups)
+            written = mSemaphore[turns, head, buffer_batch] > 0
         else:
             written = mSemaphore[dq_accum.slot_index(tile_index), head,
                                  buffer_batch] == dq_accum.WRITTEN

@@ -188,6 +188,12 @@ def slot_index(tile_index):
     return tile_index + 1
 
 
+def turn_index(tile_index, warpgroup, warpgroups: int):
+    """Deterministic mode: the semaphore element that counts the turns of a
+    query tile's warpgroup region (how many key blocks have added to it)."""
+    return tile_index * warpgroups + warpgroup
+
+
 def tile_slot(mSemaphore: cute.Tensor, tile_index: Int32, head: Int32,
               buffer_batch: Int32) -> cute.Pointer:
     """A query tile's slot (tile_index: its tile in the per-row buffers, a

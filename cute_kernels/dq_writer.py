@@ -148,7 +148,8 @@ class DqWriter(DslStruct):
                         src = sdQ.iterator + w * region
                         if cutlass.const_expr(self.deterministic):
                             semaphore = mSemaphore.iterator + cute.crd2idx(
-                                (tile_index * wgs + w, head, buffer_batch), mSemaphore.layout)
+                                (dq_accum.turn_index(tile_index, w, wgs), head, buffer_batch),
+                                mSemaphore.layout)
                             turn = n_block - key_blocks.n_block_min(m_block, seqlen_q, seqlen_k)
                             dq_accum.wait_turn(semaphore, turn)
                             first = Int32(turn == 0)
