@@ -544,9 +544,14 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       dim 64 128 rows, head dim 128 64 keys a step);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
-      128-row tile, unless the window is wide (wide_window: a row sees
-      WIDE_WINDOW_KEYS keys or more), where the 192-row tile's K/V reuse
-      outweighs the masked edges it adds.
+      short rows' two CTAs an SM of 64-row tiles (a row's few key blocks
+      leave a tile's prologue and epilogue as large a share as a short
+      row's; with caps, sinks and in packed batches too; the P·V wait
+      after the 8th exponential and the epilogue's addresses held, which
+      won there, where short rows take the 2nd or 4th and re-derive them),
+      unless the window is wide (wide_window: a row sees WIDE_WINDOW_KEYS
+      keys or more), where the 192-row tile's K/V reuse outweighs the
+      masked edges it adds.
     - a packed batch (varlen) takes the causal choices too (its tiles
       differ in length with their sequences) but keeps head dim 64's
       192-row tile: a sequence's last tile is partly empty, yet the wider
@@ -580,12 +585,14 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     q_ring = (head_dim <= 64 and causal or head_dim <= 128 and features.local) \
         and not features.varlen
     q_stages = 2 if (plain and short) or q_ring else 1
-    if head_dim <= 64 and short and plain:
+    narrow_window = features.local and not wide_window
+    if head_dim <= 64 and (short and plain or narrow_window):
         # two CTAs an SM: one's prologue and epilogue under the other's steps
         return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,
                          persistent=True, dynamic_tiles=claimed, producer_regs=24,
-                         consumer_regs=232, rederive_epilogue_coords=True,
-                         pv_wait_after_exp2=2 if causal else 4, ctas_per_sm=2)
+                         consumer_regs=232, rederive_epilogue_coords=not features.local,
+                         pv_wait_after_exp2=8 if features.local else 2 if causal else 4,
+                         ctas_per_sm=2)
     if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,

@@ -460,6 +460,7 @@ def test_group_sum_only_for_split_configs(tmp_path):
 
 @pytest.mark.parametrize("head_dim,causal,features", [
     (128, False, Features(local=True)), (64, False, Features(local=True)),
+    (64, False, Features(local=True, softcap=True, sink=True)),
     (128, True, Features(softcap=True)), (96, False, Features(local=True, softcap=True))])
 def test_forward_score_mods(tmp_path, head_dim, causal, features):
     """A window or a cap keeps the forward warp-specialised, spill-free, on

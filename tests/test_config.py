@@ -64,8 +64,6 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
         packed = config(64, causal, 8192, varlen)
         assert packed.tile_m == 192 and packed.dynamic_tiles and not packed.split_tail
     assert config(64, True, 512, varlen).tile_m == 128
-    assert fwd_config_for_problem(64, False, None, Features(varlen=True, local=True), 8192,
-                                  8192, window=(1024, 0)).tile_m == 128
     for head_dim in SUPPORTED_HEAD_DIMS:
         for causal in (False, True):
             config(head_dim, causal, 256).validate(head_dim)
@@ -537,11 +535,12 @@ def test_head_dims_the_ops_take():
     assert [kernel_head_dim(d) for d in (0, 4, 36, 100, 264, 512)] == [None] * 6
 
 
-def test_wide_windows_take_the_wide_tile_at_head_dim_64():
+def test_windows_at_head_dim_64_take_two_ctas_an_sm_or_the_wide_tile():
     """A local kernel whose rows see WIDE_WINDOW_KEYS keys or more (an
     unbounded side counting every key) takes head dim 64's 192-row tile,
-    claimed and never split; narrower windows and other head dims keep
-    their tiles."""
+    claimed and never split; narrower windows two CTAs an SM of 64-row
+    tiles, claimed, with caps, sinks and in packed batches too; other head
+    dims keep their tiles."""
     from cute_fa.kernels.config import WIDE_WINDOW_KEYS, fwd_config_for_problem, window_keys
 
     local = Features(local=True)
@@ -552,9 +551,18 @@ def test_wide_windows_take_the_wide_tile_at_head_dim_64():
                                       window=window).tile_m
 
     assert tile_m(64, (WIDE_WINDOW_KEYS - 1, 0)) == 192
-    assert tile_m(64, (WIDE_WINDOW_KEYS - 2, 0)) == 128
+    assert tile_m(64, (WIDE_WINDOW_KEYS - 2, 0)) == 64
     assert tile_m(64, (1024, 1024)) == 192 and tile_m(64, (-1, 64)) == 192
-    assert tile_m(64, (1024, 0)) == 128 and tile_m(128, (4096, 0)) == 128
+    assert tile_m(64, (1024, 0)) == 64 and tile_m(128, (4096, 0)) == 128
+    assert tile_m(128, (1024, 0)) == 128 and tile_m(96, (1024, 0)) == 128
+    for features in (local, Features(local=True, softcap=True), Features(local=True, sink=True),
+                     Features(local=True, varlen=True)):
+        narrow = fwd_config_for_problem(64, False, None, features, 8192, 8192, 32, 132,
+                                        window=(1023, 0))
+        assert (narrow.tile_m, narrow.ctas_per_sm, narrow.consumer_warpgroups) == (64, 2, 1)
+        assert narrow.dynamic_tiles and not narrow.split_tail
+        assert narrow.q_stages == (1 if features.varlen else 2)
+        narrow.validate(64)
     wide = fwd_config_for_problem(64, False, None, local, 8192, 8192, window=(4096, 0))
     assert wide.dynamic_tiles and not wide.split_tail
     wide.validate(64)
