@@ -627,14 +627,19 @@ def block_sparse_fwd_config(head_dim: int, head_dim_v: int) -> FwdConfig:
     blocks); at head dim 64 a second Q stage, which loads the next tile's
     Q under this one (a query tile walks only its listed blocks, a few at
     low densities, too little to hide the load behind; at 128 the GEMMs,
-    twice as long, hide it); above 128, 64 keys a step with O staged in
-    the V ring."""
+    twice as long, hide it), and the narrow windows' 64-row tiles, two
+    CTAs an SM (one's prologue and epilogue under the other's steps);
+    above 128, 64 keys a step with O staged in the V ring."""
     if head_dim > 128:
         return FwdConfig(tile_m=128, tile_n=64, kv_stages=2, persistent=True,
                          dynamic_tiles=True, pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, q_stages=2 if head_dim <= 64 else 1,
-                     persistent=True, dynamic_tiles=True, pv_wait_after_exp2=8)
+    if head_dim <= 64:
+        return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=2, persistent=True,
+                         dynamic_tiles=True, producer_regs=24, consumer_regs=232,
+                         pv_wait_after_exp2=8, ctas_per_sm=2)
+    return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True, dynamic_tiles=True,
+                     pv_wait_after_exp2=8)
 
 
 # The head dims of the e4m3 forward: multiples of 32 (the e4m3 WGMMA's K) among

@@ -14,7 +14,8 @@ from cute_fa.block_sparse_ops import lists_for
 from cute_fa.reference import attention_reference
 
 # the tiles the kernels pack lists for (kernels.bwd_config.block_sparse_tiles)
-TILES = [(128, 128, False), (128, 64, False), (128, 64, True), (128, 128, True), (64, 64, True)]
+TILES = [(128, 128, False), (64, 128, False), (128, 64, False), (128, 64, True), (128, 128, True),
+         (64, 64, True)]
 
 
 def _doc_mask(seqlen, seed=0):

@@ -647,3 +647,21 @@ def test_claimed_tiles_of_two_waves_or_less_are_dealt_by_index():
                                    PLAIN_FEATURES, 512, 1, 132)  # nothing is claimed
     assert fwd_config_for_problem(64, False, None, PLAIN_FEATURES, 8192, 8192, 2,
                                   132) == default_fwd_config(64, False)  # non-causal: fixed
+
+
+def test_block_masks_take_the_narrow_tiles_at_head_dim_64():
+    """Under a block mask head dim 64 runs two CTAs an SM of 64-row tiles
+    (a query tile walks its few listed blocks), claimed, with a Q ring;
+    head dims 96 and 128 keep 128 rows; the lists are packed for the
+    forward's tile."""
+    from cute_fa.kernels.bwd_config import block_sparse_tiles
+    from cute_fa.kernels.config import block_sparse_fwd_config
+
+    narrow = block_sparse_fwd_config(64, 64)
+    assert (narrow.tile_m, narrow.ctas_per_sm, narrow.q_stages) == (64, 2, 2)
+    assert narrow.dynamic_tiles and not narrow.split_tail
+    narrow.validate(64)
+    assert block_sparse_tiles(64, 64)[0] == (64, 128)
+    for head_dim in (96, 128):
+        assert block_sparse_fwd_config(head_dim, head_dim).tile_m == 128
+        assert block_sparse_fwd_config(head_dim, head_dim).ctas_per_sm == 1
