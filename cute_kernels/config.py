@@ -498,6 +498,18 @@ def narrow_tiles_pay(tile_m: int, narrow_m: int, causal: bool, seqlen_q: int,
     return wave_fill(narrow_m) >= 1.1 * wave_fill(tile_m)
 
 
+def two_ctas_an_sm(q_stages: int, dynamic_tiles: bool, pv_wait_after_exp2: int,
+                   rederive_epilogue_coords: bool = False) -> FwdConfig:
+    """Head dim 64's 64-row tiles, two CTAs an SM of one consumer warpgroup
+    (232 registers) each: where rows see few key blocks (short rows,
+    narrow windows, block masks), one CTA's tile prologue and epilogue run
+    under the other's steps."""
+    return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,
+                     persistent=True, dynamic_tiles=dynamic_tiles, producer_regs=24,
+                     consumer_regs=232, rederive_epilogue_coords=rederive_epilogue_coords,
+                     pv_wait_after_exp2=pv_wait_after_exp2, ctas_per_sm=2)
+
+
 @functools.lru_cache(maxsize=None)
 def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
                        features: Features = PLAIN_FEATURES, short: bool = False,
@@ -587,12 +599,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     q_stages = 2 if (plain and short) or q_ring else 1
     narrow_window = features.local and not wide_window
     if head_dim <= 64 and (short and plain or narrow_window):
-        # two CTAs an SM: one's prologue and epilogue under the other's steps
-        return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=q_stages,
-                         persistent=True, dynamic_tiles=claimed, producer_regs=24,
-                         consumer_regs=232, rederive_epilogue_coords=not features.local,
-                         pv_wait_after_exp2=8 if features.local else 2 if causal else 4,
-                         ctas_per_sm=2)
+        return two_ctas_an_sm(q_stages, claimed,
+                              pv_wait_after_exp2=8 if features.local else 2 if causal else 4,
+                              rederive_epilogue_coords=not features.local)
     if head_dim <= 64 and (wide_window or not features.local):
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,
@@ -635,9 +644,7 @@ def block_sparse_fwd_config(head_dim: int, head_dim_v: int) -> FwdConfig:
                          dynamic_tiles=True, pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
     if head_dim <= 64:
-        return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=2, persistent=True,
-                         dynamic_tiles=True, producer_regs=24, consumer_regs=232,
-                         pv_wait_after_exp2=8, ctas_per_sm=2)
+        return two_ctas_an_sm(q_stages=2, dynamic_tiles=True, pv_wait_after_exp2=8)
     return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True, dynamic_tiles=True,
                      pv_wait_after_exp2=8)
 
