@@ -597,12 +597,12 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     q_ring = (head_dim <= 64 and causal or head_dim <= 128 and features.local) \
         and not features.varlen
     q_stages = 2 if (plain and short) or q_ring else 1
-    narrow_window = features.local and not wide_window
-    if head_dim <= 64 and (short and plain or narrow_window):
-        return two_ctas_an_sm(q_stages, claimed,
-                              pv_wait_after_exp2=8 if features.local else 2 if causal else 4,
-                              rederive_epilogue_coords=not features.local)
-    if head_dim <= 64 and (wide_window or not features.local):
+    if head_dim <= 64 and features.local and not wide_window:
+        return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=8)
+    if head_dim <= 64 and short and plain:
+        return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=2 if causal else 4,
+                              rederive_epilogue_coords=True)
+    if head_dim <= 64:  # a window here is wide
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,
                          q_stages=q_stages, persistent=True, dynamic_tiles=claimed,
