@@ -225,11 +225,11 @@ class FwdConfig(_KernelConfig):
     transpose_warps: (e4m3 inputs) the warps of the producer warpgroup,
         beside its TMA warp, that transpose each V stage into the Vᵀ ring
         the e4m3 P·V reads (fp8_operands.py); 1 to 3.
-    ctas_per_sm: CTAs resident on one SM, 1 or 2 (the persistent grid is
+    ctas_per_sm: CTAs resident on one SM, 1 to 3 (the persistent grid is
         this many per SM, each with its share of the registers and shared
-        memory): two interleave one tile's prologue and epilogue with the
-        other's main loop, where short rows make those a large part of a
-        tile.
+        memory): several interleave one tile's prologue and epilogue with
+        the others' main loops, where short rows make those a large part of
+        a tile.
     """
 
     tile_m: int = 128
@@ -327,11 +327,11 @@ class FwdConfig(_KernelConfig):
         if self.split_tail and (self.dynamic_tiles or not self.persistent):
             raise bad("split_tail", "False unless persistent, and False with dynamic_tiles (a "
                                     "claimed order has no fixed last round to split)")
-        if self.ctas_per_sm not in (1, 2):
-            raise bad("ctas_per_sm", "1 or 2")
+        if self.ctas_per_sm not in (1, 2, 3):
+            raise bad("ctas_per_sm", "1, 2 or 3")
         if self.ctas_per_sm > 1 and (self.split_tail or fp8):
             raise bad("ctas_per_sm", "1 with split_tail (its plan counts one CTA an SM) or "
-                                     "e4m3 inputs (two CTAs an SM are built for 16-bit "
+                                     "e4m3 inputs (several CTAs an SM are built for 16-bit "
                                      "inputs only)")
         _check_shared_fields(self, bad, self.ctas_per_sm)
         smem = self.smem_bytes(head_dim, head_dim_v, fp8)
@@ -362,6 +362,10 @@ TINY_SEQLEN = 256
 # A sliding window whose rows see at least this many keys takes the wide
 # tiles of default_fwd_config (head dim 64).
 WIDE_WINDOW_KEYS = 2048
+# Head dim 64's 64-row tiles run three CTAs an SM where they fill at least
+# this many rounds of them (few_tiles in default_fwd_config); two below it,
+# where a third CTA an SM leaves more SMs idle than it hides.
+THREE_CTAS_MIN_ROUNDS = 3
 
 
 def window_keys(window: tuple, seqlen_k: int) -> int:
@@ -386,19 +390,24 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     where the short tile leaves SMs idle, one Q stage where a grid is one
     round (grid_rounds: no next tile to load ahead), and tiles dealt by
     index where a claimed-tile grid is two waves at most
-    (fixed_deal_balances): query_heads (batch x query heads) and num_sms
-    give the grid (0: unknown, neither)."""
+    (fixed_deal_balances), two CTAs an SM of 64-row tiles instead of three
+    where three would run fewer than THREE_CTAS_MIN_ROUNDS rounds
+    (few_tiles): query_heads (batch x query heads) and num_sms give the grid
+    (0: unknown, neither)."""
     rows = max(seqlen_q, seqlen_k)
     short, long_rows, tiny_rows = rows <= SHORT_SEQLEN, rows >= LONG_SEQLEN, rows <= TINY_SEQLEN
     wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
+    few_tiles = 0 < query_heads and 0 < num_sms and grid_rounds(
+        three_ctas_an_sm(True, False), seqlen_q, query_heads, num_sms) < THREE_CTAS_MIN_ROUNDS
     config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window,
-                                long_rows)
+                                long_rows, few_tiles)
     if query_heads <= 0 or num_sms <= 0:
         return config
     if short and features == PLAIN_FEATURES:
         tiny = tiny_fwd_config(head_dim, causal, head_dim_v)
-        if tiny_rows and tiny is not None and grid_rounds(tiny, seqlen_q, query_heads,
-                                                          num_sms) >= 2:
+        # three CTAs an SM beat the tiny tiles where they run (head dim 64)
+        if tiny_rows and tiny is not None and config.ctas_per_sm < 3 \
+                and grid_rounds(tiny, seqlen_q, query_heads, num_sms) >= 2:
             config = tiny
         narrow = narrow_fwd_config(head_dim, causal, head_dim_v)
         if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,
@@ -454,15 +463,16 @@ def tiny_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     of two rounds or more (docs/findings.md): head dim 64's 128-row tile,
     one CTA an SM of two consumer warpgroups, in place of two CTAs of 64
     rows (a 128-token sequence is one tile of it, and such a forward is
-    bound by its memory traffic); head dim 128's 64 keys a step, the
+    bound by its memory traffic), not where three CTAs an SM run
+    (fwd_config_for_problem: they beat it); head dim 128's 64 keys a step, the
     diagonal's masked columns halved. None elsewhere."""
     if not causal:
         return None
-    config = default_fwd_config(head_dim, causal, head_dim_v, short=True)
     if head_dim <= 64:
-        return config.replace(tile_m=2 * WGMMA_M, ctas_per_sm=1, consumer_regs=240)
+        return short_rows_two_ctas(causal).replace(tile_m=2 * WGMMA_M, ctas_per_sm=1,
+                                                   consumer_regs=240)
     if head_dim == 128 and (head_dim_v or head_dim) == head_dim:
-        return config.replace(tile_n=64)
+        return default_fwd_config(head_dim, causal, head_dim_v, short=True).replace(tile_n=64)
     return None
 
 
@@ -510,10 +520,32 @@ def two_ctas_an_sm(q_stages: int, dynamic_tiles: bool, pv_wait_after_exp2: int,
                      pv_wait_after_exp2=pv_wait_after_exp2, ctas_per_sm=2)
 
 
+def three_ctas_an_sm(dynamic_tiles: bool, rederive_epilogue_coords: bool) -> FwdConfig:
+    """Head dim 64's 64-row tiles, three CTAs an SM of one consumer
+    warpgroup each: a third of the register file (136 a consumer thread)
+    holds 64 keys a step with the next step's scores in flight, a third of
+    the shared memory three K/V stages of them beside one Q stage. Where
+    rows see few key blocks (short causal rows, narrow windows), two other
+    CTAs' steps run under a tile's prologue and epilogue."""
+    return FwdConfig(tile_m=WGMMA_M, tile_n=64, kv_stages=3, q_stages=1, persistent=True,
+                     dynamic_tiles=dynamic_tiles, producer_regs=24, consumer_regs=136,
+                     rederive_epilogue_coords=rederive_epilogue_coords,
+                     pv_wait_after_exp2=4, ctas_per_sm=3)
+
+
+def short_rows_two_ctas(causal: bool) -> FwdConfig:
+    """Head dim 64's two-CTA tile of short rows (default_fwd_config): a
+    second Q stage, causal tiles claimed, the P·V wait after the 2nd
+    exponential (4th non-causal), the epilogue's addresses re-derived."""
+    return two_ctas_an_sm(2, causal, pv_wait_after_exp2=2 if causal else 4,
+                          rederive_epilogue_coords=True)
+
+
 @functools.lru_cache(maxsize=None)
 def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
                        features: Features = PLAIN_FEATURES, short: bool = False,
-                       wide_window: bool = False, long_rows: bool = False) -> FwdConfig:
+                       wide_window: bool = False, long_rows: bool = False,
+                       few_tiles: bool = False) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -541,10 +573,14 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     - short sequences (short: none longer than SHORT_SEQLEN): head dim 64
       64-row tiles, two CTAs an SM (ctas_per_sm) of one consumer warpgroup
       of 232 registers each, whose tiles' prologues and epilogues, a large
-      part of a short tile, run under the other's main loop (in packed
-      batches, under a cap and with sinks the 128-row tile, two consumer
-      warpgroups of 240 registers, causal); head dim 128 non-causal 128
-      keys a step (160 split a 1k sequence into uneven steps); a second Q
+      part of a short tile, run under the other's main loop; causal, three
+      CTAs an SM of 64 keys a step (three_ctas_an_sm), caps and sinks
+      included, unless the grid has few tiles (few_tiles: fewer than
+      THREE_CTAS_MIN_ROUNDS rounds of them), where a third CTA leaves SMs
+      idle (there, in packed batches, under a cap and with sinks the
+      128-row tile, two consumer warpgroups of 240 registers, causal); head
+      dim 128 non-causal 128 keys a step (160 split a 1k sequence into
+      uneven steps); a second Q
       stage (q_stages) at head dims 64-128, where short rows (causal: the
       diagonal's tiles of one to eight key blocks) leave too little work
       after the last Q·Kᵀ to hide the next tile's Q load; at head dim 64
@@ -553,17 +589,17 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       fwd_config_for_problem takes it back where a grid of one round has
       no next tile, and gives causal rows of up to TINY_SEQLEN tokens the
       tiny tiles on a grid of two rounds or more (tiny_fwd_config: head
-      dim 64 128 rows, head dim 128 64 keys a step);
+      dim 64 128 rows where three CTAs an SM do not run, head dim 128 64
+      keys a step);
     - a sliding window (local) takes the causal choices (its tiles start at
       different key blocks: claimed, never split), and at head dim 64 the
-      short rows' two CTAs an SM of 64-row tiles (a row's few key blocks
-      leave a tile's prologue and epilogue as large a share as a short
-      row's; with caps, sinks and in packed batches too; the P·V wait
-      after the 8th exponential and the epilogue's addresses held, which
-      won there, where short rows take the 2nd or 4th and re-derive them),
-      unless the window is wide (wide_window: a row sees WIDE_WINDOW_KEYS
-      keys or more), where the 192-row tile's K/V reuse outweighs the
-      masked edges it adds.
+      short causal rows' three CTAs an SM of 64-row tiles (a row's few key
+      blocks leave a tile's prologue and epilogue as large a share as a
+      short row's; with caps, sinks and in packed batches too; the
+      epilogue's addresses held), or with few tiles two CTAs (the P·V wait
+      after the 8th exponential), unless the window is wide (wide_window: a
+      row sees WIDE_WINDOW_KEYS keys or more), where the 192-row tile's K/V
+      reuse outweighs the masked edges it adds.
     - a packed batch (varlen) takes the causal choices too (its tiles
       differ in length with their sequences) but keeps head dim 64's
       192-row tile: a sequence's last tile is partly empty, yet the wider
@@ -598,10 +634,13 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
         and not features.varlen
     q_stages = 2 if (plain and short) or q_ring else 1
     if head_dim <= 64 and features.local and not wide_window:
+        if not few_tiles:
+            return three_ctas_an_sm(claimed, rederive_epilogue_coords=False)
         return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=8)
+    if head_dim <= 64 and short and causal and not (features.varlen or few_tiles):
+        return three_ctas_an_sm(claimed, rederive_epilogue_coords=True)
     if head_dim <= 64 and short and plain:
-        return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=2 if causal else 4,
-                              rederive_epilogue_coords=True)
+        return short_rows_two_ctas(causal)
     if head_dim <= 64:  # a window here is wide
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,

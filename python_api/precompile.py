@@ -11,8 +11,9 @@
 
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and those of long and short sequences
-where the tiles differ: the long tiles, the short tiles, the narrower ones
-a grid short of SMs takes, and, where tiles are claimed, each of these with
+where the tiles differ: the long tiles, the short tiles, those of a grid
+of few tiles, the narrower ones a grid short of SMs takes, and, where tiles
+are claimed, each of these with
 its tiles dealt by index, as a grid of two waves or less takes them, and
 each with a Q ring with one Q stage, as a grid of one round takes it) and
 the backward's default kernels with and without `deterministic`, each with
@@ -74,6 +75,7 @@ class Variant:
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
     tiny: bool = False  # fwd, short: the tiles of sequences up to config.TINY_SEQLEN tokens
+    few_tiles: bool = False  # fwd, short: two CTAs an SM where three would run few rounds
     by_index: bool = False  # fwd, causal: tiles dealt by index (two waves at most)
     one_round: bool = False  # fwd: one Q stage, as a grid of one round takes it
     long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
@@ -90,7 +92,7 @@ class Variant:
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
                                    "block_sparse", "long_rows", "short", "narrow", "tiny",
-                                   "one_round", "by_index", "small_grid")
+                                   "few_tiles", "one_round", "by_index", "small_grid")
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
@@ -103,12 +105,13 @@ class Variant:
 
 def _short_variants(long: Variant) -> list[Variant]:
     """The forwards of short sequences whose configs differ from the long
-    one's: the short tiles, the narrow tiles where a small grid takes them,
-    and the tiny ones of the shortest sequences (config.fwd_config_for_problem);
-    then each of these and the long one dealt by index where its tiles are
-    claimed."""
+    one's: the short tiles, those of a grid of few tiles and the narrow tiles
+    where a small grid takes them, and the tiny ones of the shortest
+    sequences (config.fwd_config_for_problem); then each of these and the
+    long one dealt by index where its tiles are claimed."""
     out = _distinct_configs((replace(long, short=True, **flags)
-                             for flags in ({}, {"narrow": True}, {"tiny": True})),
+                             for flags in ({}, {"few_tiles": True}, {"narrow": True},
+                                           {"tiny": True})),
                             seen=[config_of(long)])
     return out + _by_index([long, *out])
 
@@ -137,8 +140,11 @@ def _long_variants(base: Variant) -> list[Variant]:
 
 def _by_index(forwards: list[Variant]) -> list[Variant]:
     """Those of `forwards` whose tiles are claimed, dealt by index instead,
-    as a grid of two waves or less takes them (config.fixed_deal_balances)."""
-    return [replace(v, by_index=True) for v in forwards if config_of(v).dynamic_tiles]
+    as a grid of two waves or less takes them (config.fixed_deal_balances);
+    not three CTAs an SM, which run config.THREE_CTAS_MIN_ROUNDS rounds or
+    more."""
+    return [replace(v, by_index=True) for v in forwards
+            if config_of(v).dynamic_tiles and config_of(v).ctas_per_sm < 3]
 
 
 def _one_round(forwards: list[Variant]) -> list[Variant]:
@@ -253,7 +259,8 @@ def config_of(variant: Variant):
         else:
             config = default_fwd_config(variant.head_dim, variant.causal,
                                         variant.value_head_dim, short=variant.short,
-                                        long_rows=variant.long_rows)
+                                        long_rows=variant.long_rows,
+                                        few_tiles=variant.few_tiles)
         if variant.one_round:
             config = one_q_stage(config)
         return dealt_by_index(config) if variant.by_index else config

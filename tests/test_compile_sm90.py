@@ -91,7 +91,8 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
                                                       (128, True, 8)])
 def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
-    where they differ from the long ones (head dim 64: two CTAs an SM), and
+    where they differ from the long ones (head dim 64: two CTAs an SM, three
+    causal where the grid is unknown or large), and
     the narrower tiles of a grid short of SMs (batch 1, 16 query heads),
     causal ones of one wave with their tiles dealt by index (8 and 16
     heads): warp-specialised, spill-free."""
@@ -104,9 +105,9 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     info = dumped_kernel_info(str(tmp_path))
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)
-    # head dim 64: two CTAs an SM, each register budget within its half
+    # head dim 64: several CTAs an SM, each register budget within its share
     assert f".minnctapersm {config.ctas_per_sm}" in _ptx(tmp_path)
-    assert config.ctas_per_sm == (2 if head_dim == 64 else 1)
+    assert config.ctas_per_sm == (1 if head_dim != 64 else 3 if causal and not query_heads else 2)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -233,18 +234,20 @@ def test_config_variants_compile(tmp_path, overrides):
     _assert_warp_specialised(info, config)
 
 
-@pytest.mark.parametrize("head_dim,causal,short", [(64, False, False), (64, True, False),
-                                                   (128, False, False), (128, True, False),
-                                                   (64, True, True), (128, True, True),
-                                                   (128, False, True)])
-def test_forward_step_bookkeeping(tmp_path, head_dim, causal, short):
+@pytest.mark.parametrize("head_dim,causal,short,few_tiles", [
+    (64, False, False, False), (64, True, False, False), (128, False, False, False),
+    (128, True, False, False), (64, True, True, True), (64, True, True, False),
+    (128, True, True, False), (128, False, True, False)])
+def test_forward_step_bookkeeping(tmp_path, head_dim, causal, short, few_tiles):
     """One K/V step of the main loop: WGMMA descriptors stay in uniform
     registers (no 64-bit vector adds: the causal tile order's divisions are
     marked warp-uniform, and so is the stage address of the Q ring that
-    short rows and head dim 64 causal take), the K/V waits spin without a sleep path and the
-    releases read no thread index, and nothing is spilled."""
-    config = default_fwd_config(head_dim, causal, short=short)
-    assert config.q_stages == (2 if short or (head_dim == 64 and causal) else 1)
+    short rows and head dim 64 causal take, but for three CTAs an SM), the
+    K/V waits spin without a sleep path and the releases read no thread
+    index, and nothing is spilled."""
+    config = default_fwd_config(head_dim, causal, short=short, few_tiles=few_tiles)
+    ring = config.ctas_per_sm < 3 and (short or (head_dim == 64 and causal))
+    assert config.q_stages == (2 if ring else 1)
     mix, body = _step("fwd", head_dim, causal, config, tmp_path)
     assert mix["HGMMA"] > 0
     assert not any("IMAD.X" in inst for inst in body)

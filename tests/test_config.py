@@ -16,11 +16,13 @@ def test_defaults_validate_for_every_head_dim():
 
 
 def test_short_sequences_take_smaller_tiles_where_they_differ():
-    """Up to SHORT_SEQLEN tokens: head dim 64 64 query rows, two CTAs an SM
-    (a packed batch's causal tiles 128 rows), head dim 128 non-causal 128
-    keys a step, causal tiles of head dims 64-128 a second Q stage (not
-    under a cap, with sinks or in a packed batch); every other problem the
-    long-sequence config, and each short one valid."""
+    """Up to SHORT_SEQLEN tokens: head dim 64 64 query rows, two CTAs an SM,
+    three causal (caps and sinks too) unless the grid has few tiles (then
+    a cap's or a sink's causal tiles 128 rows, as a packed batch's), head
+    dim 128 non-causal 128 keys a step, causal tiles of head dims 96-128 a
+    second Q stage (not under a cap, with sinks or in a packed batch);
+    every other problem the long-sequence config, and each short one
+    valid."""
     from cute_fa.kernels.config import (PLAIN_FEATURES, SHORT_SEQLEN, SUPPORTED_HEAD_DIMS,
                                         fwd_config_for_problem)
 
@@ -29,20 +31,25 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
 
     for causal in (False, True):
         short = config(64, causal, SHORT_SEQLEN)
-        assert (short.tile_m, short.ctas_per_sm, short.split_tail) == (64, 2, False)
+        # causal: three CTAs an SM where the grid is unknown or has many tiles
+        assert (short.tile_m, short.ctas_per_sm, short.split_tail) == (64, 2 + causal, False)
         assert config(64, causal, SHORT_SEQLEN + 1) == default_fwd_config(64, causal)
     for features in (Features(softcap=True), Features(sink=True)):
-        assert config(64, True, 512, features).ctas_per_sm == 1
+        assert config(64, True, 512, features).ctas_per_sm == 3
+        few = fwd_config_for_problem(64, True, None, features, 512, 512, 8, 132)
+        assert (few.tile_m, few.ctas_per_sm) == (128, 1)
+    assert config(64, True, 512, Features(varlen=True)).tile_m == 128  # packed: unchanged
     assert config(128, False, 512).tile_n == 128 and config(128, False, 4096).tile_n == 160
     assert config(128, True, 512) == default_fwd_config(128, True).replace(q_stages=2)
     for head_dim in (64, 96, 128):
-        assert config(head_dim, True, 512).q_stages == 2
+        # head dim 64 causal: three CTAs' shared memory holds one Q stage
+        assert config(head_dim, True, 512).q_stages == (1 if head_dim == 64 else 2)
         assert config(head_dim, False, 512).q_stages == 2
         assert config(head_dim, True, 2048).q_stages == (2 if head_dim == 64 else 1)
         assert config(head_dim, False, 2048).q_stages == 1
         for features in (Features(softcap=True), Features(sink=True), Features(varlen=True)):
-            assert config(head_dim, True, 512, features).q_stages == 1 + (
-                head_dim == 64 and not features.varlen)
+            # head dim 64: three CTAs an SM under a cap or with sinks
+            assert config(head_dim, True, 512, features).q_stages == 1
     for features in (Features(softcap=True), Features(sink=True), Features(local=True)):
         assert config(64, True, 4096, features).q_stages == 2
     assert config(64, True, 4096, Features(varlen=True)).q_stages == 1
@@ -77,13 +84,32 @@ def test_two_ctas_an_sm_share_its_registers_and_shared_memory():
     two.validate(64)
     assert smem_capacity(2) == 113 * 1024 and smem_capacity(1) == 227 * 1024
     for bad, field in ((dict(consumer_regs=240), "consumer_regs"),
-                       (dict(split_tail=True), "ctas_per_sm"), (dict(ctas_per_sm=3), "ctas_per_sm"),
-                       (dict(kv_stages=4), "kv_stages")):
+                       (dict(split_tail=True), "ctas_per_sm"), (dict(ctas_per_sm=4), "ctas_per_sm"),
+                       (dict(ctas_per_sm=3), "consumer_regs"), (dict(kv_stages=4), "kv_stages")):
         with pytest.raises(ValueError, match=f"FwdConfig.{field}: expected"):
             two.replace(**bad).validate(64)
     with pytest.raises(ValueError, match="kv_stages: expected a shared-memory footprint <= "
                                          "115712 B"):
         two.validate(128)  # two stages of 128 keys at head dim 128: 146 KB
+
+
+def test_three_ctas_an_sm_share_its_registers_and_shared_memory():
+    """ctas_per_sm 3: the setmaxnreg targets within a third of the register
+    file (80 a thread at launch), the shared memory within a third of an
+    SM's: 64 keys a step in three K/V stages beside one Q stage; head dim
+    64 only."""
+    from cute_fa.kernels.config import smem_capacity, three_ctas_an_sm
+    three = three_ctas_an_sm(True, False)
+    three.validate(64)
+    assert (three.tile_m, three.tile_n, three.ctas_per_sm, three.kv_stages) == (64, 64, 3, 3)
+    assert smem_capacity(3) == 75 * 1024
+    for bad, field in ((dict(consumer_regs=144), "consumer_regs"),
+                       (dict(q_stages=2, kv_stages=4), "kv_stages"),
+                       (dict(tile_n=128), "kv_stages")):
+        with pytest.raises(ValueError, match=f"FwdConfig.{field}: expected"):
+            three.replace(**bad).validate(64)
+    with pytest.raises(ValueError, match="FwdConfig.kv_stages: expected"):
+        three.validate(128)
 
 
 def test_q_ring_depth_and_its_shared_memory():
@@ -167,11 +193,12 @@ def test_short_problems_short_of_sms_take_narrower_tiles():
 def test_the_shortest_causal_rows_take_tiny_tiles_on_a_full_gpu():
     """Causal, no sequence past TINY_SEQLEN, on a grid of two rounds or
     more (as measured on a full GPU): head dim 64 the 128-row tile (one CTA
-    an SM), head dim 128 64 keys a step; batch 1 keeps the short tiles (head
-    dim 128's narrow ones), and so do longer rows, non-causal ones and head
-    dim 96."""
+    an SM) unless its 64-row tiles run three CTAs an SM (THREE_CTAS_MIN_ROUNDS
+    rounds of them), head dim 128 64 keys a step; batch 1 keeps the short
+    tiles (head dim 128's narrow ones), and so do longer rows, non-causal
+    ones and head dim 96."""
     from cute_fa.kernels.config import (PLAIN_FEATURES, TINY_SEQLEN, fwd_config_for_problem,
-                                        tiny_fwd_config)
+                                        three_ctas_an_sm, tiny_fwd_config)
 
     def config(head_dim, causal, seqlen, query_heads):
         return fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
@@ -180,11 +207,15 @@ def test_the_shortest_causal_rows_take_tiny_tiles_on_a_full_gpu():
     tiny = tiny_fwd_config(64, True)
     tiny.validate(64)
     assert (tiny.tile_m, tiny.ctas_per_sm, tiny.consumer_warpgroups) == (128, 1, 2)
-    assert config(64, True, 128, 4096) == config(64, True, TINY_SEQLEN, 2048) == tiny
-    for head_dim, causal, seqlen, query_heads in ((64, True, 256, 32), (64, True, 512, 1024),
-                                                  (64, False, 256, 2048)):
+    # 300 and 320 tiles of 128 rows (three rounds); of 64 rows, two rounds of three CTAs
+    assert config(64, True, 128, 300) == config(64, True, TINY_SEQLEN, 160) == tiny
+    assert config(64, True, 128, 4096) == config(64, True, TINY_SEQLEN, 2048) == \
+        three_ctas_an_sm(True, rederive_epilogue_coords=True)
+    for head_dim, causal, seqlen, query_heads, ctas in ((64, True, 256, 32, 2),
+                                                        (64, True, 512, 1024, 3),
+                                                        (64, False, 256, 2048, 2)):
         assert (config(head_dim, causal, seqlen, query_heads).tile_m,
-                config(head_dim, causal, seqlen, query_heads).ctas_per_sm) == (64, 2)
+                config(head_dim, causal, seqlen, query_heads).ctas_per_sm) == (64, ctas)
     assert tiny_fwd_config(64, False) is None and tiny_fwd_config(96, True) is None
     keys = tiny_fwd_config(128, True)
     assert (keys.tile_m, keys.tile_n) == (128, 64)
@@ -535,12 +566,13 @@ def test_head_dims_the_ops_take():
     assert [kernel_head_dim(d) for d in (0, 4, 36, 100, 264, 512)] == [None] * 6
 
 
-def test_windows_at_head_dim_64_take_two_ctas_an_sm_or_the_wide_tile():
+def test_windows_at_head_dim_64_take_several_ctas_an_sm_or_the_wide_tile():
     """A local kernel whose rows see WIDE_WINDOW_KEYS keys or more (an
     unbounded side counting every key) takes head dim 64's 192-row tile,
-    claimed and never split; narrower windows two CTAs an SM of 64-row
-    tiles, claimed, with caps, sinks and in packed batches too; other head
-    dims keep their tiles."""
+    claimed and never split; narrower windows three CTAs an SM of 64-row
+    tiles, claimed, with caps, sinks and in packed batches too, or two
+    where three would run fewer than THREE_CTAS_MIN_ROUNDS rounds; other
+    head dims keep their tiles."""
     from cute_fa.kernels.config import WIDE_WINDOW_KEYS, fwd_config_for_problem, window_keys
 
     local = Features(local=True)
@@ -558,11 +590,16 @@ def test_windows_at_head_dim_64_take_two_ctas_an_sm_or_the_wide_tile():
     for features in (local, Features(local=True, softcap=True), Features(local=True, sink=True),
                      Features(local=True, varlen=True)):
         narrow = fwd_config_for_problem(64, False, None, features, 8192, 8192, 32, 132,
-                                        window=(1023, 0))
-        assert (narrow.tile_m, narrow.ctas_per_sm, narrow.consumer_warpgroups) == (64, 2, 1)
-        assert narrow.dynamic_tiles and not narrow.split_tail
-        assert narrow.q_stages == (1 if features.varlen else 2)
+                                        window=(1023, 0))  # 4096 tiles: 11 rounds of three
+        assert (narrow.tile_m, narrow.ctas_per_sm, narrow.consumer_warpgroups) == (64, 3, 1)
+        assert narrow.dynamic_tiles and not narrow.split_tail and narrow.q_stages == 1
         narrow.validate(64)
+        few = fwd_config_for_problem(64, False, None, features, 8192, 8192, 4, 132,
+                                     window=(1023, 0))  # 512 tiles: two rounds of three
+        assert (few.tile_m, few.ctas_per_sm, few.consumer_warpgroups) == (64, 2, 1)
+        assert few.dynamic_tiles and not few.split_tail
+        assert few.q_stages == (1 if features.varlen else 2)
+        few.validate(64)
     wide = fwd_config_for_problem(64, False, None, local, 8192, 8192, window=(4096, 0))
     assert wide.dynamic_tiles and not wide.split_tail
     wide.validate(64)
@@ -634,7 +671,8 @@ def test_claimed_tiles_of_two_waves_or_less_are_dealt_by_index():
 
     by_index = config(64, 512, 40)  # 8 tiles of 64 rows x 40 heads, two CTAs an SM
     assert (by_index.tile_m, by_index.dynamic_tiles, by_index.ctas_per_sm) == (64, False, 2)
-    assert by_index == config(64, 512, 0).replace(dynamic_tiles=False)
+    assert by_index == default_fwd_config(64, True, short=True,
+                                          few_tiles=True).replace(dynamic_tiles=False)
     assert not config(128, 8192, 4).dynamic_tiles  # long rows, few heads: 256 tiles
     assert not config(64, 512, 66).dynamic_tiles  # 528 tiles on 264 CTAs: two waves
     assert config(64, 512, 67).dynamic_tiles  # 536 tiles

@@ -111,6 +111,9 @@ def test_forward_random_shapes(trial):
                                                         consumer_regs=160),
     dict(tile_m=64, ctas_per_sm=2, consumer_regs=232), dict(tile_m=64, ctas_per_sm=2,
                                                             consumer_regs=232, dynamic_tiles=True),
+    dict(tile_m=64, tile_n=64, kv_stages=3, ctas_per_sm=3, consumer_regs=136),
+    dict(tile_m=64, tile_n=64, kv_stages=3, ctas_per_sm=3, consumer_regs=136, dynamic_tiles=True,
+         pv_wait_after_exp2=4),
     dict(intra_wg_overlap=False, pingpong=False, persistent=False),
     dict(pv_wait_after_exp2=8), dict(pv_wait_after_exp2=32),
     dict(pv_wait_after_exp2=1, tile_m=192, producer_regs=32, consumer_regs=160),
@@ -158,18 +161,23 @@ def test_shared_o_slab_over_many_rounds(overrides, causal):
     _check(q, k, v, causal, out, lse)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("seqlens", [(200, 200), (128, 128), (256, 77)])
-def test_tiny_causal_rows_on_a_full_gpu(head_dim, seqlens):
+@pytest.mark.parametrize("head_dim,heads,seqlens,tiles", [
+    (64, 64, (200, 200), "three CTAs"), (64, 64, (128, 128), "three CTAs"),
+    (64, 64, (256, 77), "three CTAs"), (64, 20, (200, 200), "tiny"),
+    (128, 64, (200, 200), "tiny"), (128, 64, (128, 128), "tiny"), (128, 64, (256, 77), "tiny")])
+def test_tiny_causal_rows_on_a_full_gpu(head_dim, heads, seqlens, tiles):
     """Causal rows of up to TINY_SEQLEN on a grid of several rounds take the
-    tiny tiles (config.tiny_fwd_config), claimed."""
-    from cute_fa.kernels.config import PLAIN_FEATURES, tiny_fwd_config
+    tiny tiles (config.tiny_fwd_config), claimed; at head dim 64 three CTAs
+    an SM where those run THREE_CTAS_MIN_ROUNDS rounds (the grids of 64
+    heads; 20 heads run two)."""
+    from cute_fa.kernels.config import PLAIN_FEATURES, three_ctas_an_sm, tiny_fwd_config
     from cute_fa.variants import num_sms
 
-    q, k, v = _inputs(8, *seqlens, 64, 16, head_dim, torch.bfloat16, seed=13)
-    config = fwd_config_for_problem(head_dim, True, None, PLAIN_FEATURES, *seqlens, 8 * 64,
+    q, k, v = _inputs(8, *seqlens, heads, heads // 4, head_dim, torch.bfloat16, seed=13)
+    config = fwd_config_for_problem(head_dim, True, None, PLAIN_FEATURES, *seqlens, 8 * heads,
                                     num_sms(q.device.index))
-    assert config == tiny_fwd_config(head_dim, True)
+    assert config == (tiny_fwd_config(head_dim, True) if tiles == "tiny"
+                      else three_ctas_an_sm(True, rederive_epilogue_coords=True))
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     _check(q, k, v, True, out, lse)
 
@@ -178,6 +186,7 @@ def test_tiny_causal_rows_on_a_full_gpu(head_dim, seqlens):
     dict(), dict(dynamic_tiles=True), dict(dynamic_tiles=True, pingpong=False,
                                            intra_wg_overlap=False),
     dict(tile_m=64, ctas_per_sm=2, consumer_regs=232, dynamic_tiles=True),
+    dict(tile_m=64, tile_n=64, ctas_per_sm=3, consumer_regs=136, dynamic_tiles=True),
     dict(tile_m=192, kv_stages=3, producer_regs=32, consumer_regs=160, dynamic_tiles=True),
     dict(split_tail=True),
 ])

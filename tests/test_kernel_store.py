@@ -214,8 +214,10 @@ def test_precompile_command_line():
     todo = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd", "bwd"], False)
     assert len(todo) == 2 * 2 * (1 + 4)  # fwd + bwd x deterministic x split_gqa
     assert len({v.label() for v in todo}) == len(todo)
-    # with the short tiles: those whose configs differ, the narrow ones of a
-    # batch-1 grid and the tiny ones of the shortest rows included, and the
+    # with the short tiles: those whose configs differ, the two-CTA ones of a
+    # grid of few tiles (head dim 64 causal, whose short tiles are three CTAs
+    # an SM), the narrow ones of a batch-1 grid and the tiny ones of the
+    # shortest rows included, and the
     # causal ones with tiles dealt by index, as a grid of one wave takes them
     # (config.fwd_config_for_problem)
     short = precompile.variants([64, 128], ["bf16"], (False, True), ["fwd"], False,
@@ -223,10 +225,11 @@ def test_precompile_command_line():
     # and those with a Q ring with one Q stage, as a grid of one round takes them
     assert [v.label() for v in short] == [
         "fwd bf16 d64 full", "fwd bf16 d64 full short", "fwd bf16 d64 full short one_round",
-        "fwd bf16 d64 causal", "fwd bf16 d64 causal short", "fwd bf16 d64 causal short tiny",
-        "fwd bf16 d64 causal by_index", "fwd bf16 d64 causal short by_index",
-        "fwd bf16 d64 causal short tiny by_index", "fwd bf16 d64 causal one_round by_index",
-        "fwd bf16 d64 causal short one_round by_index", "fwd bf16 d128 full",
+        "fwd bf16 d64 causal", "fwd bf16 d64 causal short", "fwd bf16 d64 causal short few_tiles",
+        "fwd bf16 d64 causal short tiny", "fwd bf16 d64 causal by_index",
+        "fwd bf16 d64 causal short few_tiles by_index", "fwd bf16 d64 causal short tiny by_index",
+        "fwd bf16 d64 causal one_round by_index",
+        "fwd bf16 d64 causal short few_tiles one_round by_index", "fwd bf16 d128 full",
         "fwd bf16 d128 full short", "fwd bf16 d128 full short narrow",
         "fwd bf16 d128 full short one_round", "fwd bf16 d128 full short narrow one_round",
         "fwd bf16 d128 causal", "fwd bf16 d128 causal short", "fwd bf16 d128 causal short narrow",
