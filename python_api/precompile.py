@@ -13,9 +13,9 @@ For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and those of long and short sequences
 where the tiles differ: the long tiles, the short tiles, those of a grid
 of few tiles, the narrower ones a grid short of SMs takes, and, where tiles
-are claimed, each of these with
-its tiles dealt by index, as a grid of two waves or less takes them, and
-each with a Q ring with one Q stage, as a grid of one round takes it) and
+are claimed, each of these with its tiles dealt by index, as a grid of two
+waves or less takes them, and each with a Q ring with one Q stage, as a
+grid of one round takes it) and
 the backward's default kernels with and without `deterministic`, each with
 and without split_gqa (which the op picks for GQA problems too small to fill
 the GPU otherwise), and with --lse-grad also the backward variants that
