@@ -468,11 +468,11 @@ def tiny_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     diagonal's masked columns halved. None elsewhere."""
     if not causal:
         return None
+    config = default_fwd_config(head_dim, causal, head_dim_v, short=True, few_tiles=True)
     if head_dim <= 64:
-        return short_rows_two_ctas(causal).replace(tile_m=2 * WGMMA_M, ctas_per_sm=1,
-                                                   consumer_regs=240)
+        return config.replace(tile_m=2 * WGMMA_M, ctas_per_sm=1, consumer_regs=240)
     if head_dim == 128 and (head_dim_v or head_dim) == head_dim:
-        return default_fwd_config(head_dim, causal, head_dim_v, short=True).replace(tile_n=64)
+        return config.replace(tile_n=64)
     return None
 
 
@@ -531,14 +531,6 @@ def three_ctas_an_sm(dynamic_tiles: bool, rederive_epilogue_coords: bool) -> Fwd
                      dynamic_tiles=dynamic_tiles, producer_regs=24, consumer_regs=136,
                      rederive_epilogue_coords=rederive_epilogue_coords,
                      pv_wait_after_exp2=4, ctas_per_sm=3)
-
-
-def short_rows_two_ctas(causal: bool) -> FwdConfig:
-    """Head dim 64's two-CTA tile of short rows (default_fwd_config): a
-    second Q stage, causal tiles claimed, the P·V wait after the 2nd
-    exponential (4th non-causal), the epilogue's addresses re-derived."""
-    return two_ctas_an_sm(2, causal, pv_wait_after_exp2=2 if causal else 4,
-                          rederive_epilogue_coords=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -640,7 +632,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     if head_dim <= 64 and short and causal and not (features.varlen or few_tiles):
         return three_ctas_an_sm(claimed, rederive_epilogue_coords=True)
     if head_dim <= 64 and short and plain:
-        return short_rows_two_ctas(causal)
+        return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=2 if causal else 4,
+                              rederive_epilogue_coords=True)
     if head_dim <= 64:  # a window here is wide
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,

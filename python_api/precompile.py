@@ -144,7 +144,7 @@ def _by_index(forwards: list[Variant]) -> list[Variant]:
     not three CTAs an SM, which run config.THREE_CTAS_MIN_ROUNDS rounds or
     more."""
     return [replace(v, by_index=True) for v in forwards
-            if config_of(v).dynamic_tiles and config_of(v).ctas_per_sm < 3]
+            if (config := config_of(v)).dynamic_tiles and config.ctas_per_sm < 3]
 
 
 def _one_round(forwards: list[Variant]) -> list[Variant]:
