@@ -124,12 +124,12 @@ def _check_shared_fields(config, bad, ctas_per_sm: int = 1) -> None:
     # setmaxnreg moves registers within what the launch gave the CTA: each
     # thread's share of the file, a multiple of 8 (168 at 384 threads); an
     # increase beyond what the decrease freed waits forever
-    warpgroups = 1 + config.consumer_warpgroups
+    warpgroups = 1 + config.launched_warpgroups
     per_thread = min(REGISTERS_PER_SM // (WARPGROUP_THREADS * warpgroups * ctas_per_sm),
                      255) // 8 * 8
-    total = config.producer_regs + config.consumer_warpgroups * config.consumer_regs
+    total = config.producer_regs + config.launched_warpgroups * config.consumer_regs
     if total > warpgroups * per_thread:
-        raise bad("consumer_regs", f"producer_regs + {config.consumer_warpgroups} * "
+        raise bad("consumer_regs", f"producer_regs + {config.launched_warpgroups} * "
                                    f"consumer_regs <= {warpgroups * per_thread} ({per_thread} "
                                    f"registers per thread at launch)")
 
@@ -144,12 +144,18 @@ def _field_error(config, head_dim: int):
 
 class _KernelConfig:
     """What both config dataclasses derive the same way from their fields
-    (each defines `consumer_warpgroups`)."""
+    (each defines `consumer_warpgroups`, a tile's)."""
+
+    @property
+    def launched_warpgroups(self) -> int:
+        """The consumer warpgroups of a CTA: a tile's (FwdConfig: times the
+        tiles it runs at once)."""
+        return self.consumer_warpgroups
 
     @property
     def threads(self) -> int:
         """One producer warpgroup and the consumer warpgroups."""
-        return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
+        return WARPGROUP_THREADS * (self.launched_warpgroups + 1)
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -230,6 +236,15 @@ class FwdConfig(_KernelConfig):
         memory): several interleave one tile's prologue and epilogue with
         the others' main loops, where short rows make those a large part of
         a tile.
+    concurrent_tiles: tiles one CTA runs at once, 1 to 3, each a stream of
+        its own: producer warp s loads tile stream s into bank s of the Q, K
+        and V rings (each ring holds q_stages or kv_stages stages per bank),
+        and consumer warpgroup s computes it (tile_m 64, one warpgroup a
+        tile). As ctas_per_sm CTAs would, the streams interleave one tile's
+        prologue and epilogue with the others' main loops, but one producer
+        warpgroup serves them all, so the consumers keep the registers that
+        further producer warpgroups would hold (three streams: 160 a thread,
+        three CTAs: 136).
     """
 
     tile_m: int = 128
@@ -254,10 +269,15 @@ class FwdConfig(_KernelConfig):
     kv_load_rows: int = 0
     transpose_warps: int = 3
     ctas_per_sm: int = 1
+    concurrent_tiles: int = 1
 
     @property
     def consumer_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
+
+    @property
+    def launched_warpgroups(self) -> int:
+        return self.consumer_warpgroups * self.concurrent_tiles
 
     def smem_bytes(self, head_dim: int, head_dim_v: int | None = None,
                    fp8: bool = False) -> int:
@@ -270,10 +290,13 @@ class FwdConfig(_KernelConfig):
         v_ring = self.kv_stages * self.tile_n * head_dim_v * elem_bytes
         if fp8:
             v_ring = _align_1k(v_ring) * 2                                    # V, Vᵀ
-        o_slabs = (WGMMA_M if self.shared_o_slab else self.tile_m) * head_dim_v * 2
-        size = 8 * (1 + 2 * self.q_stages + 6 * self.kv_stages) + 4 * 8  # mbarriers, words
-        size = _align_1k(size) + self.q_stages * self.tile_m * head_dim * elem_bytes  # Q
-        size = _align_1k(size) + self.kv_stages * self.tile_n * head_dim * elem_bytes  # K
+        banks = self.concurrent_tiles
+        v_ring *= banks
+        o_slabs = (WGMMA_M if self.shared_o_slab else self.tile_m) * head_dim_v * 2 * banks
+        size = 8 * banks * (1 + 2 * self.q_stages + 6 * self.kv_stages) \
+            + 4 * (8 + (banks - 1) * (self.q_stages + 1))                    # mbarriers, words
+        size = _align_1k(size) + banks * self.q_stages * self.tile_m * head_dim * elem_bytes  # Q
+        size = _align_1k(size) + banks * self.kv_stages * self.tile_n * head_dim * elem_bytes
         if self.o_in_v_smem:
             return _align_1k(size) + max(v_ring, o_slabs)                     # V / O
         size = _align_1k(size) + v_ring                                       # V
@@ -333,6 +356,17 @@ class FwdConfig(_KernelConfig):
             raise bad("ctas_per_sm", "1 with split_tail (its plan counts one CTA an SM) or "
                                      "e4m3 inputs (several CTAs an SM are built for 16-bit "
                                      "inputs only)")
+        if self.concurrent_tiles not in (1, 2, 3):
+            raise bad("concurrent_tiles", "1, 2 or 3 (a producer warp and a consumer "
+                                          "warpgroup each)")
+        if self.concurrent_tiles > 1 and (
+                self.tile_m != WGMMA_M or self.ctas_per_sm > 1 or not self.persistent
+                or self.split_tail or self.shared_o_slab or fp8
+                or (self.o_in_v_smem and self.tile_n % WGMMA_M)):
+            raise bad("concurrent_tiles", "1 unless tile_m is 64 in one persistent CTA an "
+                                          "SM without split_tail, shared_o_slab or e4m3 "
+                                          "inputs (and with o_in_v_smem a tile_n of whole "
+                                          "64-row O slabs)")
         _check_shared_fields(self, bad, self.ctas_per_sm)
         smem = self.smem_bytes(head_dim, head_dim_v, fp8)
         capacity = smem_capacity(self.ctas_per_sm)
@@ -424,7 +458,7 @@ def grid_rounds(config: FwdConfig, seqlen_q: int, query_heads: int, num_sms: int
     """The rounds of tiles a dense grid of this config runs: its tiles over
     the CTAs that fit the GPU at once."""
     tiles = -(-seqlen_q // config.tile_m) * query_heads
-    return -(-tiles // (num_sms * config.ctas_per_sm))
+    return -(-tiles // (num_sms * config.ctas_per_sm * config.concurrent_tiles))
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call of a grid of one round
@@ -520,6 +554,20 @@ def two_ctas_an_sm(q_stages: int, dynamic_tiles: bool, pv_wait_after_exp2: int,
                      pv_wait_after_exp2=pv_wait_after_exp2, ctas_per_sm=2)
 
 
+def three_tile_streams(dynamic_tiles: bool) -> FwdConfig:
+    """Head dim 64's 64-row tiles, three at once in one CTA an SM
+    (concurrent_tiles): a stream each of 128 keys a step in two K/V stages
+    and one Q stage, O staged in its V bank, 160 registers a consumer
+    thread. Where rows see few key blocks (short non-causal rows, block
+    masks), two other tiles' steps run under a tile's prologue and
+    epilogue, as with three CTAs an SM, but one producer warpgroup leaves
+    the consumers the registers for 128 keys a step."""
+    return FwdConfig(tile_m=WGMMA_M, tile_n=128, kv_stages=2, q_stages=1, persistent=True,
+                     dynamic_tiles=dynamic_tiles, producer_regs=32, consumer_regs=160,
+                     rederive_epilogue_coords=True, o_in_v_smem=True, pv_wait_after_exp2=4,
+                     concurrent_tiles=3)
+
+
 def three_ctas_an_sm(dynamic_tiles: bool, rederive_epilogue_coords: bool) -> FwdConfig:
     """Head dim 64's 64-row tiles, three CTAs an SM of one consumer
     warpgroup each: a third of the register file (136 a consumer thread)
@@ -570,7 +618,9 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       included, unless the grid has few tiles (few_tiles: fewer than
       THREE_CTAS_MIN_ROUNDS rounds of them), where a third CTA leaves SMs
       idle (there, in packed batches, under a cap and with sinks the
-      128-row tile, two consumer warpgroups of 240 registers, causal); head
+      128-row tile, two consumer warpgroups of 240 registers, causal);
+      non-causal, plain, three tile streams of 128 keys a step in one CTA
+      (three_tile_streams) unless the grid has few tiles; head
       dim 128 non-causal 128 keys a step (160 split a 1k sequence into
       uneven steps); a second Q
       stage (q_stages) at head dims 64-128, where short rows (causal: the
@@ -599,7 +649,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if features.block_sparse:
-        return block_sparse_fwd_config(head_dim, head_dim_v)
+        return block_sparse_fwd_config(head_dim, head_dim_v,
+                                       features.softcap and features.sink)
     claimed = causal or features.local or features.varlen
     if head_dim > 128:
         tile_n = 80 if head_dim > 192 else 128 if head_dim_v <= 128 else 112
@@ -631,6 +682,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
         return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=8)
     if head_dim <= 64 and short and causal and not (features.varlen or few_tiles):
         return three_ctas_an_sm(claimed, rederive_epilogue_coords=True)
+    if head_dim <= 64 and short and not causal and plain and not few_tiles:
+        return three_tile_streams(claimed)
     if head_dim <= 64 and short and plain:
         return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=2 if causal else 4,
                               rederive_epilogue_coords=True)
@@ -662,21 +715,24 @@ SPARSE_BLOCK = 128
 
 
 @functools.lru_cache(maxsize=None)
-def block_sparse_fwd_config(head_dim: int, head_dim_v: int) -> FwdConfig:
+def block_sparse_fwd_config(head_dim: int, head_dim_v: int,
+                            capped_with_sink: bool = False) -> FwdConfig:
     """The forward config under a block mask: the causal choices (tiles that
     differ in length, claimed; 128 keys a step, which divides the mask's
-    blocks); at head dim 64 a second Q stage, which loads the next tile's
-    Q under this one (a query tile walks only its listed blocks, a few at
-    low densities, too little to hide the load behind; at 128 the GEMMs,
-    twice as long, hide it), and the narrow windows' 64-row tiles, two
-    CTAs an SM (one's prologue and epilogue under the other's steps);
+    blocks); at head dim 64 three tile streams of 64-row tiles in one CTA
+    (three_tile_streams: a query tile walks only its listed blocks, a few
+    at low densities, and two other tiles' steps run under its prologue and
+    epilogue), or under a cap together with sinks (capped_with_sink), whose
+    registers spill at 160 a thread, two CTAs an SM of the same tile;
     above 128, 64 keys a step with O staged in the V ring."""
     if head_dim > 128:
         return FwdConfig(tile_m=128, tile_n=64, kv_stages=2, persistent=True,
                          dynamic_tiles=True, pv_wait_after_exp2=0 if head_dim_v > 192 else 8,
                          rescale_o_before_pv=head_dim_v > 192, o_in_v_smem=True)
-    if head_dim <= 64:
+    if head_dim <= 64 and capped_with_sink:
         return two_ctas_an_sm(q_stages=2, dynamic_tiles=True, pv_wait_after_exp2=8)
+    if head_dim <= 64:
+        return three_tile_streams(dynamic_tiles=True)
     return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, persistent=True, dynamic_tiles=True,
                      pv_wait_after_exp2=8)
 

@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 class ForwardEpilogue:
     """The epilogue methods; the kernel class supplies cfg, features, tile_m,
-    head_dim_v, out_dtype, consumer_wgs and consumer_threads."""
+    head_dim_v, out_dtype, consumer_wgs, consumer_threads, streams (tile
+    streams a CTA, FwdConfig.concurrent_tiles) and _o_slabs_per_bank.
+    Their `wg` is the warpgroup among the CTA's consumers, `tid` the thread
+    within its tile."""
 
     @cute.jit
     def _store_partial(self, acc_o: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma,
@@ -68,12 +71,18 @@ class ForwardEpilogue:
                                      number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
-    def _o_staging_free(self):
+    def _o_staging_free(self, wg: Int32):
         """With O staged in the V ring: every consumer warpgroup's last P·V
-        has completed before any of them writes O over the V stages it read."""
+        has completed before any of them writes O over the V stages it read
+        (with several tile streams: the tile's one warpgroup, over its bank,
+        on the barrier its epilogue leaves unused with O in V)."""
         if cutlass.const_expr(self.cfg.o_in_v_smem):
-            cute.arch.barrier(barrier_id=int(NamedBarrier.O_IN_V),
-                              number_of_threads=self.consumer_threads)
+            if cutlass.const_expr(self.streams > 1):
+                cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE_BASE) + wg,
+                                  number_of_threads=WARPGROUP_THREADS)
+            else:
+                cute.arch.barrier(barrier_id=int(NamedBarrier.O_IN_V),
+                                  number_of_threads=self.consumer_threads)
 
     @cute.jit
     def _o_left(self, o_read: cute.Pointer, tid: Int32):
@@ -146,6 +155,10 @@ class ForwardEpilogue:
         m_block, head, batch, seqlen_q = work.m_block, work.head, work.batch, work.seqlen_q
         r_o = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
         wgmma.convert_to_16bit(acc_o, r_o)
+        if cutlass.const_expr(self.streams > 1):
+            # the thread within its tile's one warpgroup, read again here
+            # rather than held through the main loop
+            tid = Int32(cute.arch.thread_idx()[0]) & (WARPGROUP_THREADS - 1)
         if cutlass.const_expr(self.cfg.rederive_epilogue_coords):
             # An opaque copy of the thread index (a shuffle from its own
             # lane): what derives from it (stmatrix addresses, LSE rows) is
@@ -164,6 +177,8 @@ class ForwardEpilogue:
         slab_index = wg
         if cutlass.const_expr(self.cfg.shared_o_slab):
             slab_index = 0
+        elif cutlass.const_expr(self.cfg.o_in_v_smem and self.streams > 1):
+            slab_index = wg * self._o_slabs_per_bank  # the first of its stream's V bank
         slab = sO[None, None, slab_index]
         wgmma.stmatrix_store(self.out_dtype, r_o, slab, wg_tid)
         # stmatrix writes go through the generic proxy; TMA reads through the async one.
@@ -180,6 +195,8 @@ class ForwardEpilogue:
                     mLSE[first_row + rows[r, 0][0], head, seqlens.buffer_batch(batch)] = lse[r]
 
         row_block = m_block * self.consumer_wgs + wg
+        if cutlass.const_expr(self.streams > 1):
+            row_block = m_block  # one warpgroup a tile
         rows_out = seqlen_q - row_block * WGMMA_M
         out_rows = seqlens.q_rows(mO, head, batch)
         if cutlass.const_expr(self.features.varlen):

@@ -9,6 +9,8 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
                 e4m3 inputs: its warps 1 .. transpose_warps transpose each
                 V stage into the Vᵀ ring (fp8_operands.py), following the
                 V ring until warp 0 marks its end.
+                With concurrent_tiles (FwdConfig) its warp s is the TMA warp
+                of tile stream s, which fills bank s of each ring.
   warpgroups 1+ consumers (setmaxnreg.inc), 64 query rows each: WGMMA
                 S = Q·Kᵀ (smem × smem), online softmax in registers,
                 WGMMA O += P·V with P in registers, then the epilogue
@@ -18,6 +20,7 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
                 them before the epilogue (tail_split.py). With split_kv
                 (Features) every tile comes in key ranges, each leaving
                 fp32 O and LSE for split_combine.py.
+                With concurrent_tiles warpgroup s runs tile stream s alone.
 Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-thread
 mbarrier rings (pipeline.py); e4m3: V feeds the transposer, whose Vᵀ ring
 (kv_stages, thread → thread) feeds the consumers in V's place, P is packed
@@ -174,6 +177,11 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
             raise ValueError(f"features.heads_in_rows: expected a varlen kernel without sinks "
                              f"whose rows_per_query divides tile_m {self.tile_m} (a TMA box of "
                              f"whole groups), got {features}")
+        if config.concurrent_tiles > 1 and (features.varlen or features.split_kv):
+            raise ValueError(f"FwdConfig.concurrent_tiles: expected 1 for a varlen or split_kv "
+                             f"kernel (their tiles are dealt by the packed batch's scheduler), "
+                             f"got {config.concurrent_tiles} ({features})")
+        self.streams = config.concurrent_tiles
         if features.block_sparse and (causal or features.local or features.varlen
                                       or features.split_kv or features.paged_kv
                                       or features.rows_per_query != 1 or config.split_tail):
@@ -257,14 +265,14 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
         sQ_layout = wgmma.smem_layout(self.dtype, tile_m, d, self.q_ring_stages)
-        sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages)
-        sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, self.cfg.kv_stages)
+        # each ring holds a bank of stages per tile stream (concurrent_tiles)
+        sK_layout = wgmma.smem_layout(self.dtype, tile_n, d, self.cfg.kv_stages * self.streams)
+        sV_layout = wgmma.smem_layout(self.dtype, tile_n, dv, self.cfg.kv_stages * self.streams)
         # e4m3: Vᵀ, K-major for P·V, filled by the transposer (fp8_operands.py)
         sVt_layout = wgmma.smem_layout(self.dtype, dv, tile_n, self.cfg.kv_stages)
         # One (64, dv) slab per consumer warpgroup, stored by that warpgroup alone,
         # or one that they take in turn (shared_o_slab).
-        sO_layout = wgmma.smem_layout(self.out_dtype, WGMMA_M, dv,
-                                      1 if self.cfg.shared_o_slab else self.consumer_wgs)
+        sO_layout = wgmma.smem_layout(self.out_dtype, WGMMA_M, dv, self._o_slabs)
         tiled_mma_qk = wgmma.tiled_mma_ss(self.dtype, self.consumer_wgs, tile_n)
         if cutlass.const_expr(self.fp8):
             tiled_mma_pv = wgmma.tiled_mma(self.dtype, True, True, (self.consumer_wgs, 1, 1), dv,
@@ -294,7 +302,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         # Built whatever the config; only split_tail kernels read it.
         tail = TailSplit(full_tiles, tail_parts, mCounters, mPartials, self.consumer_wgs)
         grid = TileScheduler.grid(self._num_units(num_tiles, tail),
-                                  num_sms * self.cfg.ctas_per_sm, self.cfg.persistent)
+                                  num_sms * self.cfg.ctas_per_sm, self.cfg.persistent,
+                                  self.streams)
         self.kernel(tQ, tK, tV, tO, mO, mLSE, mCounters, mSink, descales, mBlockSparse, tail,
                     seqlens,
                     kv_blocks, tma_q, tma_k, tma_v, tma_o, softmax_scale_log2,
@@ -321,8 +330,31 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
 
     @property
     def q_ring_stages(self) -> int | None:
-        """The Q ring's stage mode (q_stages), or None: one unstaged tile."""
-        return self.cfg.q_stages if self.cfg.q_stages > 1 else None
+        """The Q ring's stage mode (q_stages, a bank of them per tile stream),
+        or None: one unstaged tile."""
+        if self.cfg.q_stages == 1 and self.streams == 1:
+            return None
+        return self.cfg.q_stages * self.streams
+
+    @property
+    def _o_slabs(self) -> int:
+        """The O slabs (64 rows each) of O's layout: one per consumer
+        warpgroup, or one they share (shared_o_slab); O staged in the V ring
+        with several tile streams: as many as cover the whole ring, stream
+        s's slab the first of its bank (_o_slab)."""
+        if self.cfg.o_in_v_smem and self.streams > 1:
+            return self.streams * self._o_slabs_per_bank
+        if self.cfg.shared_o_slab:
+            return 1
+        return self.consumer_wgs * self.streams
+
+    @property
+    def _o_slabs_per_bank(self) -> int:
+        return self.cfg.kv_stages * self.tile_n // WGMMA_M
+
+    def _bank(self, stream):
+        """A ring position's bank: None (one bank) or the tile stream's."""
+        return stream if self.streams > 1 else None
 
     def _q_stage_layout(self, sQ_layout):
         """One stage of Q's shared-memory layout (what one TMA load fills)."""
@@ -361,18 +393,19 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         Q, the K and V rings (e4m3: and the Vᵀ ring), and the O slabs, unless
         they are staged in the V ring (o_in_v_smem), which is then at least
         their size."""
-        stages = self.cfg.kv_stages
+        stages = self.cfg.kv_stages * self.streams
 
         def tiles(elems: int, dtype=self.dtype):
             return cute.struct.Align[cute.struct.MemRange[dtype, elems], SMEM_ALIGN]
 
         mem = cute.struct.MemRange
         fields = {
-            "q_barriers": mem[cutlass.Int64, 2 * self.cfg.q_stages],
+            "q_barriers": mem[cutlass.Int64, 2 * self.cfg.q_stages * self.streams],
             "k_barriers": mem[cutlass.Int64, 2 * stages],
             "v_barriers": mem[cutlass.Int64, 2 * stages],
-            "o_read": mem[cutlass.Int64, 1],  # O staged in V has been stored (o_in_v_smem)
-            "tile_slots": mem[Int32, TileQueue.slots_for(self.cfg.q_stages)],  # dynamic_tiles
+            # O staged in V has been stored (o_in_v_smem), one per tile stream
+            "o_read": mem[cutlass.Int64, self.streams],
+            "tile_slots": mem[Int32, self.streams * TileQueue.slots_for(self.cfg.q_stages)],
             "split_arrivals": mem[Int32, 4],  # per consumer warpgroup (split_tail)
         }
         if self.fp8:
@@ -412,12 +445,16 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         arrivals = self.consumer_threads
         # e4m3: the transposer frees V stages, and fills the Vᵀ ring
         v_arrivals = self.transpose_threads if cutlass.const_expr(self.fp8) else arrivals
+        # with several tile streams, one bank of stages each (pipeline.BankedState)
         pipes = Pipes(
-            make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.q_stages, arrivals,
+            make_tma_pipeline(storage.q_barriers.data_ptr(), self.cfg.q_stages * self.streams,
+                              arrivals,
                               cute.size_in_bytes(self.dtype, self._q_stage_layout(sQ_layout))),
-            make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages, arrivals,
+            make_tma_pipeline(storage.k_barriers.data_ptr(), self.cfg.kv_stages * self.streams,
+                              arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))),
-            make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages, v_arrivals,
+            make_tma_pipeline(storage.v_barriers.data_ptr(), self.cfg.kv_stages * self.streams,
+                              v_arrivals,
                               cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))),
         )
         done = None  # e4m3: the V ring's end-of-stream words (fp8_operands)
@@ -433,7 +470,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     # one arrival per consumer warpgroup and tile (_o_left)
-                    cute.arch.mbarrier_init(o_read, self.consumer_wgs)
+                    for stream in cutlass.range_constexpr(self.streams):
+                        cute.arch.mbarrier_init(o_read + stream, self.consumer_wgs)
             cute.arch.mbarrier_init_fence()
         cpipeline.pipeline_init_arrive()
         o_storage = storage.sV if cutlass.const_expr(self.cfg.o_in_v_smem) else storage.sO
@@ -452,18 +490,20 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 mQ.shape[2] // mK.shape[2],
                 (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
                 self.cfg.l2_section_mb * 1024 * 1024, longest_first=self.causal)
-        tiles = TileSequence(scheduler,
-                             TileQueue(mCounters, storage.tile_slots.get_tensor(
-                                 cute.make_layout(TileQueue.slots_for(self.cfg.q_stages)))),
-                             self.cfg.dynamic_tiles)
+        queue = TileQueue(mCounters, storage.tile_slots.get_tensor(cute.make_layout(
+            self.streams * TileQueue.slots_for(self.cfg.q_stages))), streams=self.streams)
         cpipeline.pipeline_init_wait()  # barriers initialised before anyone uses them
         limits = Limits(self.causal, self.features.local, window, self.features.rows_per_query)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
-            if warp_idx == 0:
-                self.produce(mQ, mK, mV, copies, smem, pipes, tiles, tail, seqlens, kv_blocks,
-                             o_read, limits, done, mBlockSparse)
+            if warp_idx < self.streams:
+                stream = 0
+                if cutlass.const_expr(self.streams > 1):
+                    stream = warp_idx
+                self.produce(mQ, mK, mV, copies, smem, pipes,
+                             self._tiles(scheduler, queue, stream), tail, seqlens, kv_blocks,
+                             self._o_read(o_read, stream), limits, done, mBlockSparse, stream)
             if cutlass.const_expr(self.fp8):
                 if warp_idx >= 1 and warp_idx <= self.cfg.transpose_warps:
                     fp8_operands.transpose_v_stream(
@@ -483,23 +523,40 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 consumer_pipes = pipes
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
                                mma_operand_view(storage.sK, sK_layout, self.dtype), mma_v, smem.o)
+            stream = 0
+            if cutlass.const_expr(self.streams > 1):
+                stream = warp_idx // 4 - 1  # one consumer warpgroup a tile
             self.consume(mO, mO_rows, mLSE, mSink, descales, mBlockSparse, copies, seqlens,
                          softmax_scale_log2, score_pre_tanh,
-                         limits, mma_smem, consumer_pipes, tiles, tail,
-                         storage.split_arrivals.get_tensor(cute.make_layout(4)), o_read,
-                         tiled_mma_qk, tiled_mma_pv, storage.sQ.data_ptr().toint(),
-                         self._q_stage_layout(sQ_layout))
+                         limits, mma_smem, consumer_pipes,
+                         self._tiles(scheduler, queue, stream), tail,
+                         storage.split_arrivals.get_tensor(cute.make_layout(4)),
+                         self._o_read(o_read, stream), tiled_mma_qk, tiled_mma_pv,
+                         storage.sQ.data_ptr().toint(), self._q_stage_layout(sQ_layout), stream)
+
+    def _o_read(self, o_read: cute.Pointer, stream):
+        """The tile stream's barrier of O read out of the V ring (o_in_v_smem)."""
+        if cutlass.const_expr(self.streams > 1):
+            return o_read + stream
+        return o_read
+
+    def _tiles(self, scheduler, queue: TileQueue, stream) -> TileSequence:
+        """The tiles of one tile stream of this CTA (one of concurrent_tiles)."""
+        if cutlass.const_expr(self.streams > 1):
+            scheduler = replace(scheduler, stream=stream, streams=self.streams)
+            queue = replace(queue, stream=stream)
+        return TileSequence(scheduler, queue, self.cfg.dynamic_tiles)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, copies: Copies,
                 smem: Buffers, pipes: Pipes, tiles: TileSequence, tail: TailSplit,
                 seqlens: Seqlens, kv: KvBlocks, o_read: cute.Pointer, limits: Limits,
-                done: Int32 | None, mBlockSparse: cute.Tensor):
+                done: Int32 | None, mBlockSparse: cute.Tensor, stream):
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
         q_per_kv = mQ.shape[2] // mK.shape[2]
-        q_state = producer_state(self.cfg.q_stages)
-        kv_state = producer_state(self.cfg.kv_stages)
+        q_state = producer_state(self.cfg.q_stages, self._bank(stream))
+        kv_state = producer_state(self.cfg.kv_stages, self._bank(stream))
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
         num_units = self._num_units(tiles.scheduler.num_tiles(), tail)
         round_idx = Int32(0)
@@ -648,13 +705,18 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 smem: Buffers, pipes: Pipes,
                 tiles: TileSequence, tail: TailSplit, split_arrivals: cute.Tensor,
                 o_read: cute.Pointer, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-                q_ring_base: Int32, sQ_stage: cute.ComposedLayout):
+                q_ring_base: Int32, sQ_stage: cute.ComposedLayout, stream):
         tid = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+        # wg: this warpgroup among the CTA's consumers (its named barriers and
+        # O slab); tile_wg, tile_tid: within its tile (its rows, its WGMMA slice)
         wg = cute.arch.make_warp_uniform(tid // WARPGROUP_THREADS)
+        tile_wg, tile_tid = wg, tid
+        if cutlass.const_expr(self.streams > 1):
+            tile_wg, tile_tid = 0, tid & (WARPGROUP_THREADS - 1)
         # WGMMA operands are per warpgroup (descriptors / register A); the
         # accumulator coordinates are per thread.
-        wg_qk = tiled_mma_qk.get_slice(wg * WARPGROUP_THREADS)
-        wg_pv = tiled_mma_pv.get_slice(wg * WARPGROUP_THREADS)
+        wg_qk = tiled_mma_qk.get_slice(tile_wg * WARPGROUP_THREADS)
+        wg_pv = tiled_mma_pv.get_slice(tile_wg * WARPGROUP_THREADS)
         # with a Q ring, stage 0's view (each tile takes its own stage's: consume's loop)
         q_view = smem.q if cutlass.const_expr(self.q_ring_stages is None) else smem.q[None, None, 0]
         q = wg_qk.make_fragment_A(wg_qk.partition_A(q_view))
@@ -665,7 +727,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         vt = wg_pv.make_fragment_B(wg_pv.partition_B(vt_view))
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)),
                                       Float32)
-        s_coords = tiled_mma_qk.get_slice(tid).partition_C(
+        s_coords = tiled_mma_qk.get_slice(tile_tid).partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n)))
         softmax = OnlineSoftmax.create(softmax_scale_log2,
                                        cute.size(wgmma.acc_rows_cols(acc_o), mode=[0]),
@@ -682,8 +744,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
             reference = FixedReference.for_cap(softmax_scale_log2)
 
         blocks = BlockRange(self.tile_m, self.tile_n, limits)
-        q_state = consumer_state(self.cfg.q_stages)
-        kv_state = consumer_state(self.cfg.kv_stages)
+        q_state = consumer_state(self.cfg.q_stages, self._bank(stream))
+        kv_state = consumer_state(self.cfg.kv_stages, self._bank(stream))
         dynamic = cutlass.const_expr(self.cfg.dynamic_tiles)
         num_units = self._num_units(tiles.scheduler.num_tiles(), tail)
         round_idx = Int32(0)
@@ -744,7 +806,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 out = self._locate(tiles.scheduler, tail, blocks,
                                    cute.arch.make_warp_uniform(tile), seqlens, mBlockSparse)
             if cutlass.const_expr(self.features.split_kv):
-                self._o_staging_free()
+                self._o_staging_free(wg)
                 self._store_partial(acc_o, lse, tiled_mma_pv, tail.partials, mLSE, tid, out,
                                     seqlens, mO.shape[3])
                 self._o_left(o_read, tid)
@@ -754,16 +816,16 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                     writes = tail.merge(acc_o, lse, tile, wg, tid,
                                         int(NamedBarrier.EPILOGUE_BASE) + wg, split_arrivals,
                                         sink)
-                self._o_staging_free()
+                self._o_staging_free(wg)
                 if writes:
                     self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,
-                                  wg, tid, out, seqlens, o_read)
+                                  wg, tile_tid, out, seqlens, o_read)
                 else:
                     self._skip_o_store(o_read, wg, tid)
             else:
-                self._o_staging_free()
+                self._o_staging_free(wg)
                 self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,
-                              wg, tid, out, seqlens, o_read)
+                              wg, tile_tid, out, seqlens, o_read)
             round_idx += 1
             tile = tiles.received(round_idx, pipes.q, q_state)
         if tid % WARPGROUP_THREADS < 32:

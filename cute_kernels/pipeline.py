@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cpipeline
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op, if_generate
 
 from .config import WARPGROUP_THREADS
 from .dsl_struct import DslStruct
@@ -124,12 +124,52 @@ def _arrive_unless_negative(barrier: cute.Pointer, value: Float32, *, loc=None,
         loc=loc, ip=ip)
 
 
-def producer_state(stages: int):
-    return cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, stages)
+def producer_state(stages: int, bank=None):
+    """The producer's position in a ring of `stages` stages, or in bank
+    `bank` of a ring of several such banks (BankedState)."""
+    if bank is None:
+        return cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Producer, stages)
+    return BankedState(stages, Int32(0), Int32(0), Int32(1), Int32(bank) * stages)
 
 
-def consumer_state(stages: int):
-    return cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, stages)
+def consumer_state(stages: int, bank=None):
+    """The consumers' position, as producer_state (a stage is full once its
+    phase has flipped from the producer's start)."""
+    if bank is None:
+        return cpipeline.make_pipeline_state(cpipeline.PipelineUserType.Consumer, stages)
+    return BankedState(stages, Int32(0), Int32(0), Int32(0), Int32(bank) * stages)
+
+
+class BankedState(cpipeline.PipelineState):
+    """A position in one bank of a ring whose barriers and buffers hold
+    several banks of `stages` stages each, one per tile stream
+    (FwdConfig.concurrent_tiles): it wraps within the bank, and its index,
+    which the pipelines and the buffers' stage modes read, is offset by the
+    bank's first stage."""
+
+    def __init__(self, stages: int, count, index, phase, first):
+        super().__init__(stages, count, index, phase)
+        self._first = first
+
+    @property
+    def index(self) -> Int32:
+        return self._first + self._index
+
+    def clone(self, *, loc=None, ip=None) -> "BankedState":
+        return BankedState(self.stages, self._count, self._index, self._phase, self._first)
+
+    def advance(self, *, loc=None, ip=None) -> None:
+        self._index += 1
+        self._count += 1
+        self._index, self._phase = if_generate(
+            self._index == self.stages, lambda index, phase: (Int32(0), phase ^ 1),
+            lambda index, phase: (index, phase), [self._index, self._phase], [Int32, Int32])
+
+    def __extract_mlir_values__(self):
+        return [v.ir_value() for v in (self._count, self._index, self._phase, self._first)]
+
+    def __new_from_mlir_values__(self, values) -> "BankedState":
+        return BankedState(self.stages, *(Int32(v) for v in values))
 
 
 @dataclass

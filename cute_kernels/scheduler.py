@@ -45,11 +45,16 @@ from .pipeline import wait_full
 
 
 @cute.jit
-def deal(round_idx: Int32) -> Int32:
-    """The linear tile this CTA computes in round `round_idx` of the fixed
-    deal, a snake (may be past the end)."""
+def deal(round_idx: Int32, stream=0, streams: cutlass.Constexpr[int] = 1) -> Int32:
+    """The linear tile this CTA (its tile stream `stream` of `streams`,
+    FwdConfig.concurrent_tiles: the streams deal as CTAs of a grid that many
+    times larger) computes in round `round_idx` of the fixed deal, a snake
+    (may be past the end)."""
     cta = Int32(cute.arch.block_idx()[0])
     grid = Int32(cute.arch.grid_dim()[0])
+    if cutlass.const_expr(streams > 1):
+        cta = stream * grid + cta
+        grid = grid * streams
     offset = cta
     if round_idx % 2 == 1:
         offset = grid - 1 - cta
@@ -64,6 +69,8 @@ class TileScheduler(DslStruct):
     section_heads: Int32  # (batch, head) pairs per L2 section (longest_first only)
     longest_first: bool
     first_block_longest: bool  # causal backward; the forward's longest block is its last
+    stream: Int32 | int = 0  # this role's tile stream (FwdConfig.concurrent_tiles)
+    streams: int = 1
 
     @staticmethod
     def create(num_blocks: Int32, num_heads: Int32, num_batch: Int32, shared_rows: Int32,
@@ -81,13 +88,17 @@ class TileScheduler(DslStruct):
         return self.num_blocks * self.num_heads * self.num_batch
 
     @staticmethod
-    def grid(num_tiles: Int32, num_sms: Int32, persistent: bool) -> Int32:
+    def grid(num_tiles: Int32, num_sms: Int32, persistent: bool, streams: int = 1) -> Int32:
+        """CTAs to launch: with `streams` tile streams a CTA (persistent
+        only), enough to give each stream a tile of round 0."""
         if cutlass.const_expr(persistent):
+            if cutlass.const_expr(streams > 1):
+                return cutlass.min((num_tiles + streams - 1) // streams, num_sms)
             return cutlass.min(num_tiles, num_sms)
         return num_tiles
 
     def tile_at(self, round_idx: Int32) -> Int32:
-        return deal(round_idx)
+        return deal(round_idx, self.stream, self.streams)
 
     def decode(self, tile: Int32):
         """Linear tile index -> (block, head, batch), marked warp-uniform.
@@ -142,7 +153,9 @@ class TileQueue(DslStruct):
     Q's barrier without a load."""
 
     counter: cute.Tensor  # global Int32 (1,), zero at launch
-    slots: cute.Tensor  # shared Int32 (slots_for(stages),)
+    slots: cute.Tensor  # shared Int32 (streams * slots_for(stages),)
+    stream: Int32 | int = 0  # this role's tile stream; its slots follow the previous ones'
+    streams: int = 1
 
     @staticmethod
     def slots_for(stages: int) -> int:
@@ -158,13 +171,20 @@ class TileQueue(DslStruct):
             claimed = cute.arch.atomic_add(self.counter.iterator, Int32(1), sem="relaxed",
                                            scope="gpu")
         claimed = cute.arch.shuffle_sync(claimed, 0)
-        return cute.arch.make_warp_uniform(claimed + Int32(cute.arch.grid_dim()[0]))
+        # round 0 dealt the first grid_dim * streams tiles by index
+        return cute.arch.make_warp_uniform(claimed
+                                           + Int32(cute.arch.grid_dim()[0]) * self.streams)
+
+    def _slot(self, round_idx: Int32) -> Int32:
+        """This stream's slot of a round."""
+        count = cute.size(self.slots) // self.streams
+        return self.stream * count + round_idx % count
 
     @cute.jit
     def publish(self, round_idx: Int32, tile: Int32):
         """Before the producer's arrive on Q's full barrier of this round."""
         if cute.arch.lane_idx() == 0:
-            self.slots[round_idx % cute.size(self.slots)] = tile
+            self.slots[self._slot(round_idx)] = tile
         cute.arch.sync_warp()  # ordered before the arrive, whichever lane makes it
 
     @cute.jit
@@ -182,7 +202,7 @@ class TileQueue(DslStruct):
         """A reader's tile of this round: its wait on the barrier that carries
         it, then the slot."""
         wait_full(pipe, state)
-        return cute.arch.make_warp_uniform(self.slots[round_idx % cute.size(self.slots)])
+        return cute.arch.make_warp_uniform(self.slots[self._slot(round_idx)])
 
 
 @dataclass

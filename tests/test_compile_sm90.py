@@ -25,7 +25,7 @@ def _assert_warp_specialised(info, config):
     assert info.counts["mbarrier_wait"] > 0
     assert ("dec", config.producer_regs) in info.setmaxnreg
     assert ("inc", config.consumer_regs) in info.setmaxnreg
-    assert info.warpgroups == 1 + config.consumer_warpgroups
+    assert info.warpgroups == 1 + config.launched_warpgroups
     assert info.registers is not None and info.registers <= 255
     # ptxas serialises WGMMAs when the consumers run short of registers
     # (silently: the DSL hides its warning), and the tensor cores would no
@@ -86,13 +86,15 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
 
 
 @pytest.mark.parametrize("head_dim,causal,query_heads", [(64, True, 0), (128, False, 0),
+                                                      (64, False, 0),
                                                       (64, False, 16), (128, False, 16),
                                                       (128, True, 16), (64, True, 16),
                                                       (128, True, 8)])
 def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
     where they differ from the long ones (head dim 64: two CTAs an SM, three
-    causal where the grid is unknown or large), and
+    causal where the grid is unknown or large, three tile streams in one
+    non-causal there), and
     the narrower tiles of a grid short of SMs (batch 1, 16 query heads),
     causal ones of one wave with their tiles dealt by index (8 and 16
     heads): warp-specialised, spill-free."""
@@ -107,7 +109,10 @@ def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     _assert_no_spills(info)
     # head dim 64: several CTAs an SM, each register budget within its share
     assert f".minnctapersm {config.ctas_per_sm}" in _ptx(tmp_path)
-    assert config.ctas_per_sm == (1 if head_dim != 64 else 3 if causal and not query_heads else 2)
+    many = head_dim == 64 and not query_heads
+    assert config.ctas_per_sm == (3 if many and causal else 2 if head_dim == 64 and not many
+                                  else 1)
+    assert config.concurrent_tiles == (3 if many and not causal else 1)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -643,6 +648,20 @@ def test_block_sparse_kernels(tmp_path, head_dim, features):
     assert "wgmma.mma_async" in _ptx(tmp_path / "bwd" / "main")
 
 
+@pytest.mark.parametrize("features", [Features(block_sparse=True, softcap=True),
+                                      Features(block_sparse=True, sink=True),
+                                      Features(block_sparse=True, softcap=True, sink=True)])
+def test_block_sparse_forward_scores_at_head_dim_64(tmp_path, features):
+    """Head dim 64's forward under a block mask with a cap or sinks (three
+    tile streams; two CTAs an SM with both): warp-specialised, spill-free."""
+    config = default_fwd_config(64, False, features=features)
+    assert config.concurrent_tiles == (1 if features.softcap and features.sink else 3)
+    compile_fwd(torch.bfloat16, 64, False, config, dump_dir=str(tmp_path), features=features)
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)
+
+
 def test_block_sparse_kernels_reject_limits_of_their_own():
     from cute_fa.kernels.bwd_sm90 import FlashAttentionBackwardSm90
     from cute_fa.kernels.fwd_sm90 import FlashAttentionForwardSm90
@@ -656,3 +675,17 @@ def test_block_sparse_kernels_reject_limits_of_their_own():
         FlashAttentionBackwardSm90(cutlass.BFloat16, 128, False,
                                    default_bwd_config(128, True, deterministic=True),
                                    features=features)
+
+
+def test_tile_streams_reject_packed_batches():
+    """Several tile streams deal a dense grid's tiles: a packed batch's
+    scheduler (and split_kv's parts) are a named error, not a wrong deal."""
+    from cute_fa.kernels.config import three_tile_streams
+    from cute_fa.kernels.fwd_sm90 import FlashAttentionForwardSm90
+    import cutlass
+
+    for features in (Features(varlen=True), Features(varlen=True, split_kv=True)):
+        with pytest.raises(ValueError, match="FwdConfig.concurrent_tiles: expected 1 for a "
+                                             "varlen or split_kv kernel"):
+            FlashAttentionForwardSm90(cutlass.BFloat16, 64, False, three_tile_streams(True),
+                                      features=features)

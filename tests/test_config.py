@@ -16,9 +16,10 @@ def test_defaults_validate_for_every_head_dim():
 
 
 def test_short_sequences_take_smaller_tiles_where_they_differ():
-    """Up to SHORT_SEQLEN tokens: head dim 64 64 query rows, two CTAs an SM,
-    three causal (caps and sinks too) unless the grid has few tiles (then
-    a cap's or a sink's causal tiles 128 rows, as a packed batch's), head
+    """Up to SHORT_SEQLEN tokens: head dim 64 64 query rows, three CTAs an
+    SM causal (caps and sinks too), three tile streams in one CTA
+    non-causal, unless the grid has few tiles (then two CTAs an SM, and a
+    cap's or a sink's causal tiles 128 rows, as a packed batch's), head
     dim 128 non-causal 128 keys a step, causal tiles of head dims 96-128 a
     second Q stage (not under a cap, with sinks or in a packed batch);
     every other problem the long-sequence config, and each short one
@@ -31,8 +32,13 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
 
     for causal in (False, True):
         short = config(64, causal, SHORT_SEQLEN)
-        # causal: three CTAs an SM where the grid is unknown or has many tiles
-        assert (short.tile_m, short.ctas_per_sm, short.split_tail) == (64, 2 + causal, False)
+        # three tiles an SM where the grid is unknown or has many tiles:
+        # causal in three CTAs, non-causal in three streams of one
+        assert (short.tile_m, short.ctas_per_sm * short.concurrent_tiles,
+                short.split_tail) == (64, 3, False)
+        assert short.concurrent_tiles == (1 if causal else 3)
+        few = fwd_config_for_problem(64, causal, None, PLAIN_FEATURES, 512, 512, 8, 132)
+        assert (few.tile_m, few.ctas_per_sm, few.concurrent_tiles) == (64, 2, 1)
         assert config(64, causal, SHORT_SEQLEN + 1) == default_fwd_config(64, causal)
     for features in (Features(softcap=True), Features(sink=True)):
         assert config(64, True, 512, features).ctas_per_sm == 3
@@ -44,7 +50,8 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
     for head_dim in (64, 96, 128):
         # head dim 64 causal: three CTAs' shared memory holds one Q stage
         assert config(head_dim, True, 512).q_stages == (1 if head_dim == 64 else 2)
-        assert config(head_dim, False, 512).q_stages == 2
+        # head dim 64 non-causal: three streams' shared memory holds one Q stage
+        assert config(head_dim, False, 512).q_stages == (1 if head_dim == 64 else 2)
         assert config(head_dim, True, 2048).q_stages == (2 if head_dim == 64 else 1)
         assert config(head_dim, False, 2048).q_stages == 1
         for features in (Features(softcap=True), Features(sink=True), Features(varlen=True)):
@@ -110,6 +117,30 @@ def test_three_ctas_an_sm_share_its_registers_and_shared_memory():
             three.replace(**bad).validate(64)
     with pytest.raises(ValueError, match="FwdConfig.kv_stages: expected"):
         three.validate(128)
+
+
+def test_tile_streams_share_one_cta():
+    """concurrent_tiles 3: one producer warpgroup and three consumer
+    warpgroups of 64-row tiles (512 threads, 160 registers each), a bank of
+    each ring per stream in one SM's shared memory (O in the V banks); the
+    combinations it is not built for are named errors."""
+    from cute_fa.kernels.config import three_tile_streams
+    streams = three_tile_streams(False)
+    streams.validate(64)
+    assert (streams.threads, streams.launched_warpgroups, streams.consumer_warpgroups) == \
+        (512, 3, 1)
+    assert streams.smem_bytes(64) <= 227 * 1024 < streams.replace(o_in_v_smem=False).smem_bytes(64)
+    for bad, field in ((dict(concurrent_tiles=4), "concurrent_tiles"),
+                       (dict(tile_m=128), "concurrent_tiles"),
+                       (dict(ctas_per_sm=2), "concurrent_tiles"),
+                       (dict(persistent=False, dynamic_tiles=False), "concurrent_tiles"),
+                       (dict(split_tail=True), "concurrent_tiles"),
+                       (dict(consumer_regs=168), "consumer_regs"),
+                       (dict(o_in_v_smem=False), "kv_stages")):
+        with pytest.raises(ValueError, match=f"FwdConfig.{field}: expected"):
+            streams.replace(**bad).validate(64)
+    with pytest.raises(ValueError, match="concurrent_tiles: expected 1 unless"):
+        streams.replace(o_in_v_smem=False, tile_n=64).validate(64, fp8=True)
 
 
 def test_q_ring_depth_and_its_shared_memory():
@@ -211,11 +242,13 @@ def test_the_shortest_causal_rows_take_tiny_tiles_on_a_full_gpu():
     assert config(64, True, 128, 300) == config(64, True, TINY_SEQLEN, 160) == tiny
     assert config(64, True, 128, 4096) == config(64, True, TINY_SEQLEN, 2048) == \
         three_ctas_an_sm(True, rederive_epilogue_coords=True)
-    for head_dim, causal, seqlen, query_heads, ctas in ((64, True, 256, 32, 2),
-                                                        (64, True, 512, 1024, 3),
-                                                        (64, False, 256, 2048, 2)):
-        assert (config(head_dim, causal, seqlen, query_heads).tile_m,
-                config(head_dim, causal, seqlen, query_heads).ctas_per_sm) == (64, ctas)
+    # tiles an SM: CTAs times each one's tile streams
+    for head_dim, causal, seqlen, query_heads, tiles in ((64, True, 256, 32, 2),
+                                                         (64, True, 512, 1024, 3),
+                                                         (64, False, 256, 2048, 3),
+                                                         (64, False, 256, 32, 2)):
+        short = config(head_dim, causal, seqlen, query_heads)
+        assert (short.tile_m, short.ctas_per_sm * short.concurrent_tiles) == (64, tiles)
     assert tiny_fwd_config(64, False) is None and tiny_fwd_config(96, True) is None
     keys = tiny_fwd_config(128, True)
     assert (keys.tile_m, keys.tile_n) == (128, 64)
@@ -688,15 +721,21 @@ def test_claimed_tiles_of_two_waves_or_less_are_dealt_by_index():
 
 
 def test_block_masks_take_the_narrow_tiles_at_head_dim_64():
-    """Under a block mask head dim 64 runs two CTAs an SM of 64-row tiles
-    (a query tile walks its few listed blocks), claimed, with a Q ring;
-    head dims 96 and 128 keep 128 rows; the lists are packed for the
-    forward's tile."""
+    """Under a block mask head dim 64 runs three 64-row tiles at once in one
+    CTA an SM (a query tile walks its few listed blocks; two CTAs under a
+    cap with sinks), claimed; head
+    dims 96 and 128 keep 128 rows; the lists are packed for the forward's
+    tile."""
     from cute_fa.kernels.bwd_config import block_sparse_tiles
     from cute_fa.kernels.config import block_sparse_fwd_config
 
     narrow = block_sparse_fwd_config(64, 64)
-    assert (narrow.tile_m, narrow.ctas_per_sm, narrow.q_stages) == (64, 2, 2)
+    assert (narrow.tile_m, narrow.tile_n, narrow.ctas_per_sm, narrow.concurrent_tiles) == \
+        (64, 128, 1, 3)
+    # a cap with sinks spills at three streams' 160 registers: two CTAs, the same tile
+    capped = block_sparse_fwd_config(64, 64, capped_with_sink=True)
+    assert (capped.tile_m, capped.tile_n, capped.ctas_per_sm, capped.concurrent_tiles) == \
+        (64, 128, 2, 1)
     assert narrow.dynamic_tiles and not narrow.split_tail
     narrow.validate(64)
     assert block_sparse_tiles(64, 64)[0] == (64, 128)

@@ -114,6 +114,11 @@ def test_forward_random_shapes(trial):
     dict(tile_m=64, tile_n=64, kv_stages=3, ctas_per_sm=3, consumer_regs=136),
     dict(tile_m=64, tile_n=64, kv_stages=3, ctas_per_sm=3, consumer_regs=136, dynamic_tiles=True,
          pv_wait_after_exp2=4),
+    dict(tile_m=64, concurrent_tiles=3, o_in_v_smem=True, producer_regs=32, consumer_regs=160,
+         rederive_epilogue_coords=True),
+    dict(tile_m=64, tile_n=64, kv_stages=3, concurrent_tiles=3, producer_regs=32,
+         consumer_regs=160, dynamic_tiles=True),
+    dict(tile_m=64, concurrent_tiles=2, dynamic_tiles=True),
     dict(intra_wg_overlap=False, pingpong=False, persistent=False),
     dict(pv_wait_after_exp2=8), dict(pv_wait_after_exp2=32),
     dict(pv_wait_after_exp2=1, tile_m=192, producer_regs=32, consumer_regs=160),
@@ -142,6 +147,30 @@ def test_forward_config_variants(overrides, causal):
     q, k, v = _inputs(2, 700, 900, 4, 1, 64, torch.bfloat16, seed=5)
     out, lse = forward_cuda(q, k, v, default_scale(64), causal, config)
     _check(q, k, v, causal, out, lse)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(dynamic_tiles=True), dict(o_in_v_smem=False, tile_n=64, kv_stages=3),
+    dict(concurrent_tiles=2, producer_regs=24, consumer_regs=240, dynamic_tiles=True,
+         pv_wait_after_exp2=8),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_streams_over_many_rounds(overrides, causal):
+    """Several tiles at once in one CTA (concurrent_tiles; the config of head
+    dim 64's short non-causal rows, config.three_tile_streams): each stream's
+    own banks of the Q, K and V rings, tile slots and O staging in its V bank
+    hold over rounds of tiles (4096 tiles on 396 streams), dealt and
+    claimed. Their arithmetic is the one-stream kernel's: its bits."""
+    from cute_fa.kernels.config import three_tile_streams
+
+    config = three_tile_streams(False).replace(**overrides)
+    q, k, v = _inputs(8, 1000, 1000, 32, 8, 64, torch.bfloat16, seed=29)
+    out, lse = forward_cuda(q, k, v, default_scale(64), causal, config)
+    _check(q, k, v, causal, out, lse)
+    one = config.replace(concurrent_tiles=1, consumer_regs=240, producer_regs=24,
+                         ctas_per_sm=1)
+    out_one, lse_one = forward_cuda(q, k, v, default_scale(64), causal, one)
+    assert torch.equal(out, out_one) and torch.equal(lse, lse_one)
 
 
 @pytest.mark.parametrize("overrides", [

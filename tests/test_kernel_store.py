@@ -215,8 +215,8 @@ def test_precompile_command_line():
     assert len(todo) == 2 * 2 * (1 + 4)  # fwd + bwd x deterministic x split_gqa
     assert len({v.label() for v in todo}) == len(todo)
     # with the short tiles: those whose configs differ, the two-CTA ones of a
-    # grid of few tiles (head dim 64 causal, whose short tiles are three CTAs
-    # an SM), the narrow ones of a batch-1 grid and the tiny ones of the
+    # grid of few tiles (head dim 64, whose short tiles are three CTAs an SM,
+    # or three tile streams non-causal), the narrow ones of a batch-1 grid and the tiny ones of the
     # shortest rows included, and the
     # causal ones with tiles dealt by index, as a grid of one wave takes them
     # (config.fwd_config_for_problem)
@@ -224,7 +224,8 @@ def test_precompile_command_line():
                                 length_tiles=True)
     # and those with a Q ring with one Q stage, as a grid of one round takes them
     assert [v.label() for v in short] == [
-        "fwd bf16 d64 full", "fwd bf16 d64 full short", "fwd bf16 d64 full short one_round",
+        "fwd bf16 d64 full", "fwd bf16 d64 full short", "fwd bf16 d64 full short few_tiles",
+        "fwd bf16 d64 full short few_tiles one_round",
         "fwd bf16 d64 causal", "fwd bf16 d64 causal short", "fwd bf16 d64 causal short few_tiles",
         "fwd bf16 d64 causal short tiny", "fwd bf16 d64 causal by_index",
         "fwd bf16 d64 causal short few_tiles by_index", "fwd bf16 d64 causal short tiny by_index",
