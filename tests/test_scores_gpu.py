@@ -101,51 +101,29 @@ def test_softcap_rows_saturated_at_either_end(softcap, sign):
     _check(q, k, v, g, False, (-1, -1), softcap, backward=False)
 
 
+@pytest.mark.parametrize("tiles", ["three CTAs", "three streams"])
 @pytest.mark.parametrize("causal,window_size,softcap,sink", [
     (True, (-1, -1), 0.0, False), (True, (255, -1), 0.0, False), (False, (100, 37), 0.0, False),
-    (True, (-1, -1), 30.0, False), (True, (-1, -1), 0.0, True), (False, (300, 0), 30.0, True)])
-def test_three_ctas_an_sm_forward(causal, window_size, softcap, sink):
-    """Head dim 64's three CTAs an SM (config.three_ctas_an_sm: short causal
-    rows and narrow windows on grids of many tiles, which the shapes above
-    are too small to take), over rounds of claimed tiles (1024 tiles on 396
-    CTAs): windows, caps and sinks against the fp32 reference."""
-    from cute_fa.kernels.config import three_ctas_an_sm
+    (True, (-1, -1), 30.0, False), (True, (-1, -1), 0.0, True), (False, (300, 0), 30.0, True),
+    (False, (-1, -1), 30.0, False), (False, (-1, -1), 0.0, True)])
+def test_three_tiles_an_sm_forward(tiles, causal, window_size, softcap, sink):
+    """Head dim 64's three tiles an SM, over rounds of claimed tiles (1024
+    tiles on 396 CTAs or streams), which the shapes above are too small to
+    take: three CTAs (config.three_ctas_an_sm: short causal rows, narrow
+    windows) or three tile streams of one CTA (config.three_tile_streams:
+    short non-causal rows, block masks); windows, caps and sinks against
+    the fp32 reference."""
+    from cute_fa.kernels.config import three_ctas_an_sm, three_tile_streams
     from cute_fa.ops import forward_cuda
 
     q, k, v, _ = _inputs(8, 1000, 1000, 8, 2, 64, torch.bfloat16, seed=17 + window_size[0])
     q = q * (softcap / 4) ** 0.5 if softcap else q
     sink_logits = torch.randn(8, device="cuda") if sink else None
-    config = three_ctas_an_sm(True, rederive_epilogue_coords=causal)
+    config = (three_ctas_an_sm(True, rederive_epilogue_coords=causal) if tiles == "three CTAs"
+              else three_tile_streams(True))
     out, lse = forward_cuda(q, k, v, 64 ** -0.5, causal, config, window_left=window_size[0],
                             window_right=window_size[1], softcap=softcap,
                             learnable_sink=sink_logits)
-
-    def reference(compute_dtype):
-        return attention_reference(q, k, v, None, causal, compute_dtype=compute_dtype,
-                                   window=_window(causal, window_size), softcap=softcap,
-                                   sink=sink_logits)
-
-    ref_out, ref_lse = reference(torch.float32)
-    assert_lse_matches(lse, ref_lse)
-    assert_within_low_precision([("out", out, ref_out, reference(None)[0])])
-
-
-@pytest.mark.parametrize("causal,window_size,softcap,sink", [
-    (False, (-1, -1), 30.0, False), (False, (-1, -1), 0.0, True), (True, (255, -1), 0.0, False),
-    (False, (300, 0), 30.0, True)])
-def test_tile_streams_forward(causal, window_size, softcap, sink):
-    """Three tiles at once in one CTA (config.three_tile_streams), over rounds
-    of claimed tiles (1024 tiles on 396 streams): windows, caps and sinks
-    against the fp32 reference."""
-    from cute_fa.kernels.config import three_tile_streams
-    from cute_fa.ops import forward_cuda
-
-    q, k, v, _ = _inputs(8, 1000, 1000, 8, 2, 64, torch.bfloat16, seed=23 + window_size[0])
-    q = q * (softcap / 4) ** 0.5 if softcap else q
-    sink_logits = torch.randn(8, device="cuda") if sink else None
-    out, lse = forward_cuda(q, k, v, 64 ** -0.5, causal, three_tile_streams(True),
-                            window_left=window_size[0], window_right=window_size[1],
-                            softcap=softcap, learnable_sink=sink_logits)
 
     def reference(compute_dtype):
         return attention_reference(q, k, v, None, causal, compute_dtype=compute_dtype,
