@@ -396,6 +396,10 @@ TINY_SEQLEN = 256
 # A sliding window whose rows see at least this many keys takes the wide
 # tiles of default_fwd_config (head dim 64).
 WIDE_WINDOW_KEYS = 2048
+# A sliding window whose rows see at least the first and fewer than the
+# second of these many keys runs head dim 64's three tile streams (without a
+# cap, not in a packed batch: fwd_config_for_problem's streamed_window).
+STREAMED_WINDOW_KEYS = (1024, 4096)
 # Head dim 64's 64-row tiles run three CTAs an SM where they fill at least
 # this many rounds of them (few_tiles in default_fwd_config); two below it,
 # where a third CTA an SM leaves more SMs idle than it hides.
@@ -426,15 +430,19 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     index where a claimed-tile grid is two waves at most
     (fixed_deal_balances), two CTAs an SM of 64-row tiles instead of three
     where three would run fewer than THREE_CTAS_MIN_ROUNDS rounds
-    (few_tiles): query_heads (batch x query heads) and num_sms give the grid
-    (0: unknown, neither)."""
+    (few_tiles), and the three tile streams of a window within
+    STREAMED_WINDOW_KEYS (streamed_window): query_heads (batch x query
+    heads) and num_sms give the grid (0: unknown, neither)."""
     rows = max(seqlen_q, seqlen_k)
     short, long_rows, tiny_rows = rows <= SHORT_SEQLEN, rows >= LONG_SEQLEN, rows <= TINY_SEQLEN
-    wide_window = features.local and window_keys(window, seqlen_k) >= WIDE_WINDOW_KEYS
+    keys = window_keys(window, seqlen_k) if features.local else 0
+    wide_window = features.local and keys >= WIDE_WINDOW_KEYS
+    streamed_window = features.local and not (features.softcap or features.varlen) \
+        and STREAMED_WINDOW_KEYS[0] <= keys < STREAMED_WINDOW_KEYS[1]
     few_tiles = 0 < query_heads and 0 < num_sms and grid_rounds(
         three_ctas_an_sm(True, False), seqlen_q, query_heads, num_sms) < THREE_CTAS_MIN_ROUNDS
     config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window,
-                                long_rows, few_tiles)
+                                long_rows, few_tiles, streamed_window)
     if query_heads <= 0 or num_sms <= 0:
         return config
     if short and features == PLAIN_FEATURES:
@@ -585,7 +593,7 @@ def three_ctas_an_sm(dynamic_tiles: bool, rederive_epilogue_coords: bool) -> Fwd
 def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None,
                        features: Features = PLAIN_FEATURES, short: bool = False,
                        wide_window: bool = False, long_rows: bool = False,
-                       few_tiles: bool = False) -> FwdConfig:
+                       few_tiles: bool = False, streamed_window: bool = False) -> FwdConfig:
     """The op's forward config for a problem (chosen with profiling.sweep on an
     H100; docs/findings.md):
 
@@ -619,8 +627,8 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       THREE_CTAS_MIN_ROUNDS rounds of them), where a third CTA leaves SMs
       idle (there, in packed batches, under a cap and with sinks the
       128-row tile, two consumer warpgroups of 240 registers, causal);
-      non-causal, plain, three tile streams of 128 keys a step in one CTA
-      (three_tile_streams) unless the grid has few tiles; head
+      non-causal (caps and sinks too), three tile streams of 128 keys a step
+      in one CTA (three_tile_streams) unless the grid has few tiles; head
       dim 128 non-causal 128 keys a step (160 split a 1k sequence into
       uneven steps); a second Q
       stage (q_stages) at head dims 64-128, where short rows (causal: the
@@ -641,7 +649,10 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       epilogue's addresses held), or with few tiles two CTAs (the P·V wait
       after the 8th exponential), unless the window is wide (wide_window: a
       row sees WIDE_WINDOW_KEYS keys or more), where the 192-row tile's K/V
-      reuse outweighs the masked edges it adds.
+      reuse outweighs the masked edges it adds; a window within
+      STREAMED_WINDOW_KEYS without a cap (streamed_window) three tile
+      streams of 128 keys a step instead of either, unless the grid has few
+      tiles (under a cap three CTAs' 64 keys measured faster).
     - a packed batch (varlen) takes the causal choices too (its tiles
       differ in length with their sequences) but keeps head dim 64's
       192-row tile: a sequence's last tile is partly empty, yet the wider
@@ -676,13 +687,16 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
     q_ring = (head_dim <= 64 and causal or head_dim <= 128 and features.local) \
         and not features.varlen
     q_stages = 2 if (plain and short) or q_ring else 1
+    if head_dim <= 64 and streamed_window and not few_tiles:
+        return three_tile_streams(claimed)
     if head_dim <= 64 and features.local and not wide_window:
         if not few_tiles:
             return three_ctas_an_sm(claimed, rederive_epilogue_coords=False)
         return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=8)
     if head_dim <= 64 and short and causal and not (features.varlen or few_tiles):
         return three_ctas_an_sm(claimed, rederive_epilogue_coords=True)
-    if head_dim <= 64 and short and not causal and plain and not few_tiles:
+    if head_dim <= 64 and short and not (causal or features.local or features.varlen
+                                         or few_tiles):
         return three_tile_streams(claimed)
     if head_dim <= 64 and short and plain:
         return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=2 if causal else 4,

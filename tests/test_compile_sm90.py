@@ -689,3 +689,21 @@ def test_tile_streams_reject_packed_batches():
                                              "varlen or split_kv kernel"):
             FlashAttentionForwardSm90(cutlass.BFloat16, 64, False, three_tile_streams(True),
                                       features=features)
+
+
+@pytest.mark.parametrize("features,window", [
+    (Features(softcap=True, sink=True), (-1, -1)), (Features(local=True, sink=True), (1535, 0)),
+    (Features(local=True), (1024, 1024))])
+def test_tile_streams_forwards(tmp_path, features, window):
+    """Head dim 64's three tile streams where the op picks them beside the
+    plain short rows: short non-causal rows under a cap with sinks, windows
+    within STREAMED_WINDOW_KEYS (with sinks): warp-specialised (one producer
+    and three consumer warpgroups), spill-free."""
+    from cute_fa.kernels.config import fwd_config_for_problem
+
+    config = fwd_config_for_problem(64, False, None, features, 1024, 1024, window=window)
+    assert config.concurrent_tiles == 3
+    compile_fwd(torch.bfloat16, 64, False, config, dump_dir=str(tmp_path), features=features)
+    info = dumped_kernel_info(str(tmp_path))
+    _assert_warp_specialised(info, config)
+    _assert_no_spills(info)

@@ -42,6 +42,9 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
         assert config(64, causal, SHORT_SEQLEN + 1) == default_fwd_config(64, causal)
     for features in (Features(softcap=True), Features(sink=True)):
         assert config(64, True, 512, features).ctas_per_sm == 3
+    for features in (Features(softcap=True), Features(sink=True),
+                     Features(softcap=True, sink=True)):
+        assert config(64, False, 512, features).concurrent_tiles == 3
         few = fwd_config_for_problem(64, True, None, features, 512, 512, 8, 132)
         assert (few.tile_m, few.ctas_per_sm) == (128, 1)
     assert config(64, True, 512, Features(varlen=True)).tile_m == 128  # packed: unchanged
@@ -599,45 +602,63 @@ def test_head_dims_the_ops_take():
     assert [kernel_head_dim(d) for d in (0, 4, 36, 100, 264, 512)] == [None] * 6
 
 
-def test_windows_at_head_dim_64_take_several_ctas_an_sm_or_the_wide_tile():
+def test_windows_at_head_dim_64_take_several_tiles_an_sm_or_the_wide_tile():
     """A local kernel whose rows see WIDE_WINDOW_KEYS keys or more (an
     unbounded side counting every key) takes head dim 64's 192-row tile,
     claimed and never split; narrower windows three CTAs an SM of 64-row
     tiles, claimed, with caps, sinks and in packed batches too, or two
-    where three would run fewer than THREE_CTAS_MIN_ROUNDS rounds; other
-    head dims keep their tiles."""
-    from cute_fa.kernels.config import WIDE_WINDOW_KEYS, fwd_config_for_problem, window_keys
+    where three would run fewer than THREE_CTAS_MIN_ROUNDS rounds; between
+    them windows within STREAMED_WINDOW_KEYS three tile streams of one CTA
+    (not under a cap nor in a packed batch); other head dims keep their
+    tiles."""
+    from cute_fa.kernels.config import (STREAMED_WINDOW_KEYS, WIDE_WINDOW_KEYS,
+                                        fwd_config_for_problem, window_keys)
 
     local = Features(local=True)
     assert window_keys((1024, 0), 8192) == 1025 and window_keys((-1, 100), 8192) == 8293
 
-    def tile_m(head_dim, window, features=local):
+    def config(head_dim, window, features=local, query_heads=0):
         return fwd_config_for_problem(head_dim, False, None, features, 8192, 8192,
-                                      window=window).tile_m
+                                      query_heads, 132 if query_heads else 0, window=window)
 
-    assert tile_m(64, (WIDE_WINDOW_KEYS - 1, 0)) == 192
-    assert tile_m(64, (WIDE_WINDOW_KEYS - 2, 0)) == 64
-    assert tile_m(64, (1024, 1024)) == 192 and tile_m(64, (-1, 64)) == 192
-    assert tile_m(64, (1024, 0)) == 64 and tile_m(128, (4096, 0)) == 128
-    assert tile_m(128, (1024, 0)) == 128 and tile_m(96, (1024, 0)) == 128
+    def tiles(head_dim, window, features=local):  # tile rows, tiles an SM
+        c = config(head_dim, window, features)
+        return c.tile_m, c.ctas_per_sm * c.concurrent_tiles * c.consumer_warpgroups
+
+    first, end = STREAMED_WINDOW_KEYS
+    assert first < WIDE_WINDOW_KEYS < end
+    assert tiles(64, (first - 2, 0)) == (64, 3) and config(64, (first - 2, 0)).ctas_per_sm == 3
+    for window in ((first - 1, 0), (WIDE_WINDOW_KEYS - 1, 0), (1024, 1024), (end - 2, 0)):
+        assert config(64, window).concurrent_tiles == 3 and tiles(64, window) == (64, 3)
+    assert tiles(64, (end - 1, 0)) == (192, 3) and tiles(64, (-1, 64)) == (192, 3)
+    assert tiles(128, (4096, 0))[0] == 128
+    assert tiles(128, (1024, 0))[0] == 128 and tiles(96, (1024, 0))[0] == 128
+    for window, features, rows in (((1023, 0), Features(local=True, softcap=True), 64),
+                                   ((1023, 0), Features(local=True, varlen=True), 64),
+                                   ((2047, 0), Features(local=True, softcap=True), 192),
+                                   ((2047, 0), Features(local=True, varlen=True), 192)):
+        assert tiles(64, window, features) == (rows, 3)
+        assert config(64, window, features).concurrent_tiles == 1
+    assert config(64, (1023, 0), Features(local=True, sink=True)).concurrent_tiles == 3
     for features in (local, Features(local=True, softcap=True), Features(local=True, sink=True),
                      Features(local=True, varlen=True)):
-        narrow = fwd_config_for_problem(64, False, None, features, 8192, 8192, 32, 132,
-                                        window=(1023, 0))  # 4096 tiles: 11 rounds of three
+        narrow = config(64, (first - 2, 0), features, 32)  # 4096 tiles: 11 rounds of three
         assert (narrow.tile_m, narrow.ctas_per_sm, narrow.consumer_warpgroups) == (64, 3, 1)
         assert narrow.dynamic_tiles and not narrow.split_tail and narrow.q_stages == 1
         narrow.validate(64)
-        few = fwd_config_for_problem(64, False, None, features, 8192, 8192, 4, 132,
-                                     window=(1023, 0))  # 512 tiles: two rounds of three
-        assert (few.tile_m, few.ctas_per_sm, few.consumer_warpgroups) == (64, 2, 1)
-        assert few.dynamic_tiles and not few.split_tail
-        assert few.q_stages == (1 if features.varlen else 2)
-        few.validate(64)
-    wide = fwd_config_for_problem(64, False, None, local, 8192, 8192, window=(4096, 0))
+        streamed = config(64, (first - 1, 0), features, 32)
+        assert streamed.concurrent_tiles == (1 if features.softcap or features.varlen else 3)
+        assert streamed.dynamic_tiles and not streamed.split_tail
+        streamed.validate(64)
+        for window in ((first - 2, 0), (first - 1, 0)):
+            few = config(64, window, features, 4)  # 512 tiles: two rounds of three
+            assert (few.tile_m, few.ctas_per_sm, few.concurrent_tiles) == (64, 2, 1)
+            assert few.dynamic_tiles and not few.split_tail
+            assert few.q_stages == (1 if features.varlen else 2)
+            few.validate(64)
+    wide = config(64, (end, 0))
     assert wide.dynamic_tiles and not wide.split_tail
     wide.validate(64)
-    for features in (Features(local=True, softcap=True), Features(local=True, varlen=True)):
-        assert tile_m(64, (4096, 0), features) == 192
 
 
 @pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
