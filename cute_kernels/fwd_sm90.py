@@ -21,7 +21,8 @@ Roles (threads = 128 · (1 + consumer_warpgroups)):
                 (Features) every tile comes in key ranges, each leaving
                 fp32 O and LSE for split_combine.py.
                 With concurrent_tiles warpgroup s runs tile stream s alone.
-Pipelines: Q (1 stage), K and V (kv_stages each), all TMA → consumer-thread
+Pipelines: Q (q_stages), K and V (kv_stages each; with concurrent_tiles a
+bank of such stages per tile stream), all TMA → consumer-thread
 mbarrier rings (pipeline.py); e4m3: V feeds the transposer, whose Vᵀ ring
 (kv_stages, thread → thread) feeds the consumers in V's place, P is packed
 to e4m3 in registers and the descales scale the scores and O (one multiply
@@ -341,7 +342,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         """The O slabs (64 rows each) of O's layout: one per consumer
         warpgroup, or one they share (shared_o_slab); O staged in the V ring
         with several tile streams: as many as cover the whole ring, stream
-        s's slab the first of its bank (_o_slab)."""
+        s's slab the first of its bank (the epilogue's slab_index)."""
         if self.cfg.o_in_v_smem and self.streams > 1:
             return self.streams * self._o_slabs_per_bank
         if self.cfg.shared_o_slab:

@@ -8,7 +8,9 @@
   Every consumer warpgroup has its own, so warpgroups never wait for each
   other outside the ping-pong, and keep their phase offset across tiles.
   * EPILOGUE_BASE + w: warpgroup w's previous O store has left its
-    shared-memory slab before the slab is overwritten.
+    shared-memory slab before the slab is overwritten; with O staged in the
+    V ring of several tile streams (FwdConfig.concurrent_tiles), instead
+    O_IN_V for that warpgroup's stream alone.
   * EPILOGUE_STORE_BASE + w: warpgroup w has written its O slab; its first
     warp then issues the TMA store.
   * O_IN_V: with O staged in the V ring, every consumer warpgroup's last

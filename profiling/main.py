@@ -71,7 +71,7 @@ _TAIL = [
     ("async", 5, lambda r: {None: "?", False: "yes", True: "NO"}[r["info"].wgmma_serialized]),
 ]
 COLUMNS = {
-    "fwd": _COMMON + [("roles", -22, lambda r: f"1 TMA + {r['config'].consumer_warpgroups} "
+    "fwd": _COMMON + [("roles", -22, lambda r: f"1 TMA + {r['config'].launched_warpgroups} "
                                                f"MMA/softmax")] + _TAIL + [
         ("TMA st", 6, lambda r: r["info"].counts["tma_store"]),
         ("mbar wait", 9, lambda r: r["info"].counts["mbarrier_wait"])],
