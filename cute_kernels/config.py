@@ -435,9 +435,9 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     heads) and num_sms give the grid (0: unknown, neither)."""
     rows = max(seqlen_q, seqlen_k)
     short, long_rows, tiny_rows = rows <= SHORT_SEQLEN, rows >= LONG_SEQLEN, rows <= TINY_SEQLEN
-    keys = window_keys(window, seqlen_k) if features.local else 0
-    wide_window = features.local and keys >= WIDE_WINDOW_KEYS
-    streamed_window = features.local and not (features.softcap or features.varlen) \
+    keys = window_keys(window, seqlen_k) if features.local else 0  # 0: no window
+    wide_window = keys >= WIDE_WINDOW_KEYS
+    streamed_window = not (features.softcap or features.varlen) \
         and STREAMED_WINDOW_KEYS[0] <= keys < STREAMED_WINDOW_KEYS[1]
     few_tiles = 0 < query_heads and 0 < num_sms and grid_rounds(
         three_ctas_an_sm(True, False), seqlen_q, query_heads, num_sms) < THREE_CTAS_MIN_ROUNDS
