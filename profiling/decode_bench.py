@@ -8,8 +8,9 @@ peers and a copy of the same bytes, in one process, on the same caches.
 
 Throughput is the bytes of K and V a call must read (batch · cache length ·
 KV heads · head dim · 2 bytes, for K and for V) over its time, beside the
-H100 SXM's HBM3 peak (3.35 TB/s) and a device copy of a buffer of those
-bytes measured in the same run (reported as its read rate). Every cache is
+GPU's HBM peak (hbm_peak_tbps: the H100 SXM's 3.35 TB/s, the H200's 4.8)
+and a device copy of a buffer of those bytes measured in the same run
+(reported as its read rate). Every cache is
 full (cache_seqlens = its length) so that every backend computes the same
 problem; causal with more than one query aligns them to the end. Peers:
 flash-attn-4 (flash_attn.cute: dense, and paged through its page_table),
@@ -34,13 +35,21 @@ from cute_fa.attention_backends import BackendUnavailable, attention
 from . import report
 from .cli import command_parser, csv_list, nonnegative_int, positive_int, require_cuda
 
-HBM_PEAK_TBPS = 3.35  # H100 SXM5 HBM3
+# HBM peaks (TB/s) by the GPU name torch reports ("NVIDIA H100 80GB HBM3" is
+# the SXM5 part), first match wins
+HBM_PEAK_TBPS = {"H100 80GB HBM3": 3.35, "H100 SXM": 3.35, "H100 NVL": 3.9, "H100 PCIe": 2.0,
+                 "H200": 4.8}
 # (query heads, KV heads) at head dim 128: Llama-3-8B, a 70B model's tensor-
 # parallel slice on 8 GPUs, multi-query attention
 SHAPES = {"llama3_8b": (32, 8), "70b_tp8": (8, 1), "mqa": (32, 1)}
 HEAD_DIM = 128
 PEERS = ("fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flashinfer")
 OURS = ("cute", "cute_e4m3")
+
+
+def hbm_peak_tbps(gpu: str | None) -> float | None:
+    """The HBM peak of the GPU named `gpu` (None: a GPU the table lacks)."""
+    return next((tbps for name, tbps in HBM_PEAK_TBPS.items() if gpu and name in gpu), None)
 
 
 def backend_bytes(problem: dict, backend: str) -> int:
@@ -263,9 +272,11 @@ def format_markdown(rows: list[dict], env: dict, command: str) -> str:
     """One row per problem: each backend's µs and TB/s, the copy's, ours over
     the best peer."""
     backends = list(dict.fromkeys(r["backend"] for r in rows if r["backend"] != "copy"))
+    peak_tbps = hbm_peak_tbps(env.get("gpu"))
+    peak = f"HBM peak {peak_tbps} TB/s" if peak_tbps else "HBM peak not known for this GPU"
     lines = ["# Decode: attention against a KV cache", "", *report.machine_lines(env),
              f"- command: `{command}`",
-             f"- TB/s: bytes of K and V read per call / time; HBM3 peak {HBM_PEAK_TBPS} TB/s; "
+             f"- TB/s: bytes of K and V read per call / time; {peak}; "
              "copy: a device copy of those bytes (its read rate)", "",
              "| heads (q/kv) | batch | cache | q len | pages | "
              + " | ".join(f"{b} µs (TB/s)" for b in backends)

@@ -59,9 +59,14 @@ from .kernels.config import (SEQUSED_K, SEQUSED_Q, WGMMA_M, Features, FwdConfig,
 from .launch_plan import LOG2_E, cached_per_shape
 from .variants import fwd_kernel_for, num_sms
 
-# The share of the SMs whose CTAs (one tile part each) already stream a
-# 16-bit cache at the full rate: more parts only add partials and merge work.
+# The share of the SMs whose CTAs (one tile part each) stream a 16-bit cache
+# at the H100's full rate: short parts gain nothing from more, which only add
+# partials and merge work.
 SPLIT_TARGET_SM_SHARE = 0.5
+# Parts of at least this many K/V blocks split over all the SMs: their
+# chains pay for the merge of twice as many, and a faster memory (the H200's)
+# needs every SM's loads in flight (docs/findings.md, "Decode").
+FULL_GRID_PART_BLOCKS = 8
 # An e4m3 part streams about half the bytes a 16-bit one does in the same
 # time, so e4m3 caches need all the SMs for that (docs/findings.md, "Decode").
 E4M3_SPLIT_TARGET_SM_SHARE = 1.0
@@ -123,19 +128,28 @@ class DecodePlan:
         return self.tiles * self.num_splits
 
 
-def choose_splits(tiles: int, n_blocks: int, sms: int,
-                  sm_share: float = SPLIT_TARGET_SM_SHARE) -> int:
-    """Key ranges per tile from shapes only: the largest power of two whose
-    tiles · splits stay within sm_share of the SMs (and splits within
-    SPLIT_TARGET_SM_SHARE of them), at most one K/V block a range and
-    MAX_SPLITS; 1 where the tiles alone reach that share, or where that
-    split would take fewer than MIN_SPLIT_SAVED_BLOCKS blocks off a tile
-    (docs/findings.md, "Decode": the measured split counts)."""
+def _largest_split(tiles: int, n_blocks: int, sms: int, sm_share: float) -> int:
+    """The largest power of two of parts whose tiles · parts stay within
+    sm_share of the SMs (and each tile's parts within SPLIT_TARGET_SM_SHARE
+    of them), at most one K/V block a part and MAX_SPLITS."""
     # a tile's merge of more parts than SPLIT_TARGET_SM_SHARE of the SMs costs
     # more than the blocks they take off its chain (e4m3 caches at batch 1)
     most = max(1, min(MAX_SPLITS, n_blocks, int(sm_share * sms) // max(tiles, 1),
                       int(SPLIT_TARGET_SM_SHARE * sms)))
-    splits = 1 << (most.bit_length() - 1)
+    return 1 << (most.bit_length() - 1)
+
+
+def choose_splits(tiles: int, n_blocks: int, sms: int,
+                  sm_share: float = SPLIT_TARGET_SM_SHARE) -> int:
+    """Key ranges per tile from shapes only: _largest_split within sm_share
+    of the SMs, or within all of them where each part keeps at least
+    FULL_GRID_PART_BLOCKS blocks; 1 where that split would take fewer than
+    MIN_SPLIT_SAVED_BLOCKS blocks off a tile (docs/findings.md, "Decode":
+    the measured split counts)."""
+    splits = _largest_split(tiles, n_blocks, sms, sm_share)
+    full_grid = _largest_split(tiles, n_blocks, sms, 1.0)
+    if n_blocks // full_grid >= FULL_GRID_PART_BLOCKS:
+        splits = max(splits, full_grid)
     saved_blocks = n_blocks - -(-n_blocks // splits)
     return splits if saved_blocks >= MIN_SPLIT_SAVED_BLOCKS else 1
 

@@ -11,12 +11,16 @@ from cute_fa import decode
 from cute_fa.kernels.config import MAX_KV_SPLITS, decode_fwd_config
 
 
-def test_splits_fill_half_the_sms_in_powers_of_two():
-    # measured on the H100 (docs/findings.md, "Decode"): about half the SMs
-    # stream a cache at the full rate, and more parts only add merge work
+def test_splits_fill_the_sms_in_powers_of_two():
+    # measured on the H100 and the H200 (docs/findings.md, "Decode"): short
+    # parts fill half the SMs, which stream them at the H100's full rate;
+    # parts of FULL_GRID_PART_BLOCKS blocks or more fill all of them
     assert decode.choose_splits(tiles=128, n_blocks=256, sms=132) == 1
     assert decode.choose_splits(tiles=8, n_blocks=1, sms=132) == 1
-    assert decode.choose_splits(tiles=8, n_blocks=64, sms=132) == 8  # Llama-3-8B, batch 1
+    assert decode.choose_splits(tiles=8, n_blocks=64, sms=132) == 8  # Llama-3-8B, batch 1, 8k
+    assert decode.choose_splits(tiles=8, n_blocks=256, sms=132) == 16  # 32k
+    assert decode.choose_splits(tiles=16, n_blocks=256, sms=132) == 8  # one KV head, batch 16
+    assert decode.choose_splits(tiles=64, n_blocks=64, sms=132) == 2
     assert decode.choose_splits(tiles=1, n_blocks=1024, sms=132) == 64  # one KV head
     assert decode.choose_splits(tiles=1, n_blocks=1024, sms=1024) == MAX_KV_SPLITS
     # a split must take at least MIN_SPLIT_SAVED_BLOCKS blocks off a tile's
@@ -27,23 +31,31 @@ def test_splits_fill_half_the_sms_in_powers_of_two():
     assert decode.choose_splits(tiles=32, n_blocks=16, sms=132) == 2
     assert decode.choose_splits(tiles=1, n_blocks=6, sms=132) == 1
     for tiles in range(1, 200):
-        for n_blocks in (1, 3, 7, 8, 12, 64, 100, 1024):
+        for n_blocks in (1, 3, 7, 8, 12, 64, 100, 256, 1024):
             splits = decode.choose_splits(tiles, n_blocks, 132)
             assert splits & (splits - 1) == 0 and 1 <= splits <= min(n_blocks, MAX_KV_SPLITS)
-            assert splits == 1 or tiles * splits <= 66
+            assert splits == 1 or (tiles * splits <= 132 and splits <= 66)
+            if tiles * splits > 66:  # past half the SMs only with long parts
+                assert splits == 1 or n_blocks // splits >= decode.FULL_GRID_PART_BLOCKS
             if splits > 1:
-                # the next power of two would pass half the SMs or the blocks
-                assert tiles * 2 * splits > 66 or 2 * splits > n_blocks
+                # the next power of two would pass the SMs (half of them
+                # for short parts) or the blocks
+                doubled = 2 * splits
+                long_parts = n_blocks // doubled >= decode.FULL_GRID_PART_BLOCKS
+                assert (tiles * doubled > (132 if long_parts else 66) or doubled > 66
+                        or doubled > n_blocks)
                 assert n_blocks - -(-n_blocks // splits) >= decode.MIN_SPLIT_SAVED_BLOCKS
 
 
 def test_e4m3_caches_split_over_all_the_sms():
     """An e4m3 part streams half the bytes of a 16-bit one in about the same
-    time, so e4m3 caches split up to every SM (E4M3_SPLIT_TARGET_SM_SHARE):
-    measured on the H100, docs/findings.md, "Decode"."""
+    time, so e4m3 caches split up to every SM (E4M3_SPLIT_TARGET_SM_SHARE)
+    however short their parts, where a 16-bit cache does so only with parts
+    of FULL_GRID_PART_BLOCKS blocks or more: measured on the H100,
+    docs/findings.md, "Decode"."""
     for batch, heads, heads_kv, capacity, parts_16, parts_e4m3 in [
-            (16, 8, 1, 32768, 4, 8), (64, 8, 1, 32768, 1, 2), (4, 32, 8, 32768, 2, 4),
-            (1, 32, 8, 32768, 8, 16), (16, 32, 8, 8192, 1, 1), (1, 8, 1, 8192, 64, 64),
+            (1, 32, 8, 8192, 8, 16), (4, 8, 1, 8192, 16, 32), (4, 32, 8, 1024, 1, 4),
+            (16, 8, 1, 32768, 8, 8), (16, 32, 8, 8192, 1, 1), (1, 8, 1, 8192, 64, 64),
             (1, 8, 1, 32768, 64, 64)]:  # a tile's merge of 128 parts costs more than it saves
         args = (batch, 1, heads, heads_kv, capacity, 128, 0, 132)
         assert decode.plan(*args).num_splits == parts_16
@@ -190,7 +202,7 @@ def test_e4m3_small_grids_keep_more_stages_in_flight():
     """e4m3 caches on a grid of at most half the SMs take
     E4M3_SMALL_GRID_STAGES K/V stages (a stage holds half the bytes of a
     16-bit one); full grids and 16-bit caches keep decode_fwd_config's."""
-    assert decode.plan(64, 1, 8, 1, 8192, 128, 0, 132).ctas == 64  # one tile a sequence
+    assert decode.plan(64, 1, 8, 1, 8192, 128, 1, 132).ctas == 64  # one tile a sequence
     assert decode.plan(1, 1, 32, 8, 8192, 128, 0, 132).ctas == 64  # 8 tiles x 8 parts
     assert decode.plan(16, 1, 32, 8, 8192, 128, 0, 132).ctas == 128
     assert decode.plan(1, 4, 32, 1, 8192, 128, 1, 132).ctas == 2  # 128 rows: two tiles

@@ -497,6 +497,10 @@ def test_decode_bench_grid_bytes_and_table():
     table = decode_bench.format_markdown(rows, {}, "python -m cute_fa.profiling.decode_bench")
     assert "| 32/8 | 1 | 8192 | 1 | 16 | 20.0 (1.68) | 40.0 (0.84) | n/a | 2.80 | 2.00 |" in table
     # ours on e4m3 caches: half the bytes, its own column, not a peer of the ratio
+    assert "HBM peak not known for this GPU" in table
+    for gpu, peak in (("NVIDIA H100 80GB HBM3", "3.35"), ("NVIDIA H200", "4.8")):
+        env_table = decode_bench.format_markdown(rows, {"gpu": gpu}, "decode_bench")
+        assert f"HBM peak {peak} TB/s" in env_table
     assert decode_bench.backend_bytes(problem, "cute_e4m3") == 2 ** 24
     assert decode_bench.backend_bytes(problem, "fa4") == 2 ** 25
     rows.insert(1, dict(problem, backend="cute_e4m3", status="ok", us=10.0, tbps=1.68))
