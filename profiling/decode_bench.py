@@ -10,9 +10,9 @@ Throughput is the bytes of K and V a call must read (batch · cache length ·
 KV heads · head dim · 2 bytes, for K and for V) over its time, beside the
 GPU's HBM peak (hbm_peak_tbps: the H100 SXM's 3.35 TB/s, the H200's 4.8)
 and a device copy of a buffer of those bytes measured in the same run
-(reported as its read rate). Every cache is
-full (cache_seqlens = its length) so that every backend computes the same
-problem; causal with more than one query aligns them to the end. Peers:
+(reported as its read rate). Every cache is full (cache_seqlens = its
+length) so that every backend computes the same problem; causal with more
+than one query aligns them to the end. Peers:
 flash-attn-4 (flash_attn.cute: dense, and paged through its page_table),
 PyTorch SDPA pinned to each backend (dense caches, one query: its causal
 mask is top-left aligned), FlashInfer's batch decode where installed.
