@@ -146,10 +146,9 @@ def choose_splits(tiles: int, n_blocks: int, sms: int,
     FULL_GRID_PART_BLOCKS blocks; 1 where that split would take fewer than
     MIN_SPLIT_SAVED_BLOCKS blocks off a tile (docs/findings.md, "Decode":
     the measured split counts)."""
-    splits = _largest_split(tiles, n_blocks, sms, sm_share)
-    full_grid = _largest_split(tiles, n_blocks, sms, 1.0)
-    if n_blocks // full_grid >= FULL_GRID_PART_BLOCKS:
-        splits = max(splits, full_grid)
+    full_grid = _largest_split(tiles, n_blocks, sms, 1.0)  # never fewer parts than sm_share's
+    long_parts = n_blocks // full_grid >= FULL_GRID_PART_BLOCKS
+    splits = full_grid if long_parts else _largest_split(tiles, n_blocks, sms, sm_share)
     saved_blocks = n_blocks - -(-n_blocks // splits)
     return splits if saved_blocks >= MIN_SPLIT_SAVED_BLOCKS else 1
 
