@@ -5,6 +5,8 @@ the next step bitwise and loads at another world size, and the torchrun
 command line runs."""
 
 import csv
+import functools
+import gc
 import os
 import subprocess
 import sys
@@ -19,16 +21,31 @@ from cute_fa.model import TINY, Transformer
 SEQ, BATCH = 32, 2
 
 
+def _rank(work):
+    """A spawned rank: joins the gloo group, runs work(rank, world, *args),
+    and leaves only once every rank is done (a rank that left early made
+    gloo abort another's exit). FSDP's modules and gloo's finished works are
+    released while the interpreter is whole, and the rank then exits without
+    the interpreter's teardown: gloo's worker threads can still hold
+    tensors there, and destroying them at finalization aborted a rank in CI
+    ('terminate called without an active exception') after its work had
+    passed."""
 
-def _all_done():
-    """Every rank has finished before any tears its gloo connections down (a
-    rank that left early aborted another's exit, as
-    profiling.distributed.finish says)."""
-    dist.barrier()
+    @functools.wraps(work)
+    def main(rank, world, init_file, *args):
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world)
+        try:
+            work(rank, world, *args)
+            gc.collect()
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
-def _init(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    return main
 
 
 def _batches(seed, batch=BATCH):
@@ -52,24 +69,20 @@ def _full_grads(model):
             for name, p in model.named_parameters()}
 
 
-def _parallel_rank(rank, world, init_file, context_parallel, out):
+@_rank
+def _parallel_rank(rank, world, context_parallel, out):
     from cute_fa.profiling.distributed import DistributedRun, prepare
 
-    _init(rank, world, init_file)
-    try:
-        run = DistributedRun(rank, world, torch.device("cpu"), context_parallel)
-        # every block recomputed (context parallel) or block 0 of 2 (selective)
-        model = prepare(_model(), run, recompute_every=1 if context_parallel else 2)
-        x, y = _batches(run.data_rank)
-        loss = _loss(model, *run.local_batch(x, y))
-        loss.backward()
-        mean_loss = run.mean(loss)
-        grads = _full_grads(model)
-        if rank == 0:
-            torch.save((mean_loss, grads), out)
-        _all_done()
-    finally:
-        dist.destroy_process_group()
+    run = DistributedRun(rank, world, torch.device("cpu"), context_parallel)
+    # every block recomputed (context parallel) or block 0 of 2 (selective)
+    model = prepare(_model(), run, recompute_every=1 if context_parallel else 2)
+    x, y = _batches(run.data_rank)
+    loss = _loss(model, *run.local_batch(x, y))
+    loss.backward()
+    mean_loss = run.mean(loss)
+    grads = _full_grads(model)
+    if rank == 0:
+        torch.save((mean_loss, grads), out)
 
 
 @pytest.mark.parametrize("context_parallel", [False, True])
@@ -98,23 +111,19 @@ def test_parallel_training_matches_one_process(tmp_path, context_parallel):
         assert err <= 0.05 * scale + 1e-6, f"{name}: {err:.3e} of {scale:.3e}"
 
 
-def _recompute_rank(rank, world, init_file, out):
+@_rank
+def _recompute_rank(rank, world, out):
     from cute_fa.profiling.distributed import DistributedRun, prepare
 
-    _init(rank, world, init_file)
-    try:
-        run = DistributedRun(rank, world, torch.device("cpu"), False)
-        model = Transformer(TINY.replace(max_seq_len=SEQ, n_layers=4))
-        calls = [0] * len(model.layers)
-        for index, block in enumerate(model.layers):
-            block.attention.register_forward_pre_hook(
-                lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
-        model = prepare(model, run, recompute_every=2)
-        _loss(model, *_batches(0)).backward()
-        torch.save(calls, out)
-        _all_done()
-    finally:
-        dist.destroy_process_group()
+    run = DistributedRun(rank, world, torch.device("cpu"), False)
+    model = Transformer(TINY.replace(max_seq_len=SEQ, n_layers=4))
+    calls = [0] * len(model.layers)
+    for index, block in enumerate(model.layers):
+        block.attention.register_forward_pre_hook(
+            lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    model = prepare(model, run, recompute_every=2)
+    _loss(model, *_batches(0)).backward()
+    torch.save(calls, out)
 
 
 def test_selective_recompute_runs_every_nth_block_again(tmp_path):
@@ -125,53 +134,45 @@ def test_selective_recompute_runs_every_nth_block_again(tmp_path):
     assert torch.load(out) == [2, 1, 2, 1]
 
 
-def _checkpoint_rank(rank, world, init_file, folder, out):
+@_rank
+def _checkpoint_rank(rank, world, folder, out):
     from cute_fa.profiling import distributed
     from cute_fa.profiling.distributed import DistributedRun, prepare
 
-    _init(rank, world, init_file)
-    try:
-        run = DistributedRun(rank, world, torch.device("cpu"), False)
+    run = DistributedRun(rank, world, torch.device("cpu"), False)
 
-        def trained(steps, resume=None):
-            model = prepare(_model(), run, recompute_every=0)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            start = distributed.load(resume, model, optimizer) if resume else 0
-            losses = []
-            for step in range(start, steps):
-                loss = _loss(model, *_batches(100 * step + rank))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.detach())
-            return model, optimizer, losses
-
-        model, optimizer, _ = trained(2)
-        distributed.save(folder, model, optimizer, 2)
-        saved = {n: p.full_tensor() for n, p in model.named_parameters()}
-        _, _, straight = trained(3)
-        _, _, resumed = trained(3, resume=folder)
-        if rank == 0:
-            torch.save((straight[-1], resumed[-1], saved), out)
-        _all_done()
-    finally:
-        dist.destroy_process_group()
-
-
-def _load_at_one_rank(rank, init_file, folder, out):
-    from cute_fa.profiling import distributed
-    from cute_fa.profiling.distributed import DistributedRun, prepare
-
-    _init(rank, 1, init_file)
-    try:
-        run = DistributedRun(0, 1, torch.device("cpu"), False)
+    def trained(steps, resume=None):
         model = prepare(_model(), run, recompute_every=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = distributed.load(folder, model, optimizer)
-        torch.save((step, {n: p.full_tensor() for n, p in model.named_parameters()}), out)
-        _all_done()
-    finally:
-        dist.destroy_process_group()
+        start = distributed.load(resume, model, optimizer) if resume else 0
+        losses = []
+        for step in range(start, steps):
+            loss = _loss(model, *_batches(100 * step + rank))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return model, optimizer, losses
+
+    model, optimizer, _ = trained(2)
+    distributed.save(folder, model, optimizer, 2)
+    saved = {n: p.full_tensor() for n, p in model.named_parameters()}
+    _, _, straight = trained(3)
+    _, _, resumed = trained(3, resume=folder)
+    if rank == 0:
+        torch.save((straight[-1], resumed[-1], saved), out)
+
+
+@_rank
+def _load_at_one_rank(rank, world, folder, out):
+    from cute_fa.profiling import distributed
+    from cute_fa.profiling.distributed import DistributedRun, prepare
+
+    run = DistributedRun(rank, world, torch.device("cpu"), False)
+    model = prepare(_model(), run, recompute_every=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = distributed.load(folder, model, optimizer)
+    torch.save((step, {n: p.full_tensor() for n, p in model.named_parameters()}), out)
 
 
 def test_a_checkpoint_resumes_bitwise_and_loads_at_another_world_size(tmp_path):
@@ -181,7 +182,7 @@ def test_a_checkpoint_resumes_bitwise_and_loads_at_another_world_size(tmp_path):
     straight, resumed, saved = torch.load(out)
     assert torch.equal(straight, resumed)  # the step after the checkpoint, bitwise
     one = str(tmp_path / "one.pt")
-    mp.spawn(_load_at_one_rank, args=(str(tmp_path / "init1"), folder, one), nprocs=1,
+    mp.spawn(_load_at_one_rank, args=(1, str(tmp_path / "init1"), folder, one), nprocs=1,
              join=True)
     step, weights = torch.load(one)
     assert step == 2 and set(weights) == set(saved)
