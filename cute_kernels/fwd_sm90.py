@@ -499,9 +499,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx < self.streams:
-                stream = 0
-                if cutlass.const_expr(self.streams > 1):
-                    stream = warp_idx
+                stream = self._stream(warp_idx, producer=True)
                 self.produce(mQ, mK, mV, copies, smem, pipes,
                              self._tiles(scheduler, queue, stream), tail, seqlens, kv_blocks,
                              self._o_read(o_read, stream), limits, done, mBlockSparse, stream)
@@ -524,9 +522,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 consumer_pipes = pipes
             mma_smem = Buffers(mma_operand_view(storage.sQ, sQ_layout, self.dtype),
                                mma_operand_view(storage.sK, sK_layout, self.dtype), mma_v, smem.o)
-            stream = 0
-            if cutlass.const_expr(self.streams > 1):
-                stream = warp_idx // 4 - 1  # one consumer warpgroup a tile
+            stream = self._stream(warp_idx, producer=False)
             self.consume(mO, mO_rows, mLSE, mSink, descales, mBlockSparse, copies, seqlens,
                          softmax_scale_log2, score_pre_tanh,
                          limits, mma_smem, consumer_pipes,
@@ -534,6 +530,14 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                          storage.split_arrivals.get_tensor(cute.make_layout(4)),
                          self._o_read(o_read, stream), tiled_mma_qk, tiled_mma_pv,
                          storage.sQ.data_ptr().toint(), self._q_stage_layout(sQ_layout), stream)
+
+    def _stream(self, warp_idx, producer: bool):
+        """The tile stream a warp serves: producer warp s loads stream s's
+        tiles, consumer warpgroup s + 1 computes them (0 with one stream)."""
+        stream = 0
+        if cutlass.const_expr(self.streams > 1):
+            stream = warp_idx if producer else warp_idx // 4 - 1
+        return stream
 
     def _o_read(self, o_read: cute.Pointer, stream):
         """The tile stream's barrier of O read out of the V ring (o_in_v_smem)."""
