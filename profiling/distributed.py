@@ -27,6 +27,7 @@ attention backend.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -91,8 +92,12 @@ def start(device_kind: str, context_parallel: bool) -> DistributedRun:
 def finish() -> None:
     """Leave the job: every rank reaches the barrier before any tears its
     connections down (a rank that left early made gloo abort another's
-    exit: "terminate called without an active exception")."""
+    exit: "terminate called without an active exception"). The model's
+    reference cycles (FSDP's modules, their finished collectives) are
+    collected first, while the interpreter is whole: tensors that gloo's
+    threads still held at its finalization aborted a rank the same way."""
     if dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
