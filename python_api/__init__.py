@@ -25,7 +25,8 @@ from .block_mask import BlockSparseMask
 from .kvcache import flash_attn_with_kvcache  # (registers torch.ops.cute_fa.fwd_kvcache)
 from .reference import attention_reference
 from .scores import check_score_args, check_sink, check_sink_type, window_from_size
-from .validate import check_argument_types, check_attention_tensors, describe
+from .validate import (check_argument_types, check_attention_tensors, check_optional_tensors,
+                       describe)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "attention_reference", "BlockSparseMask"]
@@ -92,6 +93,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fp8 = fp8_ops.FP8_DTYPES
     if q.dtype in fp8 or k.dtype in fp8 or v.dtype in fp8:
         _check_fp8_call(window_size, softcap, learnable_sink, deterministic)
+        check_optional_tensors(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         out, lse = torch.ops.cute_fa.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
                                              softmax_scale, bool(causal), out_dtype)
         return (out, lse) if return_lse else out
@@ -206,10 +208,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                max_seqlen_k or 0, seqused_q, seqused_k, softmax_scale)
     check_sink(learnable_sink, q.shape[1], q.device)
     if max_seqlen_q is None or max_seqlen_k is None:
-        longest_q, longest_k = varlen.check_seqlen_values(
-            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q, seqused_k)
-        max_seqlen_q = longest_q if max_seqlen_q is None else max_seqlen_q
-        max_seqlen_k = longest_k if max_seqlen_k is None else max_seqlen_k
+        longest = varlen.check_seqlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0],
+                                             k.shape[0], seqused_q, seqused_k)
+        max_seqlen_q = longest[0] if max_seqlen_q is None else max_seqlen_q
+        max_seqlen_k = longest[1] if max_seqlen_k is None else max_seqlen_k
+        varlen.check_max_seqlens(longest, max_seqlen_q, max_seqlen_k)
     out, lse = torch.ops.cute_fa.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                             int(max_seqlen_q), int(max_seqlen_k), seqused_q,
                                             seqused_k, softmax_scale, bool(causal),

@@ -105,6 +105,9 @@ class BlockSparseMask:
     def from_block_mask(cls, block_mask) -> BlockSparseMask:
         """From a FlexAttention BlockMask (create_block_mask's), evaluating
         its mask_mod on the blocks that are neither empty nor full."""
+        if not all(hasattr(block_mask, name) for name in ("kv_num_blocks", "seq_lengths")):
+            raise TypeError(f"block_mask: expected a FlexAttention BlockMask "
+                            f"(create_block_mask's), got {type(block_mask).__name__}")
         seqlen_q, seqlen_k = (int(n) for n in block_mask.seq_lengths)
         q_block, k_block = (int(n) for n in _block_size(block_mask))
         for name, size in (("Q", q_block), ("KV", k_block)):

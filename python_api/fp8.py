@@ -52,7 +52,10 @@ def quantize_fp8(x: torch.Tensor, heads_kv: int | None = None) -> tuple[torch.Te
         raise ValueError(f"heads_kv: expected a positive divisor of nheads = {heads}, got "
                          f"{heads_kv!r}")
     grouped = x.float().view(batch, seqlen, heads_kv, heads // heads_kv, d)
-    amax = grouped.abs().amax(dim=(1, 3, 4))  # (batch, heads_kv)
+    if grouped.numel():
+        amax = grouped.abs().amax(dim=(1, 3, 4))  # (batch, heads_kv)
+    else:  # no values (seqlen or d 0): descale 1
+        amax = torch.zeros((batch, heads_kv), device=x.device)
     scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
     values = (grouped * scale[:, None, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX)
     return values.to(E4M3).view(batch, seqlen, heads, d), (1.0 / scale).contiguous()
@@ -60,7 +63,17 @@ def quantize_fp8(x: torch.Tensor, heads_kv: int | None = None) -> tuple[torch.Te
 
 def dequantize_fp8(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """e4m3 (batch, seqlen, nheads, d) and descale (batch, heads_kv) -> fp32."""
+    if not isinstance(x8, torch.Tensor) or x8.dim() != 4 or x8.dtype != E4M3:
+        raise ValueError(f"x8: expected a float8_e4m3fn tensor (batch, seqlen, nheads, d), "
+                         f"got {describe(x8)}")
     batch, seqlen, heads, d = x8.shape
+    if not isinstance(descale, torch.Tensor) or descale.dim() != 2 \
+            or descale.shape[0] != batch or not descale.dtype.is_floating_point \
+            or descale.shape[1] == 0 or heads % descale.shape[1] \
+            or descale.device != x8.device:
+        raise ValueError(f"descale: expected a float tensor (batch={batch}, heads_kv) with "
+                         f"heads_kv dividing nheads = {heads}, on {x8.device}, got "
+                         f"{describe(descale)}")
     heads_kv = descale.shape[1]
     grouped = x8.float().view(batch, seqlen, heads_kv, heads // heads_kv, d)
     return (grouped * descale[:, None, :, None, None]).view(batch, seqlen, heads, d)

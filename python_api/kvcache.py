@@ -34,12 +34,12 @@ WGMMA, V transposed in shared memory), descales folded into the score
 scale and O; head dims of the FP8 forward (kernels.config.FP8_HEAD_DIMS),
 v's that of q. Half the bytes of a 16-bit cache to read.
 
-What is checked: shapes, dtypes, devices, head counts, contiguous pages.
-The values of cache_seqlens, page_table and cache_batch_idx are checked on
-the CPU; on the GPU reading them would stall every decode step, so they are
-not: a length beyond the cache is cut at the cache's end, and new tokens
-that would land past it are not written (page and row indices must be in
-range, as in FlashAttention).
+What is checked: shapes, dtypes, devices, head counts and head dims, the
+softmax scale, contiguous pages. The values of cache_seqlens, page_table and
+cache_batch_idx are checked on the CPU; on the GPU reading them would stall
+every decode step, so they are not: a length beyond the cache is cut at the
+cache's end, and new tokens that would land past it are not written (page
+and row indices must be in range, as in FlashAttention).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from . import compile_cache, decode, ops, reference
 from . import nvtx as nvtx_ranges
 from .fp8_ops import E4M3, E4M3_OUT, check_descales, kernel_descales
 from .kernels.config import FP8_HEAD_DIMS
-from .validate import SUPPORTED_DTYPES, describe
+from .validate import (SUPPORTED_DTYPES, check_head_dims, check_optional_tensors,
+                       check_scale_type, check_softmax_scale, describe)
 
 _lib = ops._lib
 _lib.define("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
@@ -62,7 +63,7 @@ _lib.define("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tenso
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
                          cache_batch_idx, num_splits, q_descale=None, k_descale=None,
-                         v_descale=None) -> None:
+                         v_descale=None, softmax_scale=None) -> None:
     """Shapes, dtypes and devices (no values: see the module's docstring)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -80,6 +81,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
         raise ValueError(f"k_cache, v_cache: expected (*, *, nheads_kv, {head_dim}) and the "
                          f"same with v's head dim, got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}")
+    if q.dtype != E4M3:  # e4m3's head dims: _check_descales
+        check_head_dims(head_dim, v_cache.shape[3], "q", "v_cache")
+    check_softmax_scale(softmax_scale)
     heads_kv = k_cache.shape[2]
     if heads_kv == 0 or heads % heads_kv:
         raise ValueError(f"k_cache: expected nheads_kv to divide nheads = {heads}, got "
@@ -118,10 +122,14 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
         if not k_cache.is_contiguous() or not v_cache.is_contiguous():
             raise ValueError("k_cache, v_cache: expected contiguous pages (num_pages, "
                              "page_size, nheads_kv, d) with a page_table")
+    check_num_splits(num_splits)
+    _check_descales(q, heads_kv, v_cache.shape[3], q_descale, k_descale, v_descale)
+
+
+def check_num_splits(num_splits) -> None:
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0: chosen from the shapes), got "
                          f"{num_splits!r}")
-    _check_descales(q, heads_kv, v_cache.shape[3], q_descale, k_descale, v_descale)
 
 
 def _check_descales(q, heads_kv, head_dim_v, q_descale, k_descale, v_descale) -> None:
@@ -276,7 +284,8 @@ def _forward(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table
              cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0,
              q_descale=None, k_descale=None, v_descale=None):
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-                         cache_batch_idx, num_splits, q_descale, k_descale, v_descale)
+                         cache_batch_idx, num_splits, q_descale, k_descale, v_descale,
+                         softmax_scale)
     descales = (q_descale, k_descale, v_descale)
     paged = page_table is not None
     if q.device.type == "cpu":
@@ -320,7 +329,8 @@ def _fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=No
           cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0,
           q_descale=None, k_descale=None, v_descale=None):
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-                         cache_batch_idx, num_splits, q_descale, k_descale, v_descale)
+                         cache_batch_idx, num_splits, q_descale, k_descale, v_descale,
+                         softmax_scale)
     batch, seqlen_q, heads, _ = q.shape
     return (torch.empty((batch, seqlen_q, heads, v_cache.shape[3]), dtype=_out_dtype(q),
                         device=q.device),
@@ -343,9 +353,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     1 never splits; at most 128 and the cache's 128-key blocks. e4m3 q and
     caches take q_descale, k_descale, v_descale (batch, nheads_kv) fp32 (None:
     1) and give a bf16 out."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected an int32 tensor (batch,), an int or None, "
+                        f"got {type(cache_seqlens).__name__}")
+    check_optional_tensors(k=k, v=v, page_table=page_table,
+                           cache_batch_idx=cache_batch_idx, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale)
+    check_scale_type(softmax_scale)
+    check_num_splits(num_splits)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                        for t in (q, k, v)):
         raise NotImplementedError("flash_attn_with_kvcache: inference only, no gradient "

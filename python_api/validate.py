@@ -30,10 +30,45 @@ def check_argument_types(q, k, v, softmax_scale=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_scale_type(softmax_scale)
+
+
+def check_scale_type(softmax_scale) -> None:
     if softmax_scale is not None and (isinstance(softmax_scale, bool)
                                       or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale: expected a float or None, "
                         f"got {type(softmax_scale).__name__}")
+
+
+def check_softmax_scale(softmax_scale) -> None:
+    """None, or a finite positive number."""
+    check_scale_type(softmax_scale)
+    if softmax_scale is not None and not (0.0 < softmax_scale < math.inf):
+        raise ValueError(f"softmax_scale: expected a finite positive float, got "
+                         f"{softmax_scale}")
+
+
+def check_optional_tensors(**arguments) -> None:
+    """Each argument None or a tensor: the checks the torch dispatcher would
+    otherwise answer with its schema."""
+    for name, t in arguments.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got "
+                            f"{type(t).__name__}")
+
+
+def check_head_dims(head_dim: int, head_dim_v: int, q_name: str = "q",
+                    v_name: str = "v") -> None:
+    """q's head dim one the kernels run (as it is or zero-padded), v's one of
+    them no larger than q's."""
+    if kernel_head_dim(head_dim) is None:
+        raise ValueError(f"{q_name}: expected headdim a multiple of {HEAD_DIM_MULTIPLE} up to "
+                         f"{SUPPORTED_HEAD_DIMS[-1]} ({', '.join(map(str, SUPPORTED_HEAD_DIMS))} "
+                         f"run as they are, the others zero-padded to the next of those), "
+                         f"got {head_dim}")
+    if kernel_head_dim(head_dim_v) is None or head_dim_v > head_dim:
+        raise ValueError(f"{v_name}: expected headdim a multiple of {HEAD_DIM_MULTIPLE} no "
+                         f"larger than that of q ({head_dim}), got {head_dim_v}")
 
 
 def check_attention_inputs(q, k, v, softmax_scale=None) -> None:
@@ -119,21 +154,11 @@ def _explain_attention_tensors(q, k, v, softmax_scale) -> None:
                         f"v {v.dtype}")
     check_one_device(q, k, v)
     head_dim = q.shape[3]
-    if kernel_head_dim(head_dim) is None:
-        raise ValueError(f"q: expected headdim a multiple of {HEAD_DIM_MULTIPLE} up to "
-                         f"{SUPPORTED_HEAD_DIMS[-1]} ({', '.join(map(str, SUPPORTED_HEAD_DIMS))} "
-                         f"run as they are, the others zero-padded to the next of those), "
-                         f"got {head_dim}")
-    if kernel_head_dim(v.shape[3]) is None or v.shape[3] > head_dim:
-        raise ValueError(f"v: expected headdim a multiple of {HEAD_DIM_MULTIPLE} no larger "
-                         f"than that of q ({head_dim}), got {v.shape[3]}")
+    check_head_dims(head_dim, v.shape[3])
     if k.shape[3] != head_dim:
         raise ValueError(f"k: expected headdim {head_dim} (that of q), got {k.shape[3]}")
     check_kv_shapes(q, k, v)
-    if softmax_scale is not None:
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale: expected a finite positive float, "
-                             f"got {softmax_scale}")
+    check_softmax_scale(softmax_scale)
 
 
 def check_backward_inputs(grad_out, q, k, v, out, lse, softmax_scale, grad_lse=None) -> None:

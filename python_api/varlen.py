@@ -14,10 +14,11 @@ kernels' grids and the window's bounds are sized by them; flash_attn_varlen_func
 computes them when not given). The values of cu_seqlens and seqused are not
 read on the host (that would wait for the GPU on every call): lengths that
 run past the tensors are cut at their end by the kernels, so a wrong one
-gives wrong rows, never a write outside the outputs; flash_attn_varlen_func
-checks them where it reads them anyway (no max_seqlen given). Rows outside
-every sequence (past seqused, or past cu_seqlens[-1]) are left undefined in
-the output, as FlashAttention does, and get zero gradients.
+gives wrong rows, never a write outside the outputs. flash_attn_varlen_func
+checks them, and the max_seqlen given against them, where it reads them
+anyway (a max_seqlen not given); the CPU op always does. Rows outside every
+sequence (past seqused, or past cu_seqlens[-1]) are left undefined in the
+output, as FlashAttention does, and get zero gradients.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from . import nvtx as nvtx_ranges
 from .kernels.config import kernel_head_dim
 from .reference import resolve_scale, varlen_attention_reference, varlen_backward_reference
 from .scores import check_score_args, check_sink, resolve
-from .validate import check_cuda_device, describe
+from .validate import check_cuda_device, check_head_dims, check_softmax_scale, describe
 from .variants import bwd_kernels_for, fwd_kernel_for, num_sms
 
 _INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
@@ -57,16 +58,12 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         raise ValueError(f"q, k, v: expected one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}")
     head_dim = q.shape[2]
-    if kernel_head_dim(head_dim) is None:
-        raise ValueError(f"q: expected headdim a multiple of 8 up to 256, got {head_dim}")
+    check_head_dims(head_dim, v.shape[2])
     if k.shape[2] != head_dim:
         raise ValueError(f"k: expected headdim {head_dim} (that of q), got {k.shape[2]}")
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k, v: expected equal (total_k, nheads_kv), got k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if kernel_head_dim(v.shape[2]) is None or v.shape[2] > head_dim:
-        raise ValueError(f"v: expected headdim a multiple of 8 no larger than q's {head_dim}, "
-                         f"got {v.shape[2]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"k: expected nheads_kv to divide nheads_q = {q.shape[1]}, got "
                          f"{k.shape[1]}")
@@ -80,7 +77,10 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                              f"dtype {t.dtype}, shape {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (that of q), got {t.device}")
-    if cu_seqlens_q.numel() < 1 or cu_seqlens_k.numel() != cu_seqlens_q.numel():
+    if cu_seqlens_q.numel() < 1:
+        raise ValueError("cu_seqlens_q: expected batch + 1 >= 1 entries (cumulative lengths "
+                         "from 0), got none")
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_k: expected batch + 1 = {cu_seqlens_q.numel()} entries "
                          f"(those of cu_seqlens_q, at least 1), got {cu_seqlens_k.numel()}")
     batch = cu_seqlens_q.numel() - 1
@@ -90,10 +90,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
-                                          and 0 < softmax_scale < float("inf")):
-        raise ValueError(f"softmax_scale: expected a finite positive float, got "
-                         f"{softmax_scale!r}")
+    check_softmax_scale(softmax_scale)
 
 
 def check_seqlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
@@ -118,6 +115,17 @@ def check_seqlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
             lengths = used_values
         longest.append(max(lengths, default=0))
     return longest[0], longest[1]
+
+
+def check_max_seqlens(longest: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """max_seqlen_q / max_seqlen_k at least the longest sequences
+    (check_seqlen_values'): the CUDA kernels' grids are sized by them, so
+    where the lengths are read on the host anyway, one too small is an
+    error rather than rows left out."""
+    for side, value, needed in zip("qk", (max_seqlen_q, max_seqlen_k), longest):
+        if value < needed:
+            raise ValueError(f"max_seqlen_{side}: expected at least the longest sequence "
+                             f"({needed}), got {value}")
 
 
 def _batch_of_one(t: torch.Tensor) -> torch.Tensor:
@@ -281,7 +289,8 @@ def _fwd_cpu(q, k, v, cu_q, cu_k, max_q, max_k, used_q=None, used_k=None, softma
              learnable_sink=None):
     _check_fwd(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, softmax_scale, window_left,
                window_right, softcap, learnable_sink)
-    check_seqlen_values(cu_q, cu_k, q.shape[0], k.shape[0], used_q, used_k)
+    check_max_seqlens(check_seqlen_values(cu_q, cu_k, q.shape[0], k.shape[0], used_q, used_k),
+                      max_q, max_k)
     scores = resolve(causal, window_left, window_right, softcap, max_q, max_k, varlen=True,
                      sink=learnable_sink is not None)
     with nvtx_ranges.op_range(nvtx_ranges.varlen_range_name(
@@ -316,6 +325,8 @@ def _bwd_cpu(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used
              window_right=-1, softcap=0.0, learnable_sink=None):
     _check_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, used_q, used_k,
                softmax_scale, grad_lse, window_left, window_right, softcap, learnable_sink)
+    check_max_seqlens(check_seqlen_values(cu_q, cu_k, q.shape[0], k.shape[0], used_q, used_k),
+                      max_q, max_k)
     grads = varlen_backward_reference(grad_out, q, k, v, out, lse, cu_q, cu_k, softmax_scale,
                                       causal, used_q, used_k, grad_lse,
                                       window=(window_left, window_right), softcap=softcap,

@@ -157,6 +157,9 @@ def test_bad_calls_name_the_argument():
     other = create_block_mask(_masks()["causal"], None, None, 300, 400, device="cpu")
     with pytest.raises(ValueError, match="block_mask: expected a mask for batch 1"):
         flash_attn_func(q, k, v, block_mask=other)
+    with pytest.raises(TypeError, match="block_mask: expected a FlexAttention BlockMask "
+                                        r"\(create_block_mask's\), got object"):
+        BlockSparseMask.from_block_mask(object())
     with pytest.raises(ValueError, match="block_mask: expected a Q block size"):
         BlockSparseMask.from_block_mask(create_block_mask(
             _masks()["causal"], None, None, 300, 300, device="cpu", BLOCK_SIZE=(96, 128)))

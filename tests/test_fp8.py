@@ -85,12 +85,27 @@ def test_incoherent_processing_lowers_the_fp8_error_on_outliers():
     (lambda: quantize_fp8(torch.zeros(2, 3, 8)), r"x: expected a float tensor \(batch, seqlen"),
     (lambda: quantize_fp8(torch.zeros(1, 2, 2, 8, dtype=torch.int32)), "x: expected a float"),
     (lambda: random_hadamard(96), "head_dim: expected a power of 2"),
+    (lambda: dequantize_fp8(torch.zeros(2, 3, 4, 8).to(E4M3), torch.ones(2, 3)),
+     r"descale: expected a float tensor \(batch=2, heads_kv\) with heads_kv dividing "
+     r"nheads = 4"),
+    (lambda: dequantize_fp8(torch.zeros(2, 3, 4, 8).to(E4M3), torch.ones(3, 2)),
+     r"descale: expected a float tensor \(batch=2"),
+    (lambda: dequantize_fp8(torch.zeros(3, 4, 8).to(E4M3), torch.ones(3, 2)),
+     r"x8: expected a float8_e4m3fn tensor \(batch, seqlen, nheads, d\)"),
+    (lambda: dequantize_fp8(torch.zeros(2, 3, 4, 8), torch.ones(2, 2)), "x8: expected"),
     (lambda: incoherent(torch.zeros(1, 2, 2, 64), torch.zeros(1, 2, 2, 32)),
      "q, k: expected one head dim"),
 ])
 def test_bad_inputs_are_clear_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_an_empty_tensor_quantizes_to_empty_values_and_unit_descales():
+    x8, descale = quantize_fp8(torch.zeros(2, 0, 4, 64), heads_kv=2)
+    assert x8.shape == (2, 0, 4, 64) and x8.dtype == E4M3
+    assert torch.equal(descale, torch.ones(2, 2))
+    assert dequantize_fp8(x8, descale).shape == (2, 0, 4, 64)
 
 
 def test_all_zero_groups_quantize_to_zero():

@@ -93,6 +93,7 @@ def _bad(**changes):
      "k: expected dtype torch.float8_e4m3fn"),
     (dict(q_descale=torch.ones(2, 4)), ValueError, r"q_descale: expected .* shape \(2, 2\)"),
     (dict(k_descale=torch.ones(2, 2, dtype=torch.float64)), ValueError, "k_descale: expected"),
+    (dict(q_descale=0.5), TypeError, "q_descale: expected a torch.Tensor or None, got float"),
     (dict(v_descale=torch.ones(2, 2, device="meta")), ValueError, "v_descale: expected"),
     (dict(q=torch.zeros(2, 70, 4, 80).to(E4M3), k=torch.zeros(2, 90, 2, 80).to(E4M3),
           v=torch.zeros(2, 90, 2, 80).to(E4M3)), ValueError, "q: expected headdim one of"),

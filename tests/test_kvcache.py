@@ -146,6 +146,12 @@ def test_compiled_decode_step():
      "k_cache: expected dtype bfloat16, float16 or float8_e4m3fn, that of q"),
     (dict(q_descale=torch.ones(3, HEADS_KV)), "q_descale: expected None for torch.bfloat16"),
     (dict(num_splits=-1), "num_splits: expected an int >= 0"),
+    (dict(num_splits=1.5), "num_splits: expected an int >= 0"),
+    (dict(cache_seqlens=[1, 2, 3]), "cache_seqlens: expected an int32 tensor .*got list"),
+    (dict(q_descale=0.5), "q_descale: expected a torch.Tensor or None, got float"),
+    (dict(softmax_scale=float("nan")), "softmax_scale: expected a finite positive float"),
+    (dict(softmax_scale=-1.0), "softmax_scale: expected a finite positive float"),
+    (dict(softmax_scale="0.1"), "softmax_scale: expected a float or None, got str"),
 ])
 def test_bad_inputs_are_clear_errors(change, message):
     q, k_cache, v_cache, k, v, page_table = _problem(10, new=1, page_size=8)
@@ -257,3 +263,17 @@ def test_e4m3_opcheck_and_fake_out_dtype():
         fq, fk, fv, ftable = (mode.from_tensor(t) for t in (q8, k8, v8, table))
         out, lse = torch.ops.cute_fa.fwd_kvcache(fq, fk, fv, page_table=ftable)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,message", [
+    (60, 60, "q: expected headdim a multiple of 8 up to 256"),
+    (264, 264, "q: expected headdim a multiple of 8 up to 256"),
+    (0, 0, "q: expected headdim a multiple of 8"),
+    (64, 36, "v_cache: expected headdim a multiple of 8 no larger than that of q"),
+])
+def test_head_dims_the_kernels_cannot_take_are_named(head_dim, head_dim_v, message):
+    q = torch.zeros(2, 1, 4, head_dim, dtype=torch.bfloat16)
+    k_cache = torch.zeros(2, 16, 2, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros(2, 16, 2, head_dim_v, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3)

@@ -93,6 +93,15 @@ def test_bad_arguments_name_themselves():
     _bad("k: expected nheads_kv to divide", k=k[:, :1].expand(-1, 3, -1),
          v=v[:, :1].expand(-1, 3, -1))
     _bad("max_seqlen_q: expected an int >= 0", max_seqlen_q=-1, max_seqlen_k=3)
+    _bad(r"max_seqlen_q: expected at least the longest sequence \(3\), got 2", max_seqlen_q=2,
+         max_seqlen_k=3)
+    _bad(r"max_seqlen_q: expected at least the longest sequence \(3\), got 0", max_seqlen_q=0,
+         max_seqlen_k=3)
+    _bad(r"max_seqlen_k: expected at least the longest sequence \(3\), got 1", max_seqlen_k=1)
+    _bad("cu_seqlens_q: expected batch \\+ 1 >= 1 entries", cu_seqlens_q=_cu([])[:0],
+         cu_seqlens_k=_cu([])[:0])
+    _bad("v: expected headdim a multiple of 8 no larger than that of q", v=v[..., :12])
+    _bad("softmax_scale: expected a finite positive float", softmax_scale=float("inf"))
     _bad("window_size\\[0\\]", window_size=(-2, 0))
     _bad("softcap", softcap=-1.0)
 
