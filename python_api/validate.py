@@ -34,6 +34,7 @@ def check_argument_types(q, k, v, softmax_scale=None) -> None:
 
 
 def check_scale_type(softmax_scale) -> None:
+    """None or a number (its value: check_softmax_scale)."""
     if softmax_scale is not None and (isinstance(softmax_scale, bool)
                                       or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale: expected a float or None, "
