@@ -27,9 +27,9 @@ def _rank(work):
     gloo abort another's exit). FSDP's modules and gloo's finished works are
     released while the interpreter is whole, and the rank then exits without
     the interpreter's teardown: gloo's worker threads can still hold
-    tensors there, and destroying them at finalization aborted a rank in CI
-    ('terminate called without an active exception') after its work had
-    passed."""
+    tensors there, and freeing them at finalization can abort the process
+    (the likeliest cause of a rank that aborted in CI with 'terminate called
+    without an active exception')."""
 
     @functools.wraps(work)
     def main(rank, world, init_file, *args):
