@@ -88,6 +88,13 @@ def _with_sink(scores, sink):
     return torch.cat([scores, column], dim=-1)
 
 
+def _probabilities(scores, lse):
+    """exp(scores − LSE), 0 in the rows that see no key (LSE −inf, where the
+    difference is NaN); a NaN in the inputs stays NaN, as on the GPU."""
+    probs = torch.exp(scores - lse[..., None].to(scores.dtype))
+    return probs.masked_fill(torch.isneginf(lse)[..., None], 0.0)
+
+
 def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch.float32,
                         window=(-1, -1), softcap=0.0, sink=None, visible=None):
     """Returns (out in q.dtype, lse fp32). compute_dtype=None computes in the input dtype,
@@ -103,8 +110,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, compute_dtype
     normalised = scores if sink is None else _with_sink(scores, sink)
     lse = torch.logsumexp(normalised.to(torch.promote_types(scores.dtype, torch.float32)),
                           dim=-1)
-    probs = torch.exp(scores - lse[..., None].to(scores.dtype))
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
+    probs = _probabilities(scores, lse)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out.to(out_dtype), lse
 
@@ -131,7 +137,7 @@ def attention_backward_reference(grad_out, q, k, v, out, lse, softmax_scale, cau
     group = q.shape[2] // heads_kv
     k_rep, v_rep = _expanded_kv(q, k, v)
     scores, slope = _scores(q, k_rep, softmax_scale, causal, window, softcap, visible)
-    probs = torch.nan_to_num(torch.exp(scores - lse[..., None].to(scores.dtype)), nan=0.0)
+    probs = _probabilities(scores, lse)
     grad_v = torch.einsum("bhqk,bqhd->bkhd", probs, grad_out)
     grad_p = torch.einsum("bqhd,bkhd->bhqk", grad_out, v_rep)
     delta = (grad_out * out).sum(-1).transpose(1, 2)  # (b, h, s_q)

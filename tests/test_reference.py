@@ -55,6 +55,20 @@ def test_rows_without_keys_give_zero_and_minus_inf():
     assert torch.all(lse[..., :2] == -math.inf) and torch.isfinite(lse[..., 2:]).all()
 
 
+def test_a_nan_input_reaches_its_rows_not_a_zero():
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
+    q[0, 3, 0, 1] = math.nan
+    out, lse = attention_reference(q, k, v, None, causal=True)
+    assert out[0, 3, 0].isnan().all() and lse[0, 0, 3].isnan()
+    assert torch.all(out[:, :2] == 0) and torch.all(lse[..., :2] == -math.inf)  # no keys
+    assert torch.isfinite(out[0, 2]).all() and torch.isfinite(out[0, 3, 1]).all()
+    # a NaN sink takes part in every row of its head, those without keys too
+    sink = torch.tensor([0.5, math.nan])
+    out, lse = attention_reference(q.nan_to_num(), k, v, None, causal=True, sink=sink)
+    assert out[0, :, 1].isnan().all() and lse[0, 1].isnan().all()
+    assert torch.isfinite(out[0, :, 0]).all() and torch.isfinite(lse[0, 0]).all()
+
+
 def test_low_precision_path_keeps_dtype():
     q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
     out, lse = attention_reference(q, q, q, None, False, compute_dtype=None)

@@ -141,3 +141,19 @@ def test_varlen_sinks():
     rows = slice(300, 429)
     assert torch.equal(out[rows], torch.zeros_like(out[rows]))
     torch.testing.assert_close(lse[:, rows], sink[:, None].expand(4, 129))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_nan_inputs_reach_their_rows_as_on_the_cpu(head_dim, with_sink):
+    """A NaN in q spoils its row, a NaN sink its head, every row of it:
+    NaN in O and LSE where the CPU path has them, never a silent 0 or -inf."""
+    q, k, v, _, sink = _inputs(1, 300, 300, 4, 2, head_dim, seed=5)
+    q[0, 17, 1, 3] = float("nan")
+    sink[2] = float("nan")
+    sink = sink if with_sink else None
+    out, lse = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+    ref, ref_lse = attention_reference(q.cpu(), k.cpu(), v.cpu(), None, True,
+                                       sink=None if sink is None else sink.cpu())
+    assert torch.equal(out.isnan().cpu(), ref.isnan()) and ref.isnan().any()
+    assert torch.equal(lse.isnan().cpu(), ref_lse.isnan())
