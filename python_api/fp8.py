@@ -41,7 +41,10 @@ def quantize_fp8(x: torch.Tensor, heads_kv: int | None = None) -> tuple[torch.Te
     """x (batch, seqlen, nheads, d), any float dtype -> (e4m3 values, fp32
     descale (batch, heads_kv)). heads_kv: the KV heads (nheads a multiple of
     it; default nheads): a query tensor's heads are grouped as GQA groups
-    them, one descale per group."""
+    them, one descale per group. The scale comes from the finite entries:
+    ±inf saturates to ±448 · descale (e4m3 has no infinity) and NaN stays
+    NaN, so a non-finite entry spoils neither its group's other entries nor
+    its descale."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.dtype.is_floating_point:
         raise ValueError(f"x: expected a float tensor (batch, seqlen, nheads, d), got "
                          f"{describe(x)}")
@@ -53,7 +56,8 @@ def quantize_fp8(x: torch.Tensor, heads_kv: int | None = None) -> tuple[torch.Te
                          f"{heads_kv!r}")
     grouped = x.float().view(batch, seqlen, heads_kv, heads // heads_kv, d)
     if grouped.numel():
-        amax = grouped.abs().amax(dim=(1, 3, 4))  # (batch, heads_kv)
+        finite = grouped.abs().masked_fill(~torch.isfinite(grouped), 0.0)
+        amax = finite.amax(dim=(1, 3, 4))  # (batch, heads_kv)
     else:  # no values (seqlen or d 0): descale 1
         amax = torch.zeros((batch, heads_kv), device=x.device)
     scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))

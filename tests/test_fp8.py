@@ -113,3 +113,21 @@ def test_all_zero_groups_quantize_to_zero():
     x8, descale = quantize_fp8(x)
     assert torch.equal(dequantize_fp8(x8, descale), x) and torch.equal(descale,
                                                                        torch.ones(1, 2))
+
+
+def test_non_finite_entries_leave_their_group_scaled_by_the_finite_ones():
+    x = torch.randn(1, 16, 2, 64, generator=torch.Generator().manual_seed(0))
+    spots = (0, 3, 0, 5), (0, 7, 0, 9), (0, 2, 1, 1)
+    for spot in spots:
+        x[spot] = 0.0
+    clean8, clean_descale = quantize_fp8(x)
+    for spot, value in zip(spots, ("inf", "-inf", "nan")):
+        x[spot] = float(value)
+    x8, descale = quantize_fp8(x)
+    torch.testing.assert_close(descale, clean_descale)  # finite, from the finite entries
+    back = dequantize_fp8(x8, descale)
+    assert back[0, 3, 0, 5] == E4M3_MAX * descale[0, 0]  # inf saturates
+    assert back[0, 7, 0, 9] == -E4M3_MAX * descale[0, 0]
+    assert back[0, 2, 1, 1].isnan() and back.isnan().sum() == 1  # NaN stays, alone
+    finite = torch.isfinite(x)
+    assert torch.equal(back[finite], dequantize_fp8(clean8, clean_descale)[finite])
