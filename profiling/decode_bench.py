@@ -19,7 +19,9 @@ mask is top-left aligned), FlashInfer's batch decode where installed.
 cute_e4m3: ours on the same tokens cast to e4m3 caches (and q), descales given (1):
 half the bytes, its TB/s counted on its own bytes; beside the 16-bit rows,
 not a peer.
-Timing: timing.time_interleaved (round-robin, L2 flushed, median).
+Timing: timing.time_interleaved (round-robin, L2 flushed, median); --l2-flush
+read flushes it by reading a buffer instead of writing one (clean lines, as a
+decode step finds them after layers that read their weights).
 Writes <out>.json and <out>.md.
 """
 
@@ -34,6 +36,7 @@ from cute_fa.attention_backends import BackendUnavailable, attention
 
 from . import report
 from .cli import command_parser, csv_list, nonnegative_int, positive_int, require_cuda
+from .timing import L2_FLUSH_BYTES, L2_FLUSHES
 
 # HBM peaks (TB/s) by the GPU name torch reports ("NVIDIA H100 80GB HBM3" is
 # the SXM5 part), first match wins
@@ -221,6 +224,9 @@ def build_parser():
                    help="timed calls per backend and problem, the median reported (default: 30)")
     p.add_argument("--warmup", type=nonnegative_int, default=3,
                    help="untimed calls first (default: 3)")
+    p.add_argument("--l2-flush", choices=L2_FLUSHES, default="write",
+                   help="how the L2 is flushed before each call: by writing a buffer larger "
+                        "than it (dirty lines) or by reading one (clean lines) (default: write)")
     report.add_out_option(p)
     return p
 
@@ -252,9 +258,10 @@ def main(argv=None) -> int:
     rows = []
     for problem in problems(args):
         fns, missing = callables(problem, args.backends, torch.device("cuda"))
-        times = time_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
+        times = time_interleaved(fns, warmup=args.warmup, repeats=args.repeats,
+                                 l2_flush=args.l2_flush)
         for name in [*args.backends, "copy"]:
-            row = dict(problem, backend=name)
+            row = dict(problem, backend=name, l2_flush=args.l2_flush)
             if name in times:
                 ms = times[name][0]
                 row.update(status="ok", us=ms * 1e3,
@@ -274,10 +281,14 @@ def format_markdown(rows: list[dict], env: dict, command: str) -> str:
     backends = list(dict.fromkeys(r["backend"] for r in rows if r["backend"] != "copy"))
     peak_tbps = hbm_peak_tbps(env.get("gpu"))
     peak = f"HBM peak {peak_tbps} TB/s" if peak_tbps else "HBM peak not known for this GPU"
+    read = bool(rows) and rows[0].get("l2_flush") == "read"
+    flushed = (f"{'reading' if read else 'writing'} {L2_FLUSH_BYTES >> 20} MB "
+               f"({'clean' if read else 'dirty'} lines)")
     lines = ["# Decode: attention against a KV cache", "", *report.machine_lines(env),
              f"- command: `{command}`",
              f"- TB/s: bytes of K and V read per call / time; {peak}; "
-             "copy: a device copy of those bytes (its read rate)", "",
+             "copy: a device copy of those bytes (its read rate)",
+             f"- L2 flushed before every call by {flushed}", "",
              "| heads (q/kv) | batch | cache | q len | pages | "
              + " | ".join(f"{b} µs (TB/s)" for b in backends)
              + " | copy TB/s | ours / best peer |",

@@ -13,6 +13,13 @@ is queued between the flush and the start event, long enough for the host to
 queue the whole call behind it, so the events time the GPU's work: kernels and
 the gaps between them, as inside a training step whose host runs ahead.
 `include_host_latency=True` times the isolated call instead.
+
+The L2 flush (l2_flush): "write" zeroes a buffer larger than the L2, whose
+dirty lines the timed call's own misses then write back, as after a layer
+that wrote its outputs; "read" reads one and leaves clean lines, as after a
+layer that read its weights. Large calls do not tell them apart; a small,
+memory-bound one does (a batch-1 decode step: 1-3 µs, and not alike for every
+backend; docs/findings.md, "Decode").
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # > 50 MB L2 of an H100, with margin
 # GPU spin before each timed call: 4M cycles, ~2 ms at H100 clocks, more than
 # the host needs to queue one attention call (forward + backward included).
 HOST_AHEAD_CYCLES = 4_000_000
+L2_FLUSHES = ("write", "read")
 
 
 @dataclass
@@ -38,13 +46,18 @@ class Timing:
 
 
 _flush_buffer = None
+_flush_read_result = None
 
 
-def _flush_l2():
-    global _flush_buffer
+def _flush_l2(mode: str = "write"):
+    global _flush_buffer, _flush_read_result
     if _flush_buffer is None:
         _flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    _flush_buffer.zero_()
+        _flush_read_result = torch.empty((), dtype=torch.int64, device="cuda")
+    if mode == "read":
+        torch.amax(_flush_buffer.view(torch.int64), dim=0, out=_flush_read_result)
+    else:
+        _flush_buffer.zero_()
 
 
 def first_call(fn) -> tuple[float, int]:
@@ -60,8 +73,12 @@ def first_call(fn) -> tuple[float, int]:
 
 def time_interleaved(fns: dict, warmup: int = 3, repeats: int = 30,
                      max_seconds: float = 10.0,
-                     include_host_latency: bool = False) -> dict[str, tuple[float, int]]:
-    """(median ms, repeats) of each callable, measured round-robin."""
+                     include_host_latency: bool = False,
+                     l2_flush: str = "write") -> dict[str, tuple[float, int]]:
+    """(median ms, repeats) of each callable, measured round-robin, the L2
+    flushed before each call as l2_flush says (one of L2_FLUSHES)."""
+    if l2_flush not in L2_FLUSHES:
+        raise ValueError(f"l2_flush: expected one of {', '.join(L2_FLUSHES)}, got {l2_flush!r}")
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -70,7 +87,7 @@ def time_interleaved(fns: dict, warmup: int = 3, repeats: int = 30,
     budget_start = time.perf_counter()
     for i in range(repeats):
         for name, fn in fns.items():
-            _flush_l2()
+            _flush_l2(l2_flush)
             if not include_host_latency:
                 torch.cuda._sleep(HOST_AHEAD_CYCLES)
             begin = torch.cuda.Event(enable_timing=True)

@@ -485,7 +485,10 @@ def test_decode_bench_grid_bytes_and_table():
     assert not any(p["cache"] == 1000 and p["page_size"] == 16 for p in grid)
     assert {"shape": "llama3_8b", "heads": 32, "heads_kv": 8, "batch": 256, "cache": 1000,
             "seqlen_q": 1, "page_size": 0, "kv_bytes": 256 * 1000 * 8 * 128 * 4} in grid
-    for bad in (["--shapes", "gpt5"], ["--backends", "cute,xformers"], ["--pages", "-1"]):
+    assert args.l2_flush == "write"
+    assert decode_bench.parse_args(["--l2-flush", "read", "--out", "x"]).l2_flush == "read"
+    for bad in (["--shapes", "gpt5"], ["--backends", "cute,xformers"], ["--pages", "-1"],
+                ["--l2-flush", "evict"]):
         with pytest.raises(SystemExit):
             decode_bench.parse_args([*bad, "--out", "x"])
     problem = dict(shape="llama3_8b", heads=32, heads_kv=8, batch=1, cache=8192, seqlen_q=1,
@@ -496,6 +499,9 @@ def test_decode_bench_grid_bytes_and_table():
             dict(problem, backend="copy", status="ok", us=12.0, tbps=2.8)]
     table = decode_bench.format_markdown(rows, {}, "python -m cute_fa.profiling.decode_bench")
     assert "| 32/8 | 1 | 8192 | 1 | 16 | 20.0 (1.68) | 40.0 (0.84) | n/a | 2.80 | 2.00 |" in table
+    assert "L2 flushed before every call by writing 256 MB (dirty lines)" in table
+    read = decode_bench.format_markdown([dict(r, l2_flush="read") for r in rows], {}, "x")
+    assert "L2 flushed before every call by reading 256 MB (clean lines)" in read
     # ours on e4m3 caches: half the bytes, its own column, not a peer of the ratio
     assert "HBM peak not known for this GPU" in table
     for gpu, peak in (("NVIDIA H100 80GB HBM3", "3.35"), ("NVIDIA H200", "4.8")):
@@ -575,3 +581,12 @@ def test_decode_bench_flashinfer_sees_the_same_pages(monkeypatch, page_size):
     assert w.ran == ((2, 8, 128), [(2 * pages, page, 1, 128)] * 2)
     with pytest.raises(BackendUnavailable, match="one query token"):
         decode_bench._callable("flashinfer", torch.cat([q, q], 1), k, v, table, lengths)
+
+
+def test_time_interleaved_names_a_bad_l2_flush_before_any_call():
+    from cute_fa.profiling import timing
+
+    calls = []
+    with pytest.raises(ValueError, match="l2_flush: expected one of write, read, got 'zero'"):
+        timing.time_interleaved({"fn": lambda: calls.append(1)}, l2_flush="zero")
+    assert not calls
