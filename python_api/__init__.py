@@ -25,7 +25,7 @@ from .block_mask import BlockSparseMask
 from .kvcache import flash_attn_with_kvcache  # (registers torch.ops.cute_fa.fwd_kvcache)
 from .reference import attention_reference
 from .scores import check_score_args, check_sink, check_sink_type, window_from_size
-from .validate import (check_argument_types, check_attention_tensors, check_optional_tensors,
+from .validate import (check_argument_types, check_attention_tensors, check_tensor_types,
                        describe)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
@@ -93,7 +93,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fp8 = fp8_ops.FP8_DTYPES
     if q.dtype in fp8 or k.dtype in fp8 or v.dtype in fp8:
         _check_fp8_call(window_size, softcap, learnable_sink, deterministic)
-        check_optional_tensors(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        check_tensor_types(("q_descale", "k_descale", "v_descale"), q_descale, k_descale,
+                           v_descale, optional=True)
         out, lse = torch.ops.cute_fa.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
                                              softmax_scale, bool(causal), out_dtype)
         return (out, lse) if return_lse else out

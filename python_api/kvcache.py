@@ -50,8 +50,8 @@ from . import compile_cache, decode, ops, reference
 from . import nvtx as nvtx_ranges
 from .fp8_ops import E4M3, E4M3_OUT, check_descales, kernel_descales
 from .kernels.config import FP8_HEAD_DIMS
-from .validate import (SUPPORTED_DTYPES, check_head_dims, check_optional_tensors,
-                       check_scale_type, check_softmax_scale, describe)
+from .validate import (SUPPORTED_DTYPES, check_head_dims, check_scale_type,
+                       check_softmax_scale, check_tensor_types, describe)
 
 _lib = ops._lib
 _lib.define("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
@@ -342,6 +342,7 @@ ops.register_kernels("fwd_kvcache", _forward, _forward, _fake)
 
 _OPTIONAL_TENSORS = ("k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "q_descale",
                      "k_descale", "v_descale")
+_CACHE_SEQLENS = _OPTIONAL_TENSORS.index("cache_seqlens")
 
 
 def _check_argument_types(optional: tuple, softmax_scale, num_splits) -> None:
@@ -357,11 +358,11 @@ def _check_argument_types(optional: tuple, softmax_scale, num_splits) -> None:
         if (softmax_scale is None or type(softmax_scale) in (float, int)) \
                 and type(num_splits) is int:
             return
-    cache_seqlens = optional[_OPTIONAL_TENSORS.index("cache_seqlens")]
+    cache_seqlens = optional[_CACHE_SEQLENS]
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int32 tensor (batch,), an int or None, "
                         f"got {type(cache_seqlens).__name__}")
-    check_optional_tensors(**dict(zip(_OPTIONAL_TENSORS, optional)))
+    check_tensor_types(_OPTIONAL_TENSORS, *optional, optional=True)
     check_scale_type(softmax_scale)
     check_num_splits(num_splits)
 
@@ -379,9 +380,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     1 never splits; at most 128 and the cache's 128-key blocks. e4m3 q and
     caches take q_descale, k_descale, v_descale (batch, nheads_kv) fp32 (None:
     1) and give a bf16 out."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_tensor_types(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)

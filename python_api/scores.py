@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .kernels.config import Features
+from .validate import check_tensor_types
 
 NO_WINDOW = (-1, -1)
 
@@ -46,9 +47,7 @@ SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_sink_type(learnable_sink) -> None:
     """The check the torch dispatcher would otherwise answer with its own message."""
-    if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
-        raise TypeError(f"learnable_sink: expected a torch.Tensor or None, got "
-                        f"{type(learnable_sink).__name__}")
+    check_tensor_types(("learnable_sink",), learnable_sink, optional=True)
 
 
 def check_sink(learnable_sink, nheads: int, device: torch.device) -> None:

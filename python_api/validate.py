@@ -27,9 +27,7 @@ def describe(t) -> str:
 def check_argument_types(q, k, v, softmax_scale=None) -> None:
     """The checks the torch dispatcher would otherwise answer with its own
     message; cheap enough for the public function to run before the op."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_tensor_types(("q", "k", "v"), q, k, v)
     check_scale_type(softmax_scale)
 
 
@@ -49,13 +47,20 @@ def check_softmax_scale(softmax_scale) -> None:
                          f"{softmax_scale}")
 
 
-def check_optional_tensors(**arguments) -> None:
-    """Each argument None or a tensor: the checks the torch dispatcher would
-    otherwise answer with its schema."""
-    for name, t in arguments.items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got "
-                            f"{type(t).__name__}")
+def check_tensor_types(names: tuple, *values, optional: bool = False) -> None:
+    """Each value a tensor (or None, where optional), the first failing one
+    named from `names`: the checks the torch dispatcher would otherwise
+    answer with its schema. On every call of the public functions, so a
+    valid call takes one loop and no per-call containers."""
+    for t in values:  # None first: isinstance(None, torch.Tensor) is slow (a metaclass)
+        if not (optional and t is None) and not isinstance(t, torch.Tensor):
+            break
+    else:
+        return
+    for name, t in zip(names, values):
+        if not (optional and t is None) and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, "
+                            f"got {type(t).__name__}")
 
 
 def check_head_dims(head_dim: int, head_dim_v: int, q_name: str = "q",
