@@ -199,10 +199,11 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                              f"block mask (the preprocess zeroes dQ where no key is visible "
                              f"by the LSE, which a sink keeps finite; a block mask's walks are "
                              f"lists), got True ({features})")
-        if features.rows_per_query != 1:
-            raise ValueError(f"features.rows_per_query: expected 1 for the backward (only "
-                             f"the KV-cache forward packs a token's heads), got "
-                             f"{features.rows_per_query}")
+        if features.rows_per_query != 1 or features.one_q_tile:
+            raise ValueError(f"features.rows_per_query, one_q_tile: expected 1 and False for "
+                             f"the backward (only the KV-cache forward packs a token's heads "
+                             f"into one tile), got {features.rows_per_query} and "
+                             f"{features.one_q_tile}")
         if features.block_sparse and (causal or features.local or features.varlen
                                       or config.deterministic or config.keys_on_n):
             raise ValueError(f"features.block_sparse: expected a dense, non-causal, "

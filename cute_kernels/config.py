@@ -78,6 +78,11 @@ class Features:
         (backward) visits come from a list per (batch, head, tile), and the
         tiles that are partly visible from a bit mask (block_sparse.py): a
         FlexAttention BlockMask, without causal or window limits of its own.
+    one_q_tile: (forward, packed batch) no sequence holds more query rows
+        than one tile (a KV-cache step, decode.py): tile t is head t % h of
+        sequence t // h, known without the scan of cu_seqlens_q that other
+        packed batches take (varlen.VarlenScheduler), so a tile's loads of
+        its lengths depend on no earlier load.
     """
 
     local: bool = False
@@ -89,6 +94,7 @@ class Features:
     rows_per_query: int = 1
     heads_in_rows: bool = False
     block_sparse: bool = False
+    one_q_tile: bool = False
 
 
 PLAIN_FEATURES = Features()

@@ -120,6 +120,7 @@ class Work:
     seqlen_q: Int32
     seqlen_k: Int32
     sparse: SparseRow | None = None  # block_sparse: the tile's list of key blocks
+    first_page: Int32 | int = 0  # the producer's: KvBlocks.first_page
 
 
 @dataclass
@@ -170,6 +171,9 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         if features.split_kv and features.sink:
             raise ValueError("features.sink: expected False for a split_kv kernel (the "
                              "combine of the key ranges takes no sink), got True")
+        if features.one_q_tile and not features.varlen:
+            raise ValueError("features.one_q_tile: expected a varlen kernel (a dense batch's "
+                             "tiles need no scan), got a dense one")
         if features.rows_per_query < 1:
             raise ValueError(f"features.rows_per_query: expected at least 1, got "
                              f"{features.rows_per_query}")
@@ -297,7 +301,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
 
         if cutlass.const_expr(self.features.varlen):
             num_tiles = VarlenScheduler.max_tiles(seqlens.rows_q, seqlens.num_batch(mQ.shape[3]),
-                                                  mQ.shape[2], tile_m)
+                                                  mQ.shape[2], tile_m, self.features.one_q_tile)
         else:
             num_tiles = cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3]
         # Built whatever the config; only split_tail kernels read it.
@@ -484,7 +488,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         )
         if cutlass.const_expr(self.features.varlen):
             scheduler = VarlenScheduler(seqlens, False, self.tile_m, mQ.shape[2],
-                                        seqlens.num_batch(mQ.shape[3]), self.causal)
+                                        seqlens.num_batch(mQ.shape[3]), self.causal,
+                                        self.features.one_q_tile)
         else:
             scheduler = TileScheduler.create(
                 cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
@@ -569,15 +574,15 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         while tile < num_units:
             if dynamic:
                 tiles.queue.publish(round_idx, tile)
-            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens, mBlockSparse)
+            work = self._locate(tiles.scheduler, tail, blocks, tile, seqlens, mBlockSparse, kv)
             head_kv = work.head // q_per_kv
             gQ = cute.local_tile(seqlens.q_rows(mQ, work.head, work.batch),
                                  (self.tile_m, self.head_dim), (work.m_block, 0))
             tQs, tQg = tma_views(copies.q, smem.q, gQ, staged=self.q_ring_stages is not None,
                                  g_tile_modes=2)
-            k_blocks = self._kv_stream(copies.k, mK, smem.k, kv, seqlens, head_kv, work.batch,
+            k_blocks = self._kv_stream(copies.k, mK, smem.k, kv, seqlens, head_kv, work,
                                        self.head_dim)
-            v_blocks = self._kv_stream(copies.v, mV, smem.v, kv, seqlens, head_kv, work.batch,
+            v_blocks = self._kv_stream(copies.v, mV, smem.v, kv, seqlens, head_kv, work,
                                        self.head_dim_v)
 
             pipes.q.producer_acquire(q_state)
@@ -635,15 +640,17 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
 
     @cute.jit
     def _locate(self, scheduler, tail: TailSplit, blocks: BlockRange, unit: Int32,
-                seqlens: Seqlens, mBlockSparse: cute.Tensor) -> Work:
+                seqlens: Seqlens, mBlockSparse: cute.Tensor, kv: KvBlocks | None = None) -> Work:
         """A unit of work -> its Work. Without split_tail a unit is a tile, and
         the first block and the parts are Python constants (the loops' bounds
         stay as they were). A block_sparse tile walks its list's entries as
-        blocks [0, count) (_key_block)."""
+        blocks [0, count) (_key_block). The producer passes `kv`: its first
+        page is read here, beside the lengths."""
         tile, part, parts = unit, 0, 1
         if cutlass.const_expr(self.splits_tiles):
             tile, part, parts = tail.locate(unit)
         m_block, head, batch = scheduler.decode(tile)
+        first_page = 0 if kv is None else kv.first_page(batch)
         seqlen_q, seqlen_k = seqlens.len_q(batch), seqlens.len_k(batch)
         sparse = None
         if cutlass.const_expr(self.features.block_sparse):
@@ -662,7 +669,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
             # only split_kv's epilogue reads it: a constant keeps it out of
             # the registers the main loop carries
             part = 0
-        return Work(m_block, head, batch, n_lo, n_max, part, parts, seqlen_q, seqlen_k, sparse)
+        return Work(m_block, head, batch, n_lo, n_max, part, parts, seqlen_q, seqlen_k, sparse,
+                    first_page)
 
     def _key_block(self, work: Work, n_block: Int32) -> Int32:
         """The K/V block that the walk's block n_block loads: itself, or under
@@ -691,13 +699,15 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
 
     @cute.jit
     def _kv_stream(self, atom, m_kv: cute.Tensor, s_ring: cute.Tensor, kv: KvBlocks,
-                   seqlens: Seqlens, head_kv: Int32, batch: Int32, cols: int) -> KvStream:
+                   seqlens: Seqlens, head_kv: Int32, work: Work, cols: int) -> KvStream:
         """One tile's K or V blocks for the producer (paged.KvStream)."""
+        batch = work.batch
         if cutlass.const_expr(self.kv_load_rows == self.tile_n):
             blocks = kv.gmem_blocks(m_kv, seqlens.k_rows(m_kv, head_kv, batch), head_kv,
                                     self.tile_n, cols)
             s_view, g_view = tma_views(atom, s_ring, blocks, staged=True, g_tile_modes=2)
-            return KvStream(g_view, s_view, head_kv, batch, self.tile_n, self.tile_n, cols)
+            return KvStream(g_view, s_view, head_kv, batch, self.tile_n, self.tile_n, cols,
+                            work.first_page)
         return KvStream(m_kv, s_ring, head_kv, batch, self.kv_load_rows, self.tile_n, cols)
 
     # ------------------------------------------------------------- consumers

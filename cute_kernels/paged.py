@@ -47,12 +47,28 @@ class KvBlocks(DslStruct):
         per_head = m_kv[None, None, head_kv, None]
         return cute.flat_divide(per_head, (tile_n, head_dim))[None, None, None, 0, None]
 
-    def block(self, g_view: cute.Tensor, batch: Int32, n_block: Int32) -> cute.Tensor:
-        """The TMA-partitioned gmem view of block n_block of sequence `batch`."""
+    def first_page(self, batch: Int32) -> Int32 | int:
+        """Sequence `batch`'s first page (0 unpaged). Its address needs no
+        length, so the producer reads it beside the sequence's lengths: a
+        contiguous cache read as one page per sequence (python_api/decode.py)
+        then has its page before its lengths tell which block comes first,
+        instead of one round trip after them."""
+        if cutlass.const_expr(not self.paged):
+            return 0
+        return self.page_table[0, batch, 0]
+
+    @cute.jit
+    def block(self, g_view: cute.Tensor, batch: Int32, n_block: Int32,
+              first_page: Int32 | int) -> cute.Tensor:
+        """The TMA-partitioned gmem view of block n_block of sequence `batch`
+        (first_page: its page 0, KvBlocks.first_page)."""
         if cutlass.const_expr(not self.paged):
             return g_view[None, n_block]
         per_page = cute.size(g_view, mode=[1])
-        page = self.page_table[0, batch, n_block // per_page]
+        index = n_block // per_page
+        page = first_page
+        if index != 0:
+            page = self.page_table[0, batch, index]
         return g_view[None, n_block % per_page, page]
 
 
@@ -71,6 +87,7 @@ class KvStream(DslStruct):
     load_rows: int
     tile_n: int
     cols: int
+    first_page: Int32 | int = 0  # KvBlocks.first_page
 
     @cute.jit
     def load(self, atom, pipe, state, n_block: Int32, blocks: KvBlocks):
@@ -78,7 +95,7 @@ class KvStream(DslStruct):
         # waited for: their round trip to memory overlaps the wait instead of
         # delaying the TMA loads after it.
         if cutlass.const_expr(self.load_rows == self.tile_n):
-            g_block = blocks.block(self.g, self.batch, n_block)
+            g_block = blocks.block(self.g, self.batch, n_block, self.first_page)
             pipe.producer_acquire(state)
             cute.copy(atom, g_block, self.s[None, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state))

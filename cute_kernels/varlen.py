@@ -26,7 +26,11 @@ causal mask). Finding the sequence of a tile index is a prefix sum over the
 sequences' tile counts, 32 sequences per warp step (shuffles and a ballot),
 which every warp that needs a tile runs itself: no workspace, no host work.
 The persistent CTAs claim tiles from a counter (dynamic_tiles), so short
-and long sequences balance over the SMs.
+and long sequences balance over the SMs. Where no sequence holds more
+query rows than a tile (Features.one_q_tile: a KV-cache step), tile t is
+head t % h of sequence t // h, and the scan is skipped: in a decode step
+its loads of cu_seqlens_q were one more round trip to memory, before the
+sequence's lengths could be read, ahead of the tile's first TMA load.
 """
 
 from __future__ import annotations
@@ -159,6 +163,7 @@ class VarlenScheduler(DslStruct):
     num_heads: Int32
     num_batch: Int32
     last_block_first: bool  # causal forward: the longest query block is the last
+    one_tile: bool = False  # Features.one_q_tile: one query tile per (sequence, head)
 
     def tile_at(self, round_idx: Int32) -> Int32:
         return deal(round_idx)
@@ -183,17 +188,33 @@ class VarlenScheduler(DslStruct):
                 prefix += below
         return count, prefix
 
-    @cute.jit
     def num_tiles(self) -> Int32:
+        if self.one_tile:
+            return self.num_batch * self.num_heads
+        return self._counted_tiles()
+
+    @cute.jit
+    def _counted_tiles(self) -> Int32:
         total = Int32(0)
         for base in cutlass.range(0, self.num_batch, 32, unroll=1):
             _, prefix = self._scan(base)
             total += cute.arch.shuffle_sync(prefix, 31)
         return cute.arch.make_warp_uniform(total)
 
-    @cute.jit
     def decode(self, tile: Int32):
         """Linear tile index (< num_tiles) -> (block, head, batch), warp-uniform."""
+        if self.one_tile:
+            uniform = cute.arch.make_warp_uniform
+            # 0 for every tile, but not a constant: with block 0 known, ptxas
+            # hoists the epilogue's per-row addresses out of the tile loop
+            # and holds them through the main loop (spilled: split heads_in_rows)
+            block = tile // (self.num_heads * self.num_batch)
+            return (uniform(block), uniform(tile % self.num_heads),
+                    uniform(tile // self.num_heads))
+        return self._scanned_tile(tile)
+
+    @cute.jit
+    def _scanned_tile(self, tile: Int32):
         batch = Int32(0)
         index = tile  # the tile's index among those of its sequence, once found
         base = Int32(0)
@@ -218,7 +239,11 @@ class VarlenScheduler(DslStruct):
         return uniform(block), uniform(index // blocks), uniform(batch)
 
     @staticmethod
-    def max_tiles(total_rows: Int32, num_batch: Int32, num_heads: Int32, tile: int) -> Int32:
+    def max_tiles(total_rows: Int32, num_batch: Int32, num_heads: Int32, tile: int,
+                  one_tile: bool = False) -> Int32:
         """An upper bound of num_tiles from shapes alone (the host's grid):
-        the sequences' blocks are at most total / tile + one partial each."""
+        the sequences' blocks are at most total / tile + one partial each
+        (one_tile: exactly one each)."""
+        if one_tile:
+            return num_batch * num_heads
         return (total_rows // tile + num_batch) * num_heads

@@ -4,7 +4,10 @@ GQA packing, the split of the keys, and the launches.
 The forward kernel runs over a packed batch (Features.varlen): every
 sequence's keys are rows of the cache seen as one token axis, found by
 their start (cu_seqlens_k) and length (seqused_k), so a decode step reads
-no value on the host and is captured in a CUDA graph whole.
+no value on the host and is captured in a CUDA graph whole. Where each
+sequence's query rows fit one tile (Features.one_q_tile, a step of up to
+64 / g tokens) a tile's sequence and head come from its index alone, not
+from a scan of cu_seqlens_q.
 
 GQA packing. A decode step has 1 query token (speculative decoding: a few)
 per sequence and head, and a WGMMA tile has at least 64 rows. With the
@@ -127,6 +130,10 @@ class DecodePlan:
         """The forward's grid of work: tiles times parts."""
         return self.tiles * self.num_splits
 
+    def one_tile(self, tile_m: int) -> bool:
+        """Whether each sequence's query rows fit one tile (Features.one_q_tile)."""
+        return self.rows <= tile_m
+
 
 def _largest_split(tiles: int, n_blocks: int, sms: int, sm_share: float) -> int:
     """The largest power of two of parts whose tiles · parts stay within
@@ -143,14 +150,21 @@ def choose_splits(tiles: int, n_blocks: int, sms: int,
                   sm_share: float = SPLIT_TARGET_SM_SHARE) -> int:
     """Key ranges per tile from shapes only: _largest_split within sm_share
     of the SMs, or within all of them where each part keeps at least
-    FULL_GRID_PART_BLOCKS blocks; 1 where that split would take fewer than
-    MIN_SPLIT_SAVED_BLOCKS blocks off a tile (docs/findings.md, "Decode":
-    the measured split counts)."""
+    FULL_GRID_PART_BLOCKS blocks or where sm_share's split would take fewer
+    than MIN_SPLIT_SAVED_BLOCKS blocks off a tile (short caches, whose
+    parts' chains are their cost); 1 where even that split would
+    (docs/findings.md, "Decode": the measured split counts)."""
     full_grid = _largest_split(tiles, n_blocks, sms, 1.0)  # never fewer parts than sm_share's
     long_parts = n_blocks // full_grid >= FULL_GRID_PART_BLOCKS
     splits = full_grid if long_parts else _largest_split(tiles, n_blocks, sms, sm_share)
-    saved_blocks = n_blocks - -(-n_blocks // splits)
-    return splits if saved_blocks >= MIN_SPLIT_SAVED_BLOCKS else 1
+    if _saved_blocks(n_blocks, splits) < MIN_SPLIT_SAVED_BLOCKS:
+        splits = full_grid
+    return splits if _saved_blocks(n_blocks, splits) >= MIN_SPLIT_SAVED_BLOCKS else 1
+
+
+def _saved_blocks(n_blocks: int, splits: int) -> int:
+    """The K/V blocks a split into `splits` parts takes off a tile's chain."""
+    return n_blocks - -(-n_blocks // splits)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -291,12 +305,14 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call: one Features per combination
-def kernel_features(split: bool, paged: bool, rows_per_query: int = 1) -> Features:
+def kernel_features(split: bool, paged: bool, rows_per_query: int = 1,
+                    one_tile: bool = True) -> Features:
     """The forward's features for a KV-cache problem; rows_per_query:
     kernel_rows_per_query's (heads_in_rows where those rows are read in
-    place, Rows.IN_KERNEL)."""
+    place, Rows.IN_KERNEL); one_tile: each sequence's s_q · g query rows
+    fit one tile (Features.one_q_tile)."""
     return Features(varlen=True, split_kv=split, paged_kv=paged, rows_per_query=rows_per_query,
-                    heads_in_rows=groups_fill_tile(rows_per_query))
+                    heads_in_rows=groups_fill_tile(rows_per_query), one_q_tile=one_tile)
 
 
 def reads_pages_in_place(page_size: int, head_dim: int, head_dim_v: int,
@@ -361,7 +377,8 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     b = _buffers(q, p, seqlen_q, kernel_dim_v, out_dtype)
     group = kernel_rows_per_query(p.group, seqlen_q > 1, causal)
     kernel, _, _ = fwd_kernel_for(b.q, values, kernel_causal, config,
-                                  kernel_features(split, paged, group),
+                                  kernel_features(split, paged, group,
+                                                  p.one_tile(config.tile_m)),
                                   out_dtype if fp8 else None)
     cu_k, used_k = _key_sequences(c, capacity, cache_rows, lengths)
     pages = c.no_pages if not paged else page_table.unsqueeze(0)

@@ -24,8 +24,10 @@ default): the forwards of flash_attn_with_kvcache (python_api/decode.py),
 split and not, for a contiguous cache (page size 0) and each page size of
 --page-sizes, causal as asked (the causal kernels mask steps of several
 tokens, each token's query heads of a KV head in one group of rows: one
-kernel per group size of --query-groups), and the append of new k, v into
-the cache. --directions block_sparse (not in
+kernel per group size of --query-groups), each for steps whose query rows
+(tokens times query heads per KV head) fit one 64-row tile and for longer
+ones (many_q_tiles: a prompt's chunk appended to the cache), and the
+append of new k, v into the cache. --directions block_sparse (not in
 the default): the forward and backward kernels of a block mask
 (flash_attn_func's block_mask; no causal flag of their own), the backward
 with and without split_gqa. --directions fp8 (not in the default): the
@@ -71,6 +73,7 @@ class Variant:
     split_kv: bool = False  # decode: key ranges merged after
     page_size: int = 0  # decode: a paged cache's page size; 0: contiguous
     rows_per_query: int = 1  # decode: query heads per KV head (several tokens a step)
+    many_q_tiles: bool = False  # decode: more query rows a KV head than one tile
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
@@ -92,7 +95,8 @@ class Variant:
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
                                    "block_sparse", "long_rows", "short", "narrow", "tiny",
-                                   "few_tiles", "one_round", "by_index", "small_grid")
+                                   "few_tiles", "one_round", "by_index", "small_grid",
+                                   "many_q_tiles")
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
@@ -175,9 +179,10 @@ def _decode_variants(dtype: str, head_dim: int, dv: int | None, causal: bool, pa
                      query_groups, fp8: bool = False) -> list[Variant]:
     """The KV-cache forwards of a head dim: split and not, per page size read
     in place (a page size these head dims' kernels gather first has no
-    kernel of its own) and query group; e4m3 caches (fp8: direction
-    decode_fp8, `dtype` the output's, head dims of the FP8 forward) each
-    also with the stages of a small grid."""
+    kernel of its own) and query group, of one query tile per KV head and
+    of more; e4m3 caches (fp8: direction decode_fp8, `dtype` the output's,
+    head dims of the FP8 forward) each also with the stages of a small
+    grid."""
     from .decode import kernel_rows_per_query, reads_pages_in_place
     from .kernels.config import FP8_HEAD_DIMS
 
@@ -187,9 +192,11 @@ def _decode_variants(dtype: str, head_dim: int, dv: int | None, causal: bool, pa
     pages = [p for p in page_sizes if not p or reads_pages_in_place(p, head_dim, head_dim_v, fp8)]
     groups = [g for g in query_groups if kernel_rows_per_query(g, g > 1, causal) == g]
     return [Variant("decode_fp8" if fp8 else "decode", dtype, head_dim, causal, head_dim_v=dv,
-                    split_kv=split, page_size=page, rows_per_query=group, small_grid=small)
-            for split, page, group, small in itertools.product(
-                (False, True), pages, groups, (False, True) if fp8 else (False,))]
+                    split_kv=split, page_size=page, rows_per_query=group, small_grid=small,
+                    many_q_tiles=many)
+            for split, page, group, small, many in itertools.product(
+                (False, True), pages, groups, (False, True) if fp8 else (False,),
+                (False, True))]
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
@@ -282,7 +289,7 @@ def kernels_of(variant: Variant, cached: bool = True):
     if variant.direction in ("decode", "decode_fp8"):
         from . import decode
         features = decode.kernel_features(variant.split_kv, variant.page_size > 0,
-                                          variant.rows_per_query)
+                                          variant.rows_per_query, not variant.many_q_tiles)
     if variant.direction in ("fp8", "decode_fp8"):  # `dtype` is the output's
         if cached:
             return compile_cache.get_fwd(torch.float8_e4m3fn, variant.head_dim, variant.causal,

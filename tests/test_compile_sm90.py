@@ -576,13 +576,13 @@ def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
 # ------------------------------------------------------------ KV cache (decode)
 
 @pytest.mark.parametrize("head_dim,features,load_rows", [
-    (128, Features(varlen=True, split_kv=True), 0),
-    (64, Features(varlen=True, split_kv=True, paged_kv=True), 0),
+    (128, Features(varlen=True, split_kv=True, one_q_tile=True), 0),
+    (64, Features(varlen=True, split_kv=True, paged_kv=True, one_q_tile=True), 0),
     (128, Features(varlen=True, paged_kv=True), 16),
-    (256, Features(varlen=True, split_kv=True, paged_kv=True), 32),
+    (256, Features(varlen=True, split_kv=True, paged_kv=True, one_q_tile=True), 32),
     (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=6), 16),
     (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=4,
-                   heads_in_rows=True), 16),
+                   heads_in_rows=True, one_q_tile=True), 16),
     (64, Features(varlen=True, rows_per_query=8, heads_in_rows=True), 0)])
 def test_decode_kernels(tmp_path, head_dim, features, load_rows):
     """The KV-cache forward (python_api/decode.py's config) stays
@@ -593,7 +593,8 @@ def test_decode_kernels(tmp_path, head_dim, features, load_rows):
     V blocks of 128 keys, here). With rows_per_query (a causal step of
     several tokens, 6 rows each) too; with heads_in_rows q comes in boxes of
     whole groups (d, g, tokens: with the heads and the batch, 5-D), and so
-    does an unsplit O."""
+    does an unsplit O. With one_q_tile a tile's sequence is found without
+    the warp's prefix scan of the query lengths (no shfl.sync.up)."""
     from cute_fa.kernels.config import decode_fwd_config
 
     config = decode_fwd_config(head_dim).replace(kv_load_rows=load_rows)
@@ -605,6 +606,7 @@ def test_decode_kernels(tmp_path, head_dim, features, load_rows):
     _assert_no_spills(info)
     ptx = _ptx(tmp_path)
     assert "cp.async.bulk.tensor" in ptx
+    assert ("shfl.sync.up" in ptx) != features.one_q_tile
     assert ("st.global.v2.f32" in ptx or "st.global.v2.b32" in ptx) == features.split_kv
     assert (kernel.combine is not None) == features.split_kv
     if features.split_kv:

@@ -24,10 +24,14 @@ def test_splits_fill_the_sms_in_powers_of_two():
     assert decode.choose_splits(tiles=1, n_blocks=1024, sms=132) == 64  # one KV head
     assert decode.choose_splits(tiles=1, n_blocks=1024, sms=1024) == MAX_KV_SPLITS
     # a split must take at least MIN_SPLIT_SAVED_BLOCKS blocks off a tile's
-    # chain to pay for the merge: a 1k cache at batch 4 (2 parts would save
-    # 4 of 8) runs unsplit, at batch 1 in 8 parts
-    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132) == 1
+    # chain to pay for the merge: a 1k cache at batch 4, where 2 parts in
+    # half the SMs would save 4 of 8, takes 4 parts on all of them (6
+    # saved), at batch 1 8 parts; at batch 8 even the full grid's 2 parts
+    # would save 4, and it runs unsplit
+    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132) == 4
+    assert decode.choose_splits(tiles=24, n_blocks=8, sms=132) == 4
     assert decode.choose_splits(tiles=8, n_blocks=8, sms=132) == 8
+    assert decode.choose_splits(tiles=64, n_blocks=8, sms=132) == 1
     assert decode.choose_splits(tiles=32, n_blocks=16, sms=132) == 2
     assert decode.choose_splits(tiles=1, n_blocks=6, sms=132) == 1
     for tiles in range(1, 200):
@@ -35,26 +39,32 @@ def test_splits_fill_the_sms_in_powers_of_two():
             splits = decode.choose_splits(tiles, n_blocks, 132)
             assert splits & (splits - 1) == 0 and 1 <= splits <= min(n_blocks, MAX_KV_SPLITS)
             assert splits == 1 or (tiles * splits <= 132 and splits <= 66)
-            if tiles * splits > 66:  # past half the SMs only with long parts
-                assert splits == 1 or n_blocks // splits >= decode.FULL_GRID_PART_BLOCKS
+            saved = n_blocks - -(-n_blocks // splits)
+            if tiles * splits > 66:
+                # past half the SMs only with long parts, or where half of
+                # them would save too few blocks
+                half = decode._largest_split(tiles, n_blocks, 132, 0.5)
+                assert splits == 1 or n_blocks // splits >= decode.FULL_GRID_PART_BLOCKS or (
+                    n_blocks - -(-n_blocks // half) < decode.MIN_SPLIT_SAVED_BLOCKS)
             if splits > 1:
                 # the next power of two would pass the SMs (half of them
-                # for short parts) or the blocks
+                # for short parts that save enough there) or the blocks
                 doubled = 2 * splits
-                long_parts = n_blocks // doubled >= decode.FULL_GRID_PART_BLOCKS
-                assert (tiles * doubled > (132 if long_parts else 66) or doubled > 66
-                        or doubled > n_blocks)
-                assert n_blocks - -(-n_blocks // splits) >= decode.MIN_SPLIT_SAVED_BLOCKS
+                assert (tiles * doubled > (132 if tiles * splits > 66 else 66)
+                        or doubled > 66 or doubled > n_blocks
+                        or n_blocks // doubled < decode.FULL_GRID_PART_BLOCKS)
+                assert saved >= decode.MIN_SPLIT_SAVED_BLOCKS
 
 
 def test_e4m3_caches_split_over_all_the_sms():
     """An e4m3 part streams half the bytes of a 16-bit one in about the same
     time, so e4m3 caches split up to every SM (E4M3_SPLIT_TARGET_SM_SHARE)
     however short their parts, where a 16-bit cache does so only with parts
-    of FULL_GRID_PART_BLOCKS blocks or more: measured on the H100,
-    docs/findings.md, "Decode"."""
+    of FULL_GRID_PART_BLOCKS blocks or more, or where half the SMs would
+    take too few blocks off a tile (a 1k cache at batch 4): measured on the
+    H100 and the H200, docs/findings.md, "Decode"."""
     for batch, heads, heads_kv, capacity, parts_16, parts_e4m3 in [
-            (1, 32, 8, 8192, 8, 16), (4, 8, 1, 8192, 16, 32), (4, 32, 8, 1024, 1, 4),
+            (1, 32, 8, 8192, 8, 16), (4, 8, 1, 8192, 16, 32), (4, 32, 8, 1024, 4, 4),
             (16, 8, 1, 32768, 8, 8), (16, 32, 8, 8192, 1, 1), (1, 8, 1, 8192, 64, 64),
             (1, 8, 1, 32768, 64, 64)]:  # a tile's merge of 128 parts costs more than it saves
         args = (batch, 1, heads, heads_kv, capacity, 128, 0, 132)
@@ -178,6 +188,33 @@ def test_page_wise_loads_need_a_paged_kernel():
         FlashAttentionForwardSm90(None, 128, False, config, features=Features(varlen=True))
     with pytest.raises(ValueError, match="kv_load_rows"):
         config.replace(kv_load_rows=24).validate(128)
+
+
+def test_one_query_tile_per_sequence_is_a_packed_forward_feature():
+    """Features.one_q_tile finds a tile's sequence by division, which only a
+    packed batch's forward needs: a dense forward and the backward name it
+    as an error. The op asks for it where a step's s_q · g rows fit a tile."""
+    import cutlass
+
+    from cute_fa.kernels.bwd_config import default_bwd_config
+    from cute_fa.kernels.bwd_sm90 import FlashAttentionBackwardSm90
+    from cute_fa.kernels.config import Features
+    from cute_fa.kernels.fwd_sm90 import FlashAttentionForwardSm90
+
+    with pytest.raises(ValueError, match="features.one_q_tile: expected a varlen kernel"):
+        FlashAttentionForwardSm90(cutlass.BFloat16, 128, False, decode_fwd_config(128),
+                                  features=Features(one_q_tile=True))
+    with pytest.raises(ValueError, match="one_q_tile: expected 1 and False for the backward"):
+        FlashAttentionBackwardSm90(cutlass.BFloat16, 128, False, default_bwd_config(128, False),
+                                   features=Features(varlen=True, one_q_tile=True))
+    assert decode.kernel_features(True, True).one_q_tile
+    assert not decode.kernel_features(True, True, 4, one_tile=False).one_q_tile
+    tile_m = decode_fwd_config(128).tile_m
+    for seqlen_q, heads, heads_kv, fits in [(1, 32, 8, True), (1, 64, 1, True),
+                                            (1, 128, 1, False), (8, 64, 8, True),
+                                            (9, 64, 8, False), (3, 64, 1, False)]:
+        p = decode.plan(2, seqlen_q, heads, heads_kv, 4096, 128, 0, 132)
+        assert p.one_tile(tile_m) == fits == (p.tiles == 2 * heads_kv)
 
 
 def test_contiguous_rows_of_whole_blocks_are_read_as_pages():

@@ -275,9 +275,10 @@ def test_precompile_command_line():
 
 
 def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
-    """--directions decode: split and not, per page size (0: contiguous), the
-    (config, features) decode.py asks for at run time; the ops' AOT export
-    keeps its fwd and bwd."""
+    """--directions decode: split and not, per page size (0: contiguous),
+    steps of one query tile per KV head and of more, the (config, features)
+    decode.py asks for at run time; the ops' AOT export keeps its fwd and
+    bwd."""
     from cute_fa import aot, decode, precompile
 
     args = precompile.build_parser().parse_args(
@@ -287,18 +288,18 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
     # groups 4 and 8 (the default --query-groups) divide the tile: several
     # tokens' rows are read in place, a kernel per group, causal or not
     assert sorted(v.label() for v in todo) == sorted(
-        f"decode bf16 d128 full{s}{p}{g}" for s in ("", " split_kv")
+        f"decode bf16 d128 full{s}{m}{p}{g}" for s in ("", " split_kv")
+        for m in ("", " many_q_tiles")
         for p in ("", " pages16", " pages256") for g in ("", " group4", " group8"))
     asked = []
     monkeypatch.setattr("cute_fa.compile_cache.get_fwd", lambda *a: asked.append(a))
     for v in todo:
         precompile.kernels_of(v)
-    for page in (None, 16, 256):
-        for split in (False, True):
-            for group in (1, 4, 8):
-                key = (torch.bfloat16, 128, False, decode.kernel_config(128, 128, page), 128,
-                       decode.kernel_features(split, page is not None, group))
-                assert key in asked
+    for page, split, group, one_tile in itertools.product((None, 16, 256), (False, True),
+                                                          (1, 4, 8), (False, True)):
+        key = (torch.bfloat16, 128, False, decode.kernel_config(128, 128, page), 128,
+               decode.kernel_features(split, page is not None, group, one_tile))
+        assert key in asked
     assert decode.kernel_config(128, 128, 16).kv_load_rows == 16
     # causal: one kernel per group size (each token's g rows share its mask row)
     args = precompile.build_parser().parse_args(
@@ -306,7 +307,8 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
          "--page-sizes", "0", "--query-groups", "1,4"])
     todo = precompile.chosen_variants(args)
     assert sorted(v.label() for v in todo) == sorted(
-        f"decode bf16 d128 causal{s}{g}" for s in ("", " split_kv") for g in ("", " group4"))
+        f"decode bf16 d128 causal{s}{m}{g}" for s in ("", " split_kv")
+        for m in ("", " many_q_tiles") for g in ("", " group4"))
     asked.clear()
     for v in todo:
         precompile.kernels_of(v)
@@ -320,8 +322,8 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
          "--causal", "no", "--page-sizes", "0,48", "--query-groups", "1"])
     todo = precompile.chosen_variants(args)
     assert sorted(v.label() for v in todo) == sorted(  # fp16: no e4m3 output; 48: gathered
-        f"decode_fp8 bf16 d128 full{s}{g}" for s in ("", " split_kv")
-        for g in ("", " small_grid"))
+        f"decode_fp8 bf16 d128 full{s}{g}{m}" for s in ("", " split_kv")
+        for g in ("", " small_grid") for m in ("", " many_q_tiles"))
     asked.clear()
     for v in todo:
         precompile.kernels_of(v)
