@@ -306,11 +306,12 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
 
 @functools.lru_cache(maxsize=None)  # asked on every call: one Features per combination
 def kernel_features(split: bool, paged: bool, rows_per_query: int = 1,
-                    one_tile: bool = True) -> Features:
+                    one_tile: bool = False) -> Features:
     """The forward's features for a KV-cache problem; rows_per_query:
     kernel_rows_per_query's (heads_in_rows where those rows are read in
     place, Rows.IN_KERNEL); one_tile: each sequence's s_q · g query rows
-    fit one tile (Features.one_q_tile)."""
+    fit one tile (DecodePlan.one_tile; Features.one_q_tile, which would
+    drop the rows past it)."""
     return Features(varlen=True, split_kv=split, paged_kv=paged, rows_per_query=rows_per_query,
                     heads_in_rows=groups_fill_tile(rows_per_query), one_q_tile=one_tile)
 

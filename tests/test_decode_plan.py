@@ -207,8 +207,8 @@ def test_one_query_tile_per_sequence_is_a_packed_forward_feature():
     with pytest.raises(ValueError, match="one_q_tile: expected 1 and False for the backward"):
         FlashAttentionBackwardSm90(cutlass.BFloat16, 128, False, default_bwd_config(128, False),
                                    features=Features(varlen=True, one_q_tile=True))
-    assert decode.kernel_features(True, True).one_q_tile
-    assert not decode.kernel_features(True, True, 4, one_tile=False).one_q_tile
+    assert decode.kernel_features(True, True, 4, one_tile=True).one_q_tile
+    assert not decode.kernel_features(True, True, 4).one_q_tile  # the scan is always right
     tile_m = decode_fwd_config(128).tile_m
     for seqlen_q, heads, heads_kv, fits in [(1, 32, 8, True), (1, 64, 1, True),
                                             (1, 128, 1, False), (8, 64, 8, True),
