@@ -76,6 +76,12 @@ E4M3_SPLIT_TARGET_SM_SHARE = 1.0
 # A split pays where the K/V blocks it takes off each tile's chain outweigh
 # the merge it adds: at least this many (docs/findings.md, "Decode").
 MIN_SPLIT_SAVED_BLOCKS = 6
+# Short caches whose split over half the SMs saves too few blocks take the
+# full grid's parts only where a sequence has at most this many query rows
+# per KV head: every part writes its rows' fp32 O and the merge reads them
+# back, which at 128 rows cost more than the blocks saved (docs/findings.md,
+# "Decode").
+SHORT_CACHE_SPLIT_MAX_ROWS = 16
 # K/V stages of e4m3 caches on a grid of at most SPLIT_TARGET_SM_SHARE of the
 # SMs, whose CTAs each stream at the rate their bytes in flight allow: an
 # e4m3 stage holds half a 16-bit one's bytes (docs/findings.md, "Decode":
@@ -147,17 +153,19 @@ def _largest_split(tiles: int, n_blocks: int, sms: int, sm_share: float) -> int:
 
 
 def choose_splits(tiles: int, n_blocks: int, sms: int,
-                  sm_share: float = SPLIT_TARGET_SM_SHARE) -> int:
+                  sm_share: float = SPLIT_TARGET_SM_SHARE, rows: int = 1) -> int:
     """Key ranges per tile from shapes only: _largest_split within sm_share
     of the SMs, or within all of them where each part keeps at least
     FULL_GRID_PART_BLOCKS blocks or where sm_share's split would take fewer
-    than MIN_SPLIT_SAVED_BLOCKS blocks off a tile (short caches, whose
-    parts' chains are their cost); 1 where even that split would
-    (docs/findings.md, "Decode": the measured split counts)."""
+    than MIN_SPLIT_SAVED_BLOCKS blocks off a tile and a sequence has at most
+    SHORT_CACHE_SPLIT_MAX_ROWS query rows (`rows`, s_q · g: short caches,
+    whose parts' chains are their cost); 1 where the split would take
+    fewer (docs/findings.md, "Decode": the measured split counts)."""
     full_grid = _largest_split(tiles, n_blocks, sms, 1.0)  # never fewer parts than sm_share's
     long_parts = n_blocks // full_grid >= FULL_GRID_PART_BLOCKS
     splits = full_grid if long_parts else _largest_split(tiles, n_blocks, sms, sm_share)
-    if _saved_blocks(n_blocks, splits) < MIN_SPLIT_SAVED_BLOCKS:
+    if (_saved_blocks(n_blocks, splits) < MIN_SPLIT_SAVED_BLOCKS
+            and rows <= SHORT_CACHE_SPLIT_MAX_ROWS):
         splits = full_grid
     return splits if _saved_blocks(n_blocks, splits) >= MIN_SPLIT_SAVED_BLOCKS else 1
 
@@ -181,7 +189,8 @@ def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, ti
     tiles = batch * heads_kv * -(-rows // WGMMA_M)
     if num_splits == 0:
         num_splits = choose_splits(tiles, n_blocks, sms,
-                                   E4M3_SPLIT_TARGET_SM_SHARE if fp8 else SPLIT_TARGET_SM_SHARE)
+                                   E4M3_SPLIT_TARGET_SM_SHARE if fp8 else SPLIT_TARGET_SM_SHARE,
+                                   rows)
     num_splits = max(1, min(num_splits, MAX_SPLITS, max(n_blocks, 1)))
     return DecodePlan(layout, batch, rows, heads_kv, group, total_rows, tiles, num_splits)
 

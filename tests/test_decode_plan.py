@@ -27,8 +27,14 @@ def test_splits_fill_the_sms_in_powers_of_two():
     # chain to pay for the merge: a 1k cache at batch 4, where 2 parts in
     # half the SMs would save 4 of 8, takes 4 parts on all of them (6
     # saved), at batch 1 8 parts; at batch 8 even the full grid's 2 parts
-    # would save 4, and it runs unsplit
+    # would save 4, and it runs unsplit; so does a sequence of more than
+    # SHORT_CACHE_SPLIT_MAX_ROWS query rows (4 tokens of 32 heads a KV head),
+    # whose parts' fp32 rows cost more than the blocks they save
     assert decode.choose_splits(tiles=32, n_blocks=8, sms=132) == 4
+    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132, rows=16) == 4
+    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132, rows=128) == 1
+    assert decode.plan(16, 4, 32, 1, 1024, 128, 0, 132).num_splits == 1
+    assert decode.plan(4, 4, 32, 8, 1024, 128, 0, 132).num_splits == 4
     assert decode.choose_splits(tiles=24, n_blocks=8, sms=132) == 4
     assert decode.choose_splits(tiles=8, n_blocks=8, sms=132) == 8
     assert decode.choose_splits(tiles=64, n_blocks=8, sms=132) == 1
