@@ -33,10 +33,14 @@ those rows (Rows):
   d) and O and LSE back, three launches more.
 
 A tile keeps WGMMA's 64 rows though a decode step fills g of them (4 for
-Llama-3-8B): the kernel is bound by the bytes of K and V, and the tensor
+Llama-3-8B): a long part is bound by the bytes of K and V, and the tensor
 cores, idle most of the step, do the empty rows' work in their slack; the
 rows cost no HBM bytes beyond q's own (their loads hit other heads' rows
 of the same few KB), and a smaller M would need the slower non-WGMMA path.
+A short part (a short cache, or one split many ways) is its chain of
+dependent steps, each a GEMM, the softmax of all 64 rows and a GEMM: where
+the parts hold at most SHORT_PART_KEYS keys the 16-bit kernels take 64
+keys a step (decode_fwd_config's short_parts), half a 128-key step's work.
 
 Split-KV (flash-decoding). b · h_kv tiles leave most of 132 SMs idle at a
 small batch. With Features.split_kv the keys of each tile are split into
@@ -62,26 +66,38 @@ from .kernels.config import (SEQUSED_K, SEQUSED_Q, WGMMA_M, Features, FwdConfig,
 from .launch_plan import LOG2_E, cached_per_shape
 from .variants import fwd_kernel_for, num_sms
 
-# The share of the SMs whose CTAs (one tile part each) stream a 16-bit cache
-# at the H100's full rate: short parts gain nothing from more, which only add
-# partials and merge work.
+# The share of the SMs that the short parts of a sequence of many query rows
+# fill (each part's fp32 rows cost the merge), and the most parts one tile
+# takes. Sequences of a few rows fill every SM: on the H200 that ran 4-17 %
+# faster than half of them at batch 1-4, where the H100 had measured half as
+# fast as all (docs/findings.md, "Decode").
 SPLIT_TARGET_SM_SHARE = 0.5
-# Parts of at least this many K/V blocks split over all the SMs: their
-# chains pay for the merge of twice as many, and a faster memory (the H200's)
-# needs every SM's loads in flight (docs/findings.md, "Decode").
-FULL_GRID_PART_BLOCKS = 8
+# Sequences of more than SHORT_CACHE_SPLIT_MAX_ROWS query rows split over all
+# the SMs only where each part keeps at least this many keys; shorter parts
+# over SPLIT_TARGET_SM_SHARE of them (docs/findings.md, "Decode").
+FULL_GRID_PART_KEYS = 512
+# A part of at most this many keys (a few blocks) runs the 16-bit kernel of
+# 64-key steps (decode_fwd_config's short_parts), a longer one 128-key steps
+# (docs/findings.md, "Decode").
+SHORT_PART_KEYS = 256
 # An e4m3 part streams about half the bytes a 16-bit one does in the same
 # time, so e4m3 caches need all the SMs for that (docs/findings.md, "Decode").
 E4M3_SPLIT_TARGET_SM_SHARE = 1.0
-# A split pays where the K/V blocks it takes off each tile's chain outweigh
-# the merge it adds: at least this many (docs/findings.md, "Decode").
-MIN_SPLIT_SAVED_BLOCKS = 6
-# Short caches whose split over half the SMs saves too few blocks take the
-# full grid's parts only where a sequence has at most this many query rows
-# per KV head: every part writes its rows' fp32 O and the merge reads them
-# back, which at 128 rows cost more than the blocks saved (docs/findings.md,
+# A split pays where the keys it takes off each tile's chain outweigh the
+# merge it adds: at least this many (six blocks of 128 keys; docs/findings.md,
 # "Decode").
-SHORT_CACHE_SPLIT_MAX_ROWS = 16
+MIN_SPLIT_SAVED_KEYS = 768
+# Sequences of at most this many query rows per KV head split over all the
+# SMs whatever their parts' length; above it every part writes its rows'
+# fp32 O and the merge reads them back, which at 128 rows cost more than
+# parts of 256 keys save (docs/findings.md, "Decode").
+SHORT_CACHE_SPLIT_MAX_ROWS = 32
+# Pages that neither divide nor are divided by the key block are read in
+# place, one page a main-loop step, below this many keys where the head dims
+# are at most 128 (two stages of them fit beside Q): the 128-key blocks'
+# bound, which short parts' 64-key steps keep (a page of 80-112 tokens is a
+# step with either).
+PAGE_STEP_MAX_KEYS = 128
 # K/V stages of e4m3 caches on a grid of at most SPLIT_TARGET_SM_SHARE of the
 # SMs, whose CTAs each stream at the rate their bytes in flight allow: an
 # e4m3 stage holds half a 16-bit one's bytes (docs/findings.md, "Decode":
@@ -152,27 +168,20 @@ def _largest_split(tiles: int, n_blocks: int, sms: int, sm_share: float) -> int:
     return 1 << (most.bit_length() - 1)
 
 
-def choose_splits(tiles: int, n_blocks: int, sms: int,
+def choose_splits(tiles: int, n_blocks: int, block_keys: int, sms: int,
                   sm_share: float = SPLIT_TARGET_SM_SHARE, rows: int = 1) -> int:
-    """Key ranges per tile from shapes only: _largest_split within sm_share
-    of the SMs, or within all of them where each part keeps at least
-    FULL_GRID_PART_BLOCKS blocks or where sm_share's split would take fewer
-    than MIN_SPLIT_SAVED_BLOCKS blocks off a tile and a sequence has at most
-    SHORT_CACHE_SPLIT_MAX_ROWS query rows (`rows`, s_q · g: short caches,
-    whose parts' chains are their cost); 1 where the split would take
-    fewer (docs/findings.md, "Decode": the measured split counts)."""
-    full_grid = _largest_split(tiles, n_blocks, sms, 1.0)  # never fewer parts than sm_share's
-    long_parts = n_blocks // full_grid >= FULL_GRID_PART_BLOCKS
-    splits = full_grid if long_parts else _largest_split(tiles, n_blocks, sms, sm_share)
-    if (_saved_blocks(n_blocks, splits) < MIN_SPLIT_SAVED_BLOCKS
-            and rows <= SHORT_CACHE_SPLIT_MAX_ROWS):
-        splits = full_grid
-    return splits if _saved_blocks(n_blocks, splits) >= MIN_SPLIT_SAVED_BLOCKS else 1
-
-
-def _saved_blocks(n_blocks: int, splits: int) -> int:
-    """The K/V blocks a split into `splits` parts takes off a tile's chain."""
-    return n_blocks - -(-n_blocks // splits)
+    """Key ranges per tile from shapes only (n_blocks K/V blocks of
+    block_keys keys): _largest_split within all the SMs, or within sm_share
+    of them where a sequence has more than SHORT_CACHE_SPLIT_MAX_ROWS query
+    rows (`rows`, s_q · g) and the parts would keep fewer than
+    FULL_GRID_PART_KEYS keys; 1 where the split would take fewer than
+    MIN_SPLIT_SAVED_KEYS keys off a tile (docs/findings.md, "Decode": the
+    measured split counts)."""
+    splits = _largest_split(tiles, n_blocks, sms, 1.0)
+    if rows > SHORT_CACHE_SPLIT_MAX_ROWS and n_blocks // splits * block_keys < FULL_GRID_PART_KEYS:
+        splits = _largest_split(tiles, n_blocks, sms, sm_share)
+    saved_keys = (n_blocks - -(-n_blocks // splits)) * block_keys
+    return splits if saved_keys >= MIN_SPLIT_SAVED_KEYS else 1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -188,11 +197,36 @@ def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, ti
     n_blocks = -(-capacity // tile_n)
     tiles = batch * heads_kv * -(-rows // WGMMA_M)
     if num_splits == 0:
-        num_splits = choose_splits(tiles, n_blocks, sms,
+        num_splits = choose_splits(tiles, n_blocks, tile_n, sms,
                                    E4M3_SPLIT_TARGET_SM_SHARE if fp8 else SPLIT_TARGET_SM_SHARE,
                                    rows)
     num_splits = max(1, min(num_splits, MAX_SPLITS, max(n_blocks, 1)))
     return DecodePlan(layout, batch, rows, heads_kv, group, total_rows, tiles, num_splits)
+
+
+def has_short_parts(p: DecodePlan, capacity: int, tile_n: int) -> bool:
+    """Whether each of the plan's parts holds at most SHORT_PART_KEYS keys
+    (its blocks of tile_n keys), which the 64-key steps of
+    decode_fwd_config's short_parts serve."""
+    return -(-capacity // tile_n // p.num_splits) * tile_n <= SHORT_PART_KEYS
+
+
+@functools.lru_cache(maxsize=1024)
+def config_and_plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int,
+                    kernel_dim: int, kernel_dim_v: int, page_size: int | None,
+                    num_splits: int, sms: int, fp8: bool = False) -> tuple:
+    """(FwdConfig, DecodePlan) of a problem at the kernel head dims: the
+    plan of kernel_config's blocks, then e4m3 caches on a small grid take
+    its stages (small_grid), and 16-bit caches whose parts hold at most
+    SHORT_PART_KEYS keys the 64-key steps, planned again over those blocks."""
+    config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8)
+    p = plan(batch, seqlen_q, heads, heads_kv, capacity, config.tile_n, num_splits, sms, fp8)
+    if fp8 and p.ctas <= int(SPLIT_TARGET_SM_SHARE * sms):
+        config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8, small_grid=True)
+    elif not fp8 and has_short_parts(p, capacity, config.tile_n):
+        config = kernel_config(kernel_dim, kernel_dim_v, page_size, short_parts=True)
+        p = plan(batch, seqlen_q, heads, heads_kv, capacity, config.tile_n, num_splits, sms)
+    return config, p
 
 
 def _pack_tokens(q: torch.Tensor, p: DecodePlan) -> torch.Tensor:
@@ -281,36 +315,42 @@ def _key_sequences(c: _Constants, capacity: int, cache_rows, lengths):
     return cu_k, used_k.view(1, 1, -1)
 
 
-def paged_config(config: FwdConfig, page_size: int, fp8: bool = False) -> FwdConfig | None:
+def paged_config(config: FwdConfig, page_size: int, fp8: bool = False,
+                 widest_page_step: int = 0) -> FwdConfig | None:
     """The config that reads a paged cache in place (cute_kernels/paged.py):
     blocks inside pages where tile_n divides the page size; page-wise loads
     into each block where the page divides tile_n (kv_load_rows); else a
-    block of one page where it is a WGMMA N (a multiple of 16 below
-    tile_n; of 32, the e4m3 WGMMA's K, for e4m3 caches). None: the cache is
-    gathered into contiguous sequences first."""
+    block of one page where it is a WGMMA N (a multiple of 16; of 32, the
+    e4m3 WGMMA's K, for e4m3 caches) below tile_n or widest_page_step. None:
+    the cache is gathered into contiguous sequences first."""
     tile_n = config.tile_n
     if page_size % tile_n == 0:
         return config
     if tile_n % page_size == 0 and page_size % 8 == 0:
         return config.replace(kv_load_rows=page_size)
-    if page_size < tile_n and page_size % (32 if fp8 else 16) == 0:
+    if page_size < max(tile_n, widest_page_step) and page_size % (32 if fp8 else 16) == 0:
         return config.replace(tile_n=page_size)
     return None
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call
 def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
-                  fp8: bool = False, small_grid: bool = False) -> FwdConfig | None:
+                  fp8: bool = False, small_grid: bool = False,
+                  short_parts: bool = False) -> FwdConfig | None:
     """The forward config of a KV-cache problem at these kernel head dims: a
     contiguous cache (page_size None) or pages read in place (None where
     paged_config does not take the page size); fp8: e4m3 caches, with
-    E4M3_SMALL_GRID_STAGES where the grid is small (small_grid). With
+    E4M3_SMALL_GRID_STAGES where the grid is small (small_grid); short_parts:
+    the 16-bit steps of parts of at most SHORT_PART_KEYS keys. With
     kernel_features, what the precompile command builds (python -m
     cute_fa.precompile --directions decode)."""
-    config = decode_fwd_config(head_dim, head_dim_v)
+    config = decode_fwd_config(head_dim, head_dim_v, fp8, short_parts)
     if fp8 and small_grid:
         config = config.replace(kv_stages=E4M3_SMALL_GRID_STAGES)
-    return config if page_size is None else paged_config(config, page_size, fp8)
+    if page_size is None:
+        return config
+    widest = PAGE_STEP_MAX_KEYS if max(head_dim, head_dim_v) <= 128 else 0
+    return paged_config(config, page_size, fp8, widest)
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call: one Features per combination
@@ -374,13 +414,10 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_rows, p
     fp8 = descales is not None
     out_dtype = E4M3_OUT if fp8 else q.dtype
     page_size = keys.shape[1] if paged else None
-    config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     sms = num_sms(device_index)
-    p = plan(batch, seqlen_q, heads, keys.shape[2], capacity, config.tile_n, num_splits, sms,
-             fp8)
-    if fp8 and p.ctas <= int(SPLIT_TARGET_SM_SHARE * sms):
-        config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8, small_grid=True)
+    config, p = config_and_plan(batch, seqlen_q, heads, keys.shape[2], capacity, kernel_dim,
+                                kernel_dim_v, page_size, num_splits, sms, fp8)
     c = _constants_for(p, capacity, paged, q.device)
     split = p.num_splits > 1
     kernel_causal = bool(causal) and seqlen_q > 1

@@ -84,6 +84,7 @@ class Variant:
     long_rows: bool = False  # fwd: the tiles of sequences from config.LONG_SEQLEN tokens
     row_keys: int = 0  # fp8: a row length (keys) of the class whose config it builds
     small_grid: bool = False  # decode_fp8: the K/V stages of a grid of at most half the SMs
+    short_parts: bool = False  # decode: the 64-key steps of parts of a few blocks
 
     @property
     def value_head_dim(self) -> int:
@@ -96,7 +97,7 @@ class Variant:
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
                                    "block_sparse", "long_rows", "short", "narrow", "tiny",
                                    "few_tiles", "one_round", "by_index", "small_grid",
-                                   "many_q_tiles")
+                                   "many_q_tiles", "short_parts")
                  if getattr(self, name)]
         if self.page_size:
             flags.append(f"pages{self.page_size}")
@@ -180,9 +181,10 @@ def _decode_variants(dtype: str, head_dim: int, dv: int | None, causal: bool, pa
     """The KV-cache forwards of a head dim: split and not, per page size read
     in place (a page size these head dims' kernels gather first has no
     kernel of its own) and query group, of one query tile per KV head and
-    of more; e4m3 caches (fp8: direction decode_fp8, `dtype` the output's,
-    head dims of the FP8 forward) each also with the stages of a small
-    grid."""
+    of more; 16-bit caches each also with the 64-key steps of short parts
+    (decode.SHORT_PART_KEYS), e4m3 caches (fp8: direction decode_fp8,
+    `dtype` the output's, head dims of the FP8 forward) with the stages of
+    a small grid. A variant whose config equals another's is left out."""
     from .decode import kernel_rows_per_query, reads_pages_in_place
     from .kernels.config import FP8_HEAD_DIMS
 
@@ -191,12 +193,15 @@ def _decode_variants(dtype: str, head_dim: int, dv: int | None, causal: bool, pa
     head_dim_v = dv or head_dim
     pages = [p for p in page_sizes if not p or reads_pages_in_place(p, head_dim, head_dim_v, fp8)]
     groups = [g for g in query_groups if kernel_rows_per_query(g, g > 1, causal) == g]
-    return [Variant("decode_fp8" if fp8 else "decode", dtype, head_dim, causal, head_dim_v=dv,
-                    split_kv=split, page_size=page, rows_per_query=group, small_grid=small,
-                    many_q_tiles=many)
-            for split, page, group, small, many in itertools.product(
-                (False, True), pages, groups, (False, True) if fp8 else (False,),
-                (False, True))]
+    variants = [Variant("decode_fp8" if fp8 else "decode", dtype, head_dim, causal,
+                        head_dim_v=dv, split_kv=split, page_size=page, rows_per_query=group,
+                        small_grid=small, many_q_tiles=many, short_parts=short)
+                for split, page, group, small, short, many in itertools.product(
+                    (False, True), pages, groups, (False, True) if fp8 else (False,),
+                    (False,) if fp8 else (False, True), (False, True))]
+    # a short part's config is the long one's where the page size sets the step
+    return [v for v in variants if not v.short_parts
+            or config_of(v) != config_of(replace(v, short_parts=False))]
 
 
 def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
@@ -251,7 +256,7 @@ def config_of(variant: Variant):
         from . import decode
         return decode.kernel_config(variant.head_dim, variant.value_head_dim,
                                     variant.page_size or None, variant.direction == "decode_fp8",
-                                    variant.small_grid)
+                                    variant.small_grid, variant.short_parts)
     if variant.direction == "fp8":
         from .kernels.config import PLAIN_FEATURES, fp8_config_for_problem
         return fp8_config_for_problem(variant.head_dim, variant.causal, PLAIN_FEATURES,

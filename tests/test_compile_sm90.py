@@ -181,7 +181,8 @@ def test_fp8_decode_kernels(tmp_path, head_dim, features):
     bf16."""
     from cute_fa.kernels.config import decode_fwd_config
 
-    config = decode_fwd_config(head_dim).replace(kv_load_rows=16 if features.paged_kv else 0)
+    config = decode_fwd_config(head_dim, fp8=True).replace(
+        kv_load_rows=16 if features.paged_kv else 0)
     kernel = compile_fwd(torch.float8_e4m3fn, head_dim, features.rows_per_query > 1, config,
                          dump_dir=str(tmp_path), features=features, out_dtype=torch.bfloat16)
     ptx = _ptx(tmp_path)
@@ -575,29 +576,32 @@ def test_backward_sink_sums_its_gradient_in_the_preprocess(tmp_path):
 
 # ------------------------------------------------------------ KV cache (decode)
 
-@pytest.mark.parametrize("head_dim,features,load_rows", [
-    (128, Features(varlen=True, split_kv=True, one_q_tile=True), 0),
-    (64, Features(varlen=True, split_kv=True, paged_kv=True, one_q_tile=True), 0),
-    (128, Features(varlen=True, paged_kv=True), 16),
-    (256, Features(varlen=True, split_kv=True, paged_kv=True, one_q_tile=True), 32),
-    (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=6), 16),
+@pytest.mark.parametrize("head_dim,features,load_rows,short_parts", [
+    (128, Features(varlen=True, split_kv=True, one_q_tile=True), 0, False),
+    (128, Features(varlen=True, split_kv=True, paged_kv=True, one_q_tile=True), 16, True),
+    (64, Features(varlen=True, split_kv=True, paged_kv=True, one_q_tile=True), 0, False),
+    (128, Features(varlen=True, paged_kv=True), 16, False),
+    (256, Features(varlen=True, split_kv=True, paged_kv=True, one_q_tile=True), 32, False),
+    (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=6), 16, False),
     (128, Features(varlen=True, split_kv=True, paged_kv=True, rows_per_query=4,
-                   heads_in_rows=True, one_q_tile=True), 16),
-    (64, Features(varlen=True, rows_per_query=8, heads_in_rows=True), 0)])
-def test_decode_kernels(tmp_path, head_dim, features, load_rows):
+                   heads_in_rows=True, one_q_tile=True), 16, False),
+    (64, Features(varlen=True, rows_per_query=8, heads_in_rows=True), 0, False)])
+def test_decode_kernels(tmp_path, head_dim, features, load_rows, short_parts):
     """The KV-cache forward (python_api/decode.py's config) stays
     warp-specialised and spill-free on HGMMA and TMA; a split one leaves its
     fp32 partial rows with 8-byte stores and its merge reads them 16 bytes
     a load, with shuffles and no spills; pages smaller than a block
     come in one TMA load per page and 64-column box (loads per stage: K and
-    V blocks of 128 keys, here). With rows_per_query (a causal step of
-    several tokens, 6 rows each) too; with heads_in_rows q comes in boxes of
+    V blocks of 128 keys, of 64 with short_parts). With rows_per_query (a
+    causal step of several tokens, 6 rows each) too; with heads_in_rows q
+    comes in boxes of
     whole groups (d, g, tokens: with the heads and the batch, 5-D), and so
     does an unsplit O. With one_q_tile a tile's sequence is found without
     the warp's prefix scan of the query lengths (no shfl.sync.up)."""
     from cute_fa.kernels.config import decode_fwd_config
 
-    config = decode_fwd_config(head_dim).replace(kv_load_rows=load_rows)
+    config = decode_fwd_config(head_dim, short_parts=short_parts).replace(
+        kv_load_rows=load_rows)
     causal = features.rows_per_query > 1 and features.paged_kv
     kernel = compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path),
                          features=features)

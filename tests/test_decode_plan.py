@@ -12,70 +12,94 @@ from cute_fa.kernels.config import MAX_KV_SPLITS, decode_fwd_config
 
 
 def test_splits_fill_the_sms_in_powers_of_two():
-    # measured on the H100 and the H200 (docs/findings.md, "Decode"): short
-    # parts fill half the SMs, which stream them at the H100's full rate;
-    # parts of FULL_GRID_PART_BLOCKS blocks or more fill all of them
-    assert decode.choose_splits(tiles=128, n_blocks=256, sms=132) == 1
-    assert decode.choose_splits(tiles=8, n_blocks=1, sms=132) == 1
-    assert decode.choose_splits(tiles=8, n_blocks=64, sms=132) == 8  # Llama-3-8B, batch 1, 8k
-    assert decode.choose_splits(tiles=8, n_blocks=256, sms=132) == 16  # 32k
-    assert decode.choose_splits(tiles=16, n_blocks=256, sms=132) == 8  # one KV head, batch 16
-    assert decode.choose_splits(tiles=64, n_blocks=64, sms=132) == 2
-    assert decode.choose_splits(tiles=1, n_blocks=1024, sms=132) == 64  # one KV head
-    assert decode.choose_splits(tiles=1, n_blocks=1024, sms=1024) == MAX_KV_SPLITS
-    # a split must take at least MIN_SPLIT_SAVED_BLOCKS blocks off a tile's
-    # chain to pay for the merge: a 1k cache at batch 4, where 2 parts in
-    # half the SMs would save 4 of 8, takes 4 parts on all of them (6
-    # saved), at batch 1 8 parts; at batch 8 even the full grid's 2 parts
-    # would save 4, and it runs unsplit; so does a sequence of more than
-    # SHORT_CACHE_SPLIT_MAX_ROWS query rows (4 tokens of 32 heads a KV head),
-    # whose parts' fp32 rows cost more than the blocks they save
-    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132) == 4
-    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132, rows=16) == 4
-    assert decode.choose_splits(tiles=32, n_blocks=8, sms=132, rows=128) == 1
-    assert decode.plan(16, 4, 32, 1, 1024, 128, 0, 132).num_splits == 1
-    assert decode.plan(4, 4, 32, 8, 1024, 128, 0, 132).num_splits == 4
-    assert decode.choose_splits(tiles=24, n_blocks=8, sms=132) == 4
-    assert decode.choose_splits(tiles=8, n_blocks=8, sms=132) == 8
-    assert decode.choose_splits(tiles=64, n_blocks=8, sms=132) == 1
-    assert decode.choose_splits(tiles=32, n_blocks=16, sms=132) == 2
-    assert decode.choose_splits(tiles=1, n_blocks=6, sms=132) == 1
-    for tiles in range(1, 200):
-        for n_blocks in (1, 3, 7, 8, 12, 64, 100, 256, 1024):
-            splits = decode.choose_splits(tiles, n_blocks, 132)
-            assert splits & (splits - 1) == 0 and 1 <= splits <= min(n_blocks, MAX_KV_SPLITS)
-            assert splits == 1 or (tiles * splits <= 132 and splits <= 66)
-            saved = n_blocks - -(-n_blocks // splits)
-            if tiles * splits > 66:
-                # past half the SMs only with long parts, or where half of
-                # them would save too few blocks
-                half = decode._largest_split(tiles, n_blocks, 132, 0.5)
-                assert splits == 1 or n_blocks // splits >= decode.FULL_GRID_PART_BLOCKS or (
-                    n_blocks - -(-n_blocks // half) < decode.MIN_SPLIT_SAVED_BLOCKS)
-            if splits > 1:
-                # the next power of two would pass the SMs (half of them
-                # for short parts that save enough there) or the blocks
-                doubled = 2 * splits
-                assert (tiles * doubled > (132 if tiles * splits > 66 else 66)
-                        or doubled > 66 or doubled > n_blocks
-                        or n_blocks // doubled < decode.FULL_GRID_PART_BLOCKS)
-                assert saved >= decode.MIN_SPLIT_SAVED_BLOCKS
+    # measured on the H200 (docs/findings.md, "Decode"): a sequence of a few
+    # query rows fills all the SMs; one of many rows (past
+    # SHORT_CACHE_SPLIT_MAX_ROWS) fills half of them with parts shorter than
+    # FULL_GRID_PART_KEYS; no split takes fewer than MIN_SPLIT_SAVED_KEYS
+    # keys off a tile
+    def splits(tiles, n_blocks, sms=132, block_keys=128, **kw):
+        return decode.choose_splits(tiles, n_blocks, block_keys, sms, **kw)
+
+    assert splits(tiles=128, n_blocks=256) == 1
+    assert splits(tiles=8, n_blocks=1) == 1
+    assert splits(tiles=8, n_blocks=64) == 16  # Llama-3-8B, batch 1, 8k
+    assert splits(tiles=8, n_blocks=256) == 16  # 32k
+    assert splits(tiles=16, n_blocks=256) == 8  # one KV head, batch 16
+    assert splits(tiles=64, n_blocks=64) == 2
+    assert splits(tiles=1, n_blocks=1024) == 64  # one KV head: a tile's merge of 64 parts
+    assert splits(tiles=1, n_blocks=1024, sms=1024) == MAX_KV_SPLITS
+    # a 1k cache at batch 4: 4 parts save 768 keys; at batch 8 the full
+    # grid's 2 parts would save 512, and it runs unsplit
+    assert splits(tiles=32, n_blocks=8) == 4
+    assert splits(tiles=64, n_blocks=8) == 1
+    assert splits(tiles=1, n_blocks=6) == 1
+    assert splits(tiles=8, n_blocks=16, block_keys=64) == 16  # 64-key blocks: 1k, batch 1
+    assert splits(tiles=64, n_blocks=16, block_keys=64) == 1
+    # many rows (4 tokens of 32 heads a KV head: 128): parts of 512 keys fill
+    # the SMs, shorter ones half of them, which at a 1k cache saves too few
+    assert splits(tiles=8, n_blocks=64, rows=128) == 16
+    assert splits(tiles=8, n_blocks=32, rows=128) == 8
+    assert splits(tiles=32, n_blocks=8, rows=32) == 4
+    assert splits(tiles=32, n_blocks=8, rows=128) == 1
+    for block_keys in (64, 128):
+        for rows in (1, 128):
+            for tiles in range(1, 200):
+                for n_blocks in (1, 3, 7, 8, 12, 16, 64, 100, 256, 1024):
+                    parts = splits(tiles, n_blocks, block_keys=block_keys, rows=rows)
+                    assert parts & (parts - 1) == 0
+                    assert 1 <= parts <= min(n_blocks, MAX_KV_SPLITS)
+                    assert parts == 1 or (tiles * parts <= 132 and parts <= 66)
+                    saved = (n_blocks - -(-n_blocks // parts)) * block_keys
+                    if parts > 1:
+                        assert saved >= decode.MIN_SPLIT_SAVED_KEYS
+                        short = n_blocks // parts * block_keys < decode.FULL_GRID_PART_KEYS
+                        share = 66 if rows > 32 and short else 132
+                        assert tiles * parts <= share
+                        # the next power of two would pass that share or the blocks
+                        doubled = 2 * parts
+                        assert (tiles * doubled > share or doubled > 66 or doubled > n_blocks
+                                or (rows > 32 and n_blocks // doubled * block_keys
+                                    < decode.FULL_GRID_PART_KEYS))
+
+
+@pytest.mark.parametrize("batch,seqlen_q,heads,heads_kv,capacity,tile_n,parts", [
+    (1, 1, 32, 8, 1024, 64, 16), (1, 1, 8, 1, 1024, 64, 16), (4, 1, 32, 8, 1024, 64, 4),
+    (1, 1, 32, 8, 4096, 64, 16), (1, 1, 8, 1, 8192, 64, 64), (4, 1, 32, 1, 8192, 64, 32),
+    (1, 1, 32, 8, 8192, 128, 16), (2, 1, 32, 8, 4096, 128, 8), (1, 1, 8, 1, 32768, 128, 64),
+    (4, 4, 32, 1, 8192, 128, 16), (16, 4, 32, 1, 1024, 128, 1), (64, 1, 8, 1, 1024, 128, 1),
+    (16, 1, 32, 8, 8192, 128, 1), (1, 1, 32, 8, 100, 64, 1)])
+def test_short_parts_take_64_key_steps(batch, seqlen_q, heads, heads_kv, capacity, tile_n,
+                                       parts):
+    """16-bit caches whose parts (planned over 128-key blocks) hold at most
+    SHORT_PART_KEYS keys run 64-key steps, planned again over those blocks;
+    longer parts, and e4m3 caches, keep 128 (docs/findings.md, "Decode")."""
+    config, p = decode.config_and_plan(batch, seqlen_q, heads, heads_kv, capacity, 128, 128,
+                                       None, 0, 132)
+    assert (config.tile_n, p.num_splits) == (tile_n, parts)
+    assert config == decode.kernel_config(128, 128, None, short_parts=tile_n == 64)
+    e4m3, _ = decode.config_and_plan(batch, seqlen_q, heads, heads_kv, capacity, 128, 128,
+                                     None, 0, 132, True)
+    assert e4m3.tile_n == 128
+    # head dims above 128 take 64 keys a step either way
+    config, _ = decode.config_and_plan(batch, seqlen_q, heads, heads_kv, capacity, 256, 256,
+                                       None, 0, 132)
+    assert config.tile_n == 64
 
 
 def test_e4m3_caches_split_over_all_the_sms():
     """An e4m3 part streams half the bytes of a 16-bit one in about the same
     time, so e4m3 caches split up to every SM (E4M3_SPLIT_TARGET_SM_SHARE)
-    however short their parts, where a 16-bit cache does so only with parts
-    of FULL_GRID_PART_BLOCKS blocks or more, or where half the SMs would
-    take too few blocks off a tile (a 1k cache at batch 4): measured on the
-    H100 and the H200, docs/findings.md, "Decode"."""
-    for batch, heads, heads_kv, capacity, parts_16, parts_e4m3 in [
-            (1, 32, 8, 8192, 8, 16), (4, 8, 1, 8192, 16, 32), (4, 32, 8, 1024, 4, 4),
-            (16, 8, 1, 32768, 8, 8), (16, 32, 8, 8192, 1, 1), (1, 8, 1, 8192, 64, 64),
-            (1, 8, 1, 32768, 64, 64)]:  # a tile's merge of 128 parts costs more than it saves
-        args = (batch, 1, heads, heads_kv, capacity, 128, 0, 132)
-        assert decode.plan(*args).num_splits == parts_16
-        e4m3 = decode.plan(*args, fp8=True)
+    whatever their rows, where a 16-bit sequence of many query rows fills
+    half of them with short parts: measured on the H100 and the H200,
+    docs/findings.md, "Decode"."""
+    for batch, seqlen_q, heads, heads_kv, capacity, parts_16, parts_e4m3 in [
+            (1, 1, 32, 8, 8192, 16, 16), (4, 1, 8, 1, 8192, 32, 32), (4, 1, 32, 8, 1024, 4, 4),
+            (16, 1, 8, 1, 32768, 8, 8), (16, 1, 32, 8, 8192, 1, 1), (1, 1, 8, 1, 8192, 64, 64),
+            (1, 1, 8, 1, 32768, 64, 64),  # a tile's merge of 128 parts costs more than it saves
+            (16, 4, 32, 1, 1024, 1, 4), (8, 4, 32, 1, 1024, 4, 8)]:
+        args = (batch, seqlen_q, heads, heads_kv, capacity, 128, 128, None, 0, 132)
+        assert decode.config_and_plan(*args)[1].num_splits == parts_16
+        e4m3 = decode.config_and_plan(*args, True)[1]
         assert e4m3.num_splits == parts_e4m3 and e4m3.ctas <= 132
 
 
@@ -173,16 +197,30 @@ def test_sequences_start_at_their_rows_and_cache_rows():
     assert decode._make_constants(one, 100, True, "cpu").cu_q.flatten().tolist() == [0, 32, 64]
 
 
-@pytest.mark.parametrize("page_size,tile_n,load_rows", [
-    (256, 128, 0), (128, 128, 0), (64, 128, 64), (16, 128, 16), (8, 128, 8), (48, 48, 0),
-    (24, None, None), (100, None, None)])
-def test_which_page_sizes_are_read_in_place(page_size, tile_n, load_rows):
-    config = decode.paged_config(decode_fwd_config(128), page_size)
+@pytest.mark.parametrize("page_size,short_parts,tile_n,load_rows", [
+    (256, False, 128, 0), (128, False, 128, 0), (64, False, 128, 64), (16, False, 128, 16),
+    (8, False, 128, 8), (48, False, 48, 0), (96, False, 96, 0), (24, False, None, None),
+    (100, False, None, None), (256, True, 64, 0), (64, True, 64, 0), (32, True, 64, 32),
+    (16, True, 64, 16), (48, True, 48, 0), (96, True, 96, 0), (112, True, 112, 0),
+    (24, True, None, None)])
+def test_which_page_sizes_are_read_in_place(page_size, short_parts, tile_n, load_rows):
+    """Pages that divide a block (128 keys; short parts' 64) come one TMA
+    load each, pages it divides a block at a time, other WGMMA widths below
+    128 one page a step, with either block."""
+    config = decode.kernel_config(128, 128, page_size, short_parts=short_parts)
     if tile_n is None:
         assert config is None and not decode.reads_pages_in_place(page_size, 128, 128)
     else:
         assert (config.tile_n, config.kv_load_rows) == (tile_n, load_rows)
         config.validate(128)
+
+
+def test_pages_wider_than_the_block_stay_in_place_only_where_they_fit():
+    """Above head dim 128 a one-page step of 96 keys would not fit two
+    stages beside Q: such pages are gathered there."""
+    assert decode.kernel_config(256, 256, 96) is None
+    assert decode.kernel_config(192, 128, 112) is None
+    assert decode.kernel_config(256, 256, 48).tile_n == 48
 
 
 def test_page_wise_loads_need_a_paged_kernel():
@@ -246,7 +284,8 @@ def test_e4m3_small_grids_keep_more_stages_in_flight():
     E4M3_SMALL_GRID_STAGES K/V stages (a stage holds half the bytes of a
     16-bit one); full grids and 16-bit caches keep decode_fwd_config's."""
     assert decode.plan(64, 1, 8, 1, 8192, 128, 1, 132).ctas == 64  # one tile a sequence
-    assert decode.plan(1, 1, 32, 8, 8192, 128, 0, 132).ctas == 64  # 8 tiles x 8 parts
+    assert decode.plan(1, 1, 32, 8, 8192, 128, 0, 132).ctas == 128  # 8 tiles x 16 parts
+    assert decode.plan(1, 1, 32, 8, 8192, 128, 8, 132).ctas == 64
     assert decode.plan(16, 1, 32, 8, 8192, 128, 0, 132).ctas == 128
     assert decode.plan(1, 4, 32, 1, 8192, 128, 1, 132).ctas == 2  # 128 rows: two tiles
     base = decode_fwd_config(128)

@@ -276,7 +276,8 @@ def test_precompile_command_line():
 
 def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
     """--directions decode: split and not, per page size (0: contiguous),
-    steps of one query tile per KV head and of more, the (config, features)
+    steps of one query tile per KV head and of more, each with the 64-key
+    steps of short parts (decode.SHORT_PART_KEYS), the (config, features)
     decode.py asks for at run time; the ops' AOT export keeps its fwd and
     bwd."""
     from cute_fa import aot, decode, precompile
@@ -288,27 +289,35 @@ def test_precompile_builds_the_decode_kernels_the_op_picks(monkeypatch):
     # groups 4 and 8 (the default --query-groups) divide the tile: several
     # tokens' rows are read in place, a kernel per group, causal or not
     assert sorted(v.label() for v in todo) == sorted(
-        f"decode bf16 d128 full{s}{m}{p}{g}" for s in ("", " split_kv")
-        for m in ("", " many_q_tiles")
-        for p in ("", " pages16", " pages256") for g in ("", " group4", " group8"))
+        f"decode bf16 d128 full{s}{m}{short}{p}{g}" for s in ("", " split_kv")
+        for m in ("", " many_q_tiles") for p in ("", " pages16", " pages256")
+        for g in ("", " group4", " group8") for short in ("", " short_parts"))
     asked = []
     monkeypatch.setattr("cute_fa.compile_cache.get_fwd", lambda *a: asked.append(a))
     for v in todo:
         precompile.kernels_of(v)
-    for page, split, group, one_tile in itertools.product((None, 16, 256), (False, True),
-                                                          (1, 4, 8), (False, True)):
-        key = (torch.bfloat16, 128, False, decode.kernel_config(128, 128, page), 128,
+    for page, split, group, one_tile, short in itertools.product(
+            (None, 16, 256), (False, True), (1, 4, 8), (False, True), (False, True)):
+        key = (torch.bfloat16, 128, False,
+               decode.kernel_config(128, 128, page, short_parts=short), 128,
                decode.kernel_features(split, page is not None, group, one_tile))
         assert key in asked
     assert decode.kernel_config(128, 128, 16).kv_load_rows == 16
+    # head dim 256 steps 64 keys and pages of 48 one page either way: no twin
+    for dims, pages, twins in (("256", "0", 0), ("128", "48", 0), ("128", "0", 4)):
+        args = precompile.build_parser().parse_args(
+            ["--directions", "decode", "--head-dims", dims, "--dtypes", "bf16", "--causal",
+             "no", "--page-sizes", pages, "--query-groups", "1"])
+        labels = [v.label() for v in precompile.chosen_variants(args)]
+        assert len(labels) == 4 + twins and sum("short_parts" in x for x in labels) == twins
     # causal: one kernel per group size (each token's g rows share its mask row)
     args = precompile.build_parser().parse_args(
         ["--directions", "decode", "--head-dims", "128", "--dtypes", "bf16", "--causal", "yes",
          "--page-sizes", "0", "--query-groups", "1,4"])
     todo = precompile.chosen_variants(args)
     assert sorted(v.label() for v in todo) == sorted(
-        f"decode bf16 d128 causal{s}{m}{g}" for s in ("", " split_kv")
-        for m in ("", " many_q_tiles") for g in ("", " group4"))
+        f"decode bf16 d128 causal{s}{m}{short}{g}" for s in ("", " split_kv")
+        for m in ("", " many_q_tiles") for g in ("", " group4") for short in ("", " short_parts"))
     asked.clear()
     for v in todo:
         precompile.kernels_of(v)
