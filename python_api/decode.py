@@ -69,8 +69,8 @@ from .variants import fwd_kernel_for, num_sms
 # The share of the SMs that the short parts of a sequence of many query rows
 # fill (each part's fp32 rows cost the merge), and the most parts one tile
 # takes. Sequences of a few rows fill every SM: on the H200 that ran 4-17 %
-# faster than half of them at batch 1-4, where the H100 had measured half as
-# fast as all (docs/findings.md, "Decode").
+# faster than half of them at batch 1-4, where the H100 had measured half of
+# them as fast (docs/findings.md, "Decode").
 SPLIT_TARGET_SM_SHARE = 0.5
 # Sequences of more than SHORT_CACHE_SPLIT_MAX_ROWS query rows split over all
 # the SMs only where each part keeps at least this many keys; shorter parts

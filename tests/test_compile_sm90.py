@@ -594,9 +594,8 @@ def test_decode_kernels(tmp_path, head_dim, features, load_rows, short_parts):
     come in one TMA load per page and 64-column box (loads per stage: K and
     V blocks of 128 keys, of 64 with short_parts). With rows_per_query (a
     causal step of several tokens, 6 rows each) too; with heads_in_rows q
-    comes in boxes of
-    whole groups (d, g, tokens: with the heads and the batch, 5-D), and so
-    does an unsplit O. With one_q_tile a tile's sequence is found without
+    comes in boxes of whole groups (d, g, tokens: with the heads and the
+    batch, 5-D), and so does an unsplit O. With one_q_tile a tile's sequence is found without
     the warp's prefix scan of the query lengths (no shfl.sync.up)."""
     from cute_fa.kernels.config import decode_fwd_config
 

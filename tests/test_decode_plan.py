@@ -53,12 +53,13 @@ def test_splits_fill_the_sms_in_powers_of_two():
                     if parts > 1:
                         assert saved >= decode.MIN_SPLIT_SAVED_KEYS
                         short = n_blocks // parts * block_keys < decode.FULL_GRID_PART_KEYS
-                        share = 66 if rows > 32 and short else 132
+                        many_rows = rows > decode.SHORT_CACHE_SPLIT_MAX_ROWS
+                        share = 66 if many_rows and short else 132
                         assert tiles * parts <= share
                         # the next power of two would pass that share or the blocks
                         doubled = 2 * parts
                         assert (tiles * doubled > share or doubled > 66 or doubled > n_blocks
-                                or (rows > 32 and n_blocks // doubled * block_keys
+                                or (many_rows and n_blocks // doubled * block_keys
                                     < decode.FULL_GRID_PART_KEYS))
 
 
