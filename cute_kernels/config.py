@@ -883,21 +883,21 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
 
 
 @functools.lru_cache(maxsize=None)
-def decode_fwd_config(head_dim: int, head_dim_v: int | None = None, fp8: bool = False,
+def decode_fwd_config(head_dim: int, head_dim_v: int | None = None,
                       short_parts: bool = False) -> FwdConfig:
     """The forward config of attention against a KV cache (python_api/decode.py):
     a few query rows per (sequence, KV head), so one 64-row consumer
     warpgroup per tile (no ping-pong partner); tiles dealt in a fixed order
     (the split count aims at one wave of them, and no tile counter needs
     zeroing before each call); 128 keys a step in two stages, 64 above head
-    dim 128, and 64 for 16-bit caches whose parts hold a few blocks
-    (short_parts: each part is its chain of dependent steps, and a 64-key
-    step's GEMMs and softmax over all 64 rows are half a 128-key one's; a
-    long part streams more bytes a step with 128; docs/findings.md,
-    "Decode"); 56 registers for the producer, which holds a block's page
+    dim 128, and 64 where a split's parts hold a few blocks (short_parts,
+    which python_api/decode.py asks for 16-bit caches: each part is its
+    chain of dependent steps, and a 64-key step's GEMMs and softmax over all
+    64 rows are half a 128-key one's; a long part streams more bytes a step
+    with 128; docs/findings.md, "Decode"); 56 registers for the producer, which holds a block's page
     numbers (up to 8) through the wait for its stage: they spill at 40
     (pages of 16, split, head dim 128)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    wide = max(head_dim, head_dim_v) <= 128 and (fp8 or not short_parts)
+    wide = max(head_dim, head_dim_v) <= 128 and not short_parts
     return FwdConfig(tile_m=64, tile_n=128 if wide else 64, kv_stages=2, pingpong=False,
                      persistent=True, dynamic_tiles=False, split_tail=False, producer_regs=56)

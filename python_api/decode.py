@@ -204,13 +204,6 @@ def plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int, ti
     return DecodePlan(layout, batch, rows, heads_kv, group, total_rows, tiles, num_splits)
 
 
-def has_short_parts(p: DecodePlan, capacity: int, tile_n: int) -> bool:
-    """Whether each of the plan's parts holds at most SHORT_PART_KEYS keys
-    (its blocks of tile_n keys), which the 64-key steps of
-    decode_fwd_config's short_parts serve."""
-    return -(-capacity // tile_n // p.num_splits) * tile_n <= SHORT_PART_KEYS
-
-
 @functools.lru_cache(maxsize=1024)
 def config_and_plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capacity: int,
                     kernel_dim: int, kernel_dim_v: int, page_size: int | None,
@@ -221,9 +214,12 @@ def config_and_plan(batch: int, seqlen_q: int, heads: int, heads_kv: int, capaci
     SHORT_PART_KEYS keys the 64-key steps, planned again over those blocks."""
     config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8)
     p = plan(batch, seqlen_q, heads, heads_kv, capacity, config.tile_n, num_splits, sms, fp8)
-    if fp8 and p.ctas <= int(SPLIT_TARGET_SM_SHARE * sms):
-        config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8, small_grid=True)
-    elif not fp8 and has_short_parts(p, capacity, config.tile_n):
+    if fp8:
+        if p.ctas <= int(SPLIT_TARGET_SM_SHARE * sms):
+            config = kernel_config(kernel_dim, kernel_dim_v, page_size, fp8, small_grid=True)
+        return config, p
+    part_keys = -(-capacity // config.tile_n // p.num_splits) * config.tile_n
+    if part_keys <= SHORT_PART_KEYS:
         config = kernel_config(kernel_dim, kernel_dim_v, page_size, short_parts=True)
         p = plan(batch, seqlen_q, heads, heads_kv, capacity, config.tile_n, num_splits, sms)
     return config, p
@@ -341,10 +337,10 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
     contiguous cache (page_size None) or pages read in place (None where
     paged_config does not take the page size); fp8: e4m3 caches, with
     E4M3_SMALL_GRID_STAGES where the grid is small (small_grid); short_parts:
-    the 16-bit steps of parts of at most SHORT_PART_KEYS keys. With
+    the 64-key steps of 16-bit parts of at most SHORT_PART_KEYS keys. With
     kernel_features, what the precompile command builds (python -m
     cute_fa.precompile --directions decode)."""
-    config = decode_fwd_config(head_dim, head_dim_v, fp8, short_parts)
+    config = decode_fwd_config(head_dim, head_dim_v, short_parts)
     if fp8 and small_grid:
         config = config.replace(kv_stages=E4M3_SMALL_GRID_STAGES)
     if page_size is None:

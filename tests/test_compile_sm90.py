@@ -181,8 +181,7 @@ def test_fp8_decode_kernels(tmp_path, head_dim, features):
     bf16."""
     from cute_fa.kernels.config import decode_fwd_config
 
-    config = decode_fwd_config(head_dim, fp8=True).replace(
-        kv_load_rows=16 if features.paged_kv else 0)
+    config = decode_fwd_config(head_dim).replace(kv_load_rows=16 if features.paged_kv else 0)
     kernel = compile_fwd(torch.float8_e4m3fn, head_dim, features.rows_per_query > 1, config,
                          dump_dir=str(tmp_path), features=features, out_dtype=torch.bfloat16)
     ptx = _ptx(tmp_path)

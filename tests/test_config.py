@@ -411,7 +411,7 @@ def test_every_default_fits_the_registers_of_its_launch():
             default_fwd_config(head_dim, causal).validate(head_dim)
         decode_fwd_config(head_dim).validate(head_dim)
         decode_fwd_config(head_dim, short_parts=True).validate(head_dim)
-        decode_fwd_config(head_dim, fp8=True).validate(head_dim, fp8=True)
+        decode_fwd_config(head_dim).validate(head_dim, fp8=True)
     for head_dim in (64, 96, 128):
         for causal in (False, True):
             default_bwd_config(head_dim, causal).validate(head_dim)
