@@ -115,6 +115,10 @@ class BwdConfig(_KernelConfig):
     l2_section_mb: causal key blocks run longest-first inside sections of
         heads whose Q, dO and dQ accumulator fit in this many MB of L2, a
         power of two of them (scheduler.py).
+    exp2_on_fma: (bf16 inputs) of every 8 exponentials of P, how many are
+        polynomials on the FMA pipe instead of MUFU ops (exp2_fma.py), 0 to
+        8: where a cap's tanh doubles the MUFU work. fp16 kernels keep every
+        exponential on the MUFU (slower with a share, measured).
     producer_regs / consumer_regs: setmaxnreg targets.
     """
 
@@ -135,6 +139,7 @@ class BwdConfig(_KernelConfig):
     dkv_via_scores: bool = False
     convert_dq: bool = False
     dq_first_store: bool = False
+    exp2_on_fma: int = 0
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -225,6 +230,8 @@ class BwdConfig(_KernelConfig):
 
         if self.dim_split not in (1, 2):
             raise bad("dim_split", "1 or 2 (consumer warpgroups per 64 keys)")
+        if not 0 <= self.exp2_on_fma <= 8:
+            raise bad("exp2_on_fma", "an integer in [0, 8] (of every 8 exponentials)")
         if self.keys_on_n:
             self._validate_keys_on_n(bad, head_dim, head_dim_v)
         elif self.dim_split == 1 and head_dim > BACKWARD_OWN_KEYS_MAX_DIM:
@@ -305,6 +312,11 @@ class BwdConfig(_KernelConfig):
                                    "registers in the keys-on-M order)")
 
 
+# Of every 8 exponentials of P in head dim 64's backward under a cap and a
+# causal mask (bf16), those taken to the FMA pipe (BwdConfig.exp2_on_fma).
+CAPPED_CAUSAL_BWD_EXP2_ON_FMA = 2
+
+
 def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
     """Whether the backward's default gives each query head of a GQA group its
     own CTAs (BwdConfig.split_gqa): when one CTA per (key block, KV head,
@@ -324,8 +336,12 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
     full mask spills their bounds or the cap's slope; a block mask too (its
     key blocks differ in length, and 64 queries a step divide its blocks). A
     cap alone keeps the fixed tile order, as its key blocks all walk every
-    query. A packed batch (varlen) claims its key blocks and never splits
-    GQA groups."""
+    query; a cap with a causal mask at head dim 64 takes
+    CAPPED_CAUSAL_BWD_EXP2_ON_FMA of every 8 exponentials to the FMA pipe
+    (without the mask, or at 128, none gained). A packed batch (varlen)
+    claims its key blocks and never splits GQA groups."""
+    capped_causal = features.softcap and causal and not (features.local or features.varlen
+                                                          or features.block_sparse)
     uneven = causal or features.local or features.block_sparse
     causal = uneven or features.softcap
     config = default_bwd_config(head_dim, causal, deterministic, head_dim_v=head_dim_v,
@@ -343,6 +359,8 @@ def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, bat
                                     head_dim_v=head_dim_v)
     if features.softcap and not uneven:
         config = claimed(config, False, head_dim, head_dim_v)
+    if capped_causal and head_dim <= 64:
+        config = config.replace(exp2_on_fma=CAPPED_CAUSAL_BWD_EXP2_ON_FMA)
     return config
 
 

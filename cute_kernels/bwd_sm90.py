@@ -90,6 +90,7 @@ from .mask import (Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
 from .pipeline import (BwdBarrier, consumer_state, make_thread_pipeline, make_tma_pipeline,
                        producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
+from .exp2_fma import exp2_poly, on_fma
 from .softcap import cap_scores, exp2_with_slope
 from .varlen import Seqlens, VarlenScheduler
 
@@ -429,6 +430,12 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
                          mma_dv, mma_dq, tiles)
 
     @property
+    def exp2_on_fma(self) -> int:
+        """The config's share of P's exponentials on the FMA pipe: bf16 only
+        (BwdConfig.exp2_on_fma)."""
+        return self.cfg.exp2_on_fma if self.dtype is cutlass.BFloat16 else 0
+
+    @property
     def dq_writer(self) -> DqWriter:
         return DqWriter.of(self.cfg, self.tile_m, self.tile_n, self.head_dim,
                            self.dq_converter if self.cfg.convert_dq else None)
@@ -713,14 +720,18 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
         if cutlass.const_expr(softcap):
             # P · (1 − t²), what dS multiplies, in 16 bits
             ds_factor = cute.make_rmem_tensor_like(acc_s, self.dtype)
-            exp2_with_slope(acc_s, me.softmax_scale_log2, lse2, keys_on_n, ds_factor)
+            exp2_with_slope(acc_s, me.softmax_scale_log2, lse2, keys_on_n, ds_factor,
+                            self.exp2_on_fma)
         else:
             p = wgmma.acc_rows_cols(acc_s)
             for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
                 for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
                     lse2_q = lse2[r] if keys_on_n else lse2[j]
-                    p[r, j] = cute.math.exp2(p[r, j] * me.softmax_scale_log2 - lse2_q,
-                                             fastmath=True)
+                    x = p[r, j] * me.softmax_scale_log2 - lse2_q
+                    if cutlass.const_expr(on_fma(j, self.exp2_on_fma)):
+                        p[r, j] = exp2_poly(x)
+                    else:
+                        p[r, j] = cute.math.exp2(x, fastmath=True)
         dsum = self.query_stats(smem.d, coords, do_state.index)
         # The 16-bit P (dV's operand) is made at once, and dS reads it back:
         # the fp32 P is then dead before dP lands. Where the dV GEMM reads it

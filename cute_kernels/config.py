@@ -226,6 +226,12 @@ class FwdConfig(_KernelConfig):
         maximum on a step skips O's rescale (a vote and a branch; softmax.py):
         fewer instructions in a softmax-bound step, but a branch that ptxas
         does not schedule across.
+    exp2_on_fma: with bounded_softmax, of every 8 exponentials of a row, how
+        many the consumers compute as a polynomial on the FMA pipe instead of
+        the MUFU unit (exp2_fma.py), 0 to 8: that softmax, without the
+        running maximum's instructions, has issue slots to spare for them,
+        and the cap's tanh loads the MUFU twice. Softmaxes with a maximum
+        keep every exponential on the MUFU (their issue slots are the limit).
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
@@ -269,6 +275,7 @@ class FwdConfig(_KernelConfig):
     shared_o_slab: bool = False
     bounded_softmax: bool = True
     skip_unmoved_rescale: bool = False
+    exp2_on_fma: int = 0
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -340,6 +347,11 @@ class FwdConfig(_KernelConfig):
         if not 0 <= self.pv_wait_after_exp2 <= self.tile_n // 4:
             raise bad("pv_wait_after_exp2", f"a column of a thread's row in [0, tile_n / 4 = "
                                             f"{self.tile_n // 4}]")
+        if not 0 <= self.exp2_on_fma <= 8:
+            raise bad("exp2_on_fma", "an integer in [0, 8] (of every 8 exponentials)")
+        if self.exp2_on_fma and not self.bounded_softmax:
+            raise bad("exp2_on_fma", "0 unless bounded_softmax (only a softmax without a "
+                                     "running maximum takes exponentials to the FMA pipe)")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise bad("rescale_o_before_pv", "False unless intra_wg_overlap (without it the "
                                              "rescale already precedes the P·V issue)")
@@ -406,6 +418,10 @@ WIDE_WINDOW_KEYS = 2048
 # second of these many keys runs head dim 64's three tile streams (without a
 # cap, not in a packed batch: fwd_config_for_problem's streamed_window).
 STREAMED_WINDOW_KEYS = (1024, 4096)
+# Of every 8 exponentials of a bounded softmax (bf16 under a cap) at head
+# dim 64, where the tanh and the exponentials load the MUFU unit twice as
+# long as the GEMMs run, those taken to the FMA pipe (FwdConfig.exp2_on_fma).
+CAPPED_EXP2_ON_FMA = 4
 # Head dim 64's 64-row tiles run three CTAs an SM where they fill at least
 # this many rounds of them (few_tiles in default_fwd_config); two below it,
 # where a third CTA an SM leaves more SMs idle than it hides.
@@ -663,7 +679,21 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       differ in length with their sequences) but keeps head dim 64's
       192-row tile: a sequence's last tile is partly empty, yet the wider
       tile's K/V reuse gains more.
+    - bf16 scores under a cap at head dim 64 (bounded_softmax): every tile
+      but a wide window's (whose registers spill with it) takes
+      CAPPED_EXP2_ON_FMA of every 8 exponentials to the FMA pipe.
     """
+    config = _fwd_tiles(head_dim, causal, head_dim_v, features, short, wide_window,
+                        long_rows, few_tiles, streamed_window)
+    if features.softcap and head_dim <= 64 and not wide_window:
+        config = config.replace(exp2_on_fma=CAPPED_EXP2_ON_FMA)
+    return config
+
+
+def _fwd_tiles(head_dim: int, causal: bool, head_dim_v: int | None, features: Features,
+               short: bool, wide_window: bool, long_rows: bool, few_tiles: bool,
+               streamed_window: bool) -> FwdConfig:
+    """default_fwd_config's tiles, warpgroups and pipelines."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if features.block_sparse:
         return block_sparse_fwd_config(head_dim, head_dim_v,

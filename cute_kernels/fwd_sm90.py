@@ -744,7 +744,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 if cutlass.const_expr(self.bounded_scores):
                     if reference.fits:
                         kv_state = self.mainloop(
-                            replace(tile_me, softmax=softmax.fixed_reference(reference.offset)),
+                            replace(tile_me, softmax=softmax.fixed_reference(
+                                reference.offset, self.cfg.exp2_on_fma)),
                             pipes, q_state, kv_state, mask, blocks, work.n_lo, work.n_max)
                     else:
                         kv_state = self.mainloop(tile_me, pipes, q_state, kv_state, mask, blocks,

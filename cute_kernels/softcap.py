@@ -28,6 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from .exp2_fma import exp2_poly, on_fma
 from .wgmma import acc_rows_cols, write_16bit_pair
 
 FIXED_EXP_FLOOR = -124.0
@@ -60,7 +61,7 @@ def cap_scores(acc_s: cute.Tensor, pre_tanh: Float32):
 
 @cute.jit
 def exp2_with_slope(acc_s: cute.Tensor, scale_log2: Float32, lse2, keys_on_n: cutlass.Constexpr,
-                    ds_factor: cute.Tensor):
+                    ds_factor: cute.Tensor, exp2_on_fma: cutlass.Constexpr[int] = 0):
     """The backward's P = exp2(t · scale_log2 − LSE₂) in place of the capped
     scores t, and ds_factor ← P · (1 − t²), the factor of dS, in 16 bits (the
     kernel's dtype, acc_s's layout; read with wgmma.read_16bit_as_f32). Made
@@ -68,14 +69,18 @@ def exp2_with_slope(acc_s: cute.Tensor, scale_log2: Float32, lse2, keys_on_n: cu
     apart were two roundings), a column pair at a time: no fp32 copy is held.
     lse2: this thread's statistic per row (keys_on_n) or per column. A masked
     score is t = -inf (P = 0): the max makes its slope 0, not -inf, whose
-    product with P would be NaN."""
+    product with P would be NaN. exp2_on_fma of every 8 columns take their
+    exponential on the FMA pipe (exp2_fma.py)."""
     p = acc_rows_cols(acc_s)
     for j in cutlass.range_constexpr(0, cute.size(p, mode=[1]), 2):
         for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
             t = (p[r, j], p[r, j + 1])
             for i in cutlass.range_constexpr(2):
-                p[r, j + i] = cute.math.exp2(
-                    t[i] * scale_log2 - (lse2[r] if keys_on_n else lse2[j + i]), fastmath=True)
+                x = t[i] * scale_log2 - (lse2[r] if keys_on_n else lse2[j + i])
+                if cutlass.const_expr(on_fma(j + i, exp2_on_fma)):
+                    p[r, j + i] = exp2_poly(x)
+                else:
+                    p[r, j + i] = cute.math.exp2(x, fastmath=True)
             write_16bit_pair(ds_factor, acc_s.layout.shape, r, j,
                              p[r, j] * _slope(t[0]), p[r, j + 1] * _slope(t[1]))
 

@@ -28,10 +28,15 @@ Scores with a known bound (soft-capped ones, softcap.py) may skip the
 running maximum: with a fixed reference the exponent of every score lies in
 a range that fp32 and bf16 hold, so no row maximum is reduced and O is never
 rescaled (`fixed_reference`); the row sum alone carries the normaliser.
+Such a softmax may take k of every 8 of a row's exponentials as a
+polynomial on the FMA pipe (exp2_fma.py): without the maximum's reductions
+and O's rescale its issue slots have room for them, which free the MUFU
+unit, loaded twice over by a cap's tanh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,6 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from .dsl_struct import DslStruct
+from .exp2_fma import exp2_row
 from .wgmma import acc_rows_cols
 
 LN2 = math.log(2.0)
@@ -50,7 +56,9 @@ class OnlineSoftmax(DslStruct):
     """scale_log2: the kernel's scale, or with per_tile_scale a register
     the caller sets for each tile (set_tile_scale: e4m3 descales).
     fixed_offset: None, or (fixed_reference) the exponent offset, log2 units,
-    that every row uses in place of its running maximum."""
+    that every row uses in place of its running maximum.
+    exp2_on_fma: (fixed_reference) of every 8 exponentials of a row, how
+    many exp2_fma makes."""
 
     scale_log2: Float32
     rows: int
@@ -59,6 +67,7 @@ class OnlineSoftmax(DslStruct):
     tile_scale: cute.Tensor | None = None
     fixed_offset: Float32 | None = None
     skip_unmoved: bool = False
+    exp2_on_fma: int = 0
 
     @staticmethod
     def create(scale_log2: Float32, rows: int, per_tile_scale: bool = False,
@@ -71,16 +80,16 @@ class OnlineSoftmax(DslStruct):
     def set_tile_scale(self, scale_log2: Float32):
         self.tile_scale[0] = scale_log2
 
-    def fixed_reference(self, offset: Float32) -> "OnlineSoftmax":
+    def fixed_reference(self, offset: Float32, exp2_on_fma: int = 0) -> "OnlineSoftmax":
         """This softmax, on the same row state, with p = exp2(s · scale -
         offset) for every score and no running maximum: for scores whose
         exponents stay within fp32's and the P dtype's normal range whatever
         the row (the caller's proof). Each row's reference is set to the
         offset here, once per tile, so that finalize's LSE is the same
-        expression; a row with no visible key still ends with a zero sum."""
+        expression; a row with no visible key still ends with a zero sum.
+        exp2_on_fma of every 8 exponentials are polynomials (exp2_fma.py)."""
         self.row_max.fill(offset / self.scale)
-        return OnlineSoftmax(self.scale_log2, self.rows, self.row_max, self.row_sum,
-                             self.tile_scale, offset, self.skip_unmoved)
+        return dataclasses.replace(self, fixed_offset=offset, exp2_on_fma=exp2_on_fma)
 
     @property
     def rescales(self) -> bool:
@@ -113,9 +122,7 @@ class OnlineSoftmax(DslStruct):
         else:
             neg_offset = -self.fixed_offset
             for r in cutlass.range_constexpr(self.rows):
-                probs = cute.math.exp2(s[r, None].load() * self.scale + neg_offset,
-                                       fastmath=True)
-                s[r, None].store(probs)
+                probs = self._exp2(s, r, s[r, None].load() * self.scale + neg_offset)
                 self.row_sum[r] = self.row_sum[r] + probs.reduce(cute.ReductionOp.ADD,
                                                                  Float32(0.0), 0)
         return rescale
@@ -129,9 +136,7 @@ class OnlineSoftmax(DslStruct):
         # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
         safe_max = ref_max if ref_max != -Float32.inf else Float32(0.0)
         neg_max_scaled = -safe_max * self.scale
-        row = s[r, None].load()
-        probs = cute.math.exp2(row * self.scale + neg_max_scaled, fastmath=True)
-        s[r, None].store(probs)
+        probs = self._exp2(s, r, s[r, None].load() * self.scale + neg_max_scaled)
         row_sum = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         if cutlass.const_expr(is_first):
             rescale[r] = Float32(1.0)
@@ -146,6 +151,16 @@ class OnlineSoftmax(DslStruct):
             rescale[r] = factor
             self.row_sum[r] = self.row_sum[r] * factor + row_sum
         self.row_max[r] = ref_max
+
+    @cute.jit
+    def _exp2(self, s: cute.Tensor, r: cutlass.Constexpr[int], exponents):
+        """Row r of s ← 2^exponents; returns the row."""
+        if cutlass.const_expr(self.exp2_on_fma == 0):
+            s[r, None].store(cute.math.exp2(exponents, fastmath=True))
+        else:
+            s[r, None].store(exponents)
+            exp2_row(s[r, None], self.exp2_on_fma)
+        return s[r, None].load()
 
     @cute.jit
     def rescale_o(self, acc_o: cute.Tensor, rescale: cute.Tensor):

@@ -469,16 +469,24 @@ def test_group_sum_only_for_split_configs(tmp_path):
 @pytest.mark.parametrize("head_dim,causal,features", [
     (128, False, Features(local=True)), (64, False, Features(local=True)),
     (64, False, Features(local=True, softcap=True, sink=True)),
+    (64, True, Features(softcap=True)), (64, False, Features(softcap=True)),
     (128, True, Features(softcap=True)), (96, False, Features(local=True, softcap=True))])
 def test_forward_score_mods(tmp_path, head_dim, causal, features):
     """A window or a cap keeps the forward warp-specialised, spill-free, on
-    HGMMA; a cap costs one tanh.approx per score, not a software tanh."""
+    HGMMA; a cap costs one tanh.approx per score, not a software tanh; where
+    the config takes exponentials to the FMA pipe (exp2_fma.py), the
+    polynomial's rounding shift appears beside ex2."""
+    from cute_fa.kernels.exp2_fma import ROUNDING_SHIFT
+
     config = default_fwd_config(head_dim, causal, features=features)
     compile_fwd(torch.bfloat16, head_dim, causal, config, dump_dir=str(tmp_path), features=features)
     info = dumped_kernel_info(str(tmp_path))
     _assert_warp_specialised(info, config)
     _assert_no_spills(info)
-    assert ("tanh.approx.f32" in _ptx(tmp_path)) == features.softcap
+    ptx = _ptx(tmp_path)
+    assert ("tanh.approx.f32" in ptx) == features.softcap
+    assert (f"0f{ROUNDING_SHIFT:08X}" in ptx) == (config.exp2_on_fma > 0)
+    assert "ex2.approx" in ptx
 
 
 @pytest.mark.parametrize("features", [Features(local=True), Features(local=True, softcap=True),
@@ -511,6 +519,25 @@ def test_backward_score_mods(tmp_path, head_dim, features):
     assert info.sass["hgmma"] > 0 and not info.wgmma_serialized
     _assert_no_spills(info)
     assert ("tanh.approx.f32" in _ptx(tmp_path / "main")) == features.softcap
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_capped_causal_backward_takes_exponentials_to_the_fma_pipe(tmp_path, dtype):
+    """Head dim 64's backward under a cap and a causal mask: bf16 makes some
+    of P's exponentials as polynomials (their rounding shift in the PTX)
+    beside ex2, fp16 keeps them all on the MUFU; HGMMA kept asynchronous."""
+    from cute_fa.kernels.bwd_config import CAPPED_CAUSAL_BWD_EXP2_ON_FMA
+    from cute_fa.kernels.exp2_fma import ROUNDING_SHIFT
+
+    features = Features(softcap=True)
+    config = bwd_config_for_problem(64, True, False, 2, 8192, 32, 32, 132, features)
+    assert config.exp2_on_fma == CAPPED_CAUSAL_BWD_EXP2_ON_FMA > 0
+    compile_bwd(dtype, 64, True, config, dump_dir=str(tmp_path), features=features)
+    ptx = _ptx(tmp_path / "main")
+    assert "ex2.approx" in ptx and "tanh.approx.f32" in ptx
+    assert (f"0f{ROUNDING_SHIFT:08X}" in ptx) == (dtype is torch.bfloat16)
+    info = dumped_kernel_info(str(tmp_path / "main"))
+    assert info.sass["hgmma"] > 0 and not info.wgmma_serialized
 
 
 def _compile_default_forward(tmp_path, head_dim, causal, features) -> str:

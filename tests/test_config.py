@@ -576,7 +576,9 @@ def test_a_cap_takes_the_causal_tile_but_keeps_the_fixed_tile_order():
     for head_dim in (64, 128, 256):
         assert bwd_config_for_problem(head_dim, False, False, 2, 8192, 16, 16, 132, cap) == \
             claimed(default_bwd_config(head_dim, True), False, head_dim, None)
-        assert bwd_config_for_problem(head_dim, True, False, 2, 8192, 16, 16, 132, cap) == \
+        # (with a share of P's exponentials on the FMA pipe at head dim 64, test_exp2_fma)
+        assert bwd_config_for_problem(head_dim, True, False, 2, 8192, 16, 16, 132,
+                                      cap).replace(exp2_on_fma=0) == \
             default_bwd_config(head_dim, True)
     window = Features(local=True, softcap=True)
     assert bwd_config_for_problem(128, False, False, 2, 8192, 16, 16, 132, window) == \

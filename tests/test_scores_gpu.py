@@ -89,13 +89,15 @@ def test_softcap_forward_backward(head_dim, dtype, causal, window_size, softcap)
     _check(q, k, v, g, causal, window_size, softcap)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("softcap", [30.0, 50.0, 65.0, 100.0])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_softcap_rows_saturated_at_either_end(softcap, sign):
+def test_softcap_rows_saturated_at_either_end(head_dim, softcap, sign):
     """Every score of a row at +cap or at -cap: the ends of the range that a
-    fixed softmax reference must keep finite and normal (softcap.py)."""
-    q, k, v, g = _inputs(2, 300, 700, 4, 2, 128, torch.bfloat16, seed=int(softcap))
-    direction = torch.randn(128, device="cuda").to(torch.bfloat16)
+    fixed softmax reference must keep finite and normal (softcap.py), with
+    head dim 64's exponentials partly on the FMA pipe (exp2_fma.py)."""
+    q, k, v, g = _inputs(2, 300, 700, 4, 2, head_dim, torch.bfloat16, seed=int(softcap))
+    direction = torch.randn(head_dim, device="cuda").to(torch.bfloat16)
     k = direction + 0.05 * k
     q = (sign * 20.0 * direction).expand_as(q) + 0.05 * q
     _check(q, k, v, g, False, (-1, -1), softcap, backward=False)
@@ -113,7 +115,7 @@ def test_three_tiles_an_sm_forward(tiles, causal, window_size, softcap, sink):
     windows) or three tile streams of one CTA (config.three_tile_streams:
     short non-causal rows, block masks); windows, caps and sinks against
     the fp32 reference."""
-    from cute_fa.kernels.config import three_ctas_an_sm, three_tile_streams
+    from cute_fa.kernels.config import CAPPED_EXP2_ON_FMA, three_ctas_an_sm, three_tile_streams
     from cute_fa.ops import forward_cuda
 
     q, k, v, _ = _inputs(8, 1000, 1000, 8, 2, 64, torch.bfloat16, seed=17 + window_size[0])
@@ -121,6 +123,8 @@ def test_three_tiles_an_sm_forward(tiles, causal, window_size, softcap, sink):
     sink_logits = torch.randn(8, device="cuda") if sink else None
     config = (three_ctas_an_sm(True, rederive_epilogue_coords=causal) if tiles == "three CTAs"
               else three_tile_streams(True))
+    if softcap:  # as the op's configs take them (default_fwd_config)
+        config = config.replace(exp2_on_fma=CAPPED_EXP2_ON_FMA)
     out, lse = forward_cuda(q, k, v, 64 ** -0.5, causal, config, window_left=window_size[0],
                             window_right=window_size[1], softcap=softcap,
                             learnable_sink=sink_logits)
@@ -129,6 +133,31 @@ def test_three_tiles_an_sm_forward(tiles, causal, window_size, softcap, sink):
         return attention_reference(q, k, v, None, causal, compute_dtype=compute_dtype,
                                    window=_window(causal, window_size), softcap=softcap,
                                    sink=sink_logits)
+
+    ref_out, ref_lse = reference(torch.float32)
+    assert_lse_matches(lse, ref_lse)
+    assert_within_low_precision([("out", out, ref_out, reference(None)[0])])
+
+
+@pytest.mark.parametrize("per_8", range(1, 9))
+@pytest.mark.parametrize("causal", [False, True])
+def test_capped_exponentials_partly_on_the_fma_pipe(per_8, causal):
+    """Every share of a bounded softmax's exponentials taken to the FMA pipe
+    (FwdConfig.exp2_on_fma: k of every 8 columns of a thread's row; 8: all)
+    against the fp32 reference: masked scores, and causal rows that see no
+    key (900 queries on 700 keys, bottom-right aligned)."""
+    from cute_fa.kernels.config import Features, default_fwd_config
+    from cute_fa.ops import forward_cuda
+
+    q, k, v, _ = _inputs(2, 900, 700, 4, 1, 64, torch.bfloat16, seed=per_8)
+    q = q * (30.0 / 4) ** 0.5
+    config = default_fwd_config(64, causal, features=Features(softcap=True)).replace(
+        exp2_on_fma=per_8)
+    out, lse = forward_cuda(q, k, v, 64 ** -0.5, causal, config, softcap=30.0)
+
+    def reference(compute_dtype):
+        return attention_reference(q, k, v, None, causal, compute_dtype=compute_dtype,
+                                   softcap=30.0)
 
     ref_out, ref_lse = reference(torch.float32)
     assert_lse_matches(lse, ref_lse)
