@@ -90,7 +90,7 @@ from .mask import (Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
 from .pipeline import (BwdBarrier, consumer_state, make_thread_pipeline, make_tma_pipeline,
                        producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
-from .exp2_fma import exp2_poly, on_fma
+from .exp2_fma import exp2_of_column
 from .softcap import cap_scores, exp2_with_slope
 from .varlen import Seqlens, VarlenScheduler
 
@@ -727,11 +727,8 @@ class FlashAttentionBackwardSm90(Sm90AttentionKernel):
             for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
                 for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
                     lse2_q = lse2[r] if keys_on_n else lse2[j]
-                    x = p[r, j] * me.softmax_scale_log2 - lse2_q
-                    if cutlass.const_expr(on_fma(j, self.exp2_on_fma)):
-                        p[r, j] = exp2_poly(x)
-                    else:
-                        p[r, j] = cute.math.exp2(x, fastmath=True)
+                    p[r, j] = exp2_of_column(p[r, j] * me.softmax_scale_log2 - lse2_q, j,
+                                             self.exp2_on_fma)
         dsum = self.query_stats(smem.d, coords, do_state.index)
         # The 16-bit P (dV's operand) is made at once, and dS reads it back:
         # the fp32 P is then dead before dP lands. Where the dV GEMM reads it

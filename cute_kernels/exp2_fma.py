@@ -73,12 +73,16 @@ def on_fma(column: int, per_8: int) -> bool:
     return (c + 1) * per_8 // 8 > c * per_8 // 8
 
 
+def exp2_of_column(x: Float32, column: int, per_8: int) -> Float32:
+    """2^x for a thread's column `column` of a row: exp2_poly where per_8 of
+    every 8 columns take it (on_fma), ex2 otherwise (a compile-time choice)."""
+    if on_fma(column, per_8):
+        return exp2_poly(x)
+    return cute.math.exp2(x, fastmath=True)
+
+
 @cute.jit
 def exp2_row(values: cute.Tensor, per_8: cutlass.Constexpr[int]):
-    """values ← 2^values in place (a thread's row of scores, log2 units):
-    per_8 of every 8 columns through exp2_poly, the others through ex2."""
+    """values ← 2^values in place (a thread's row of scores, log2 units)."""
     for j in cutlass.range_constexpr(cute.size(values)):
-        if cutlass.const_expr(on_fma(j, per_8)):
-            values[j] = exp2_poly(values[j])
-        else:
-            values[j] = cute.math.exp2(values[j], fastmath=True)
+        values[j] = exp2_of_column(values[j], j, per_8)

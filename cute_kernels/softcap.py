@@ -28,7 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .exp2_fma import exp2_poly, on_fma
+from .exp2_fma import exp2_of_column
 from .wgmma import acc_rows_cols, write_16bit_pair
 
 FIXED_EXP_FLOOR = -124.0
@@ -76,11 +76,9 @@ def exp2_with_slope(acc_s: cute.Tensor, scale_log2: Float32, lse2, keys_on_n: cu
         for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
             t = (p[r, j], p[r, j + 1])
             for i in cutlass.range_constexpr(2):
-                x = t[i] * scale_log2 - (lse2[r] if keys_on_n else lse2[j + i])
-                if cutlass.const_expr(on_fma(j + i, exp2_on_fma)):
-                    p[r, j + i] = exp2_poly(x)
-                else:
-                    p[r, j + i] = cute.math.exp2(x, fastmath=True)
+                p[r, j + i] = exp2_of_column(
+                    t[i] * scale_log2 - (lse2[r] if keys_on_n else lse2[j + i]), j + i,
+                    exp2_on_fma)
             write_16bit_pair(ds_factor, acc_s.layout.shape, r, j,
                              p[r, j] * _slope(t[0]), p[r, j + 1] * _slope(t[1]))
 
