@@ -83,8 +83,9 @@ def test_sink_forward_backward(head_dim, causal, seqlens):
 @pytest.mark.parametrize("causal,window_size,softcap", [
     (False, (256, 0), 0.0), (False, (100, 37), 0.0), (True, (-1, -1), 30.0),
     (False, (300, 300), 20.0)])
-def test_sink_with_windows_and_caps(causal, window_size, softcap):
-    tensors = _inputs(2, 1000, 1000, 4, 1, 128, seed=window_size[0] + int(softcap))
+@pytest.mark.parametrize("head_dim", [64, 128])  # 64: a cap's exponentials partly polynomials
+def test_sink_with_windows_and_caps(causal, window_size, softcap, head_dim):
+    tensors = _inputs(2, 1000, 1000, 4, 1, head_dim, seed=window_size[0] + int(softcap))
     _check(*tensors, causal=causal, window_size=window_size, softcap=softcap)
 
 

@@ -103,9 +103,11 @@ def test_varlen_value_head_dim_below_that_of_q(head_dims, deterministic):
 
 @pytest.mark.parametrize("causal,window_size,softcap", [
     (False, (128, 0), 0.0), (True, (300, -1), 0.0), (False, (50, 77), 0.0),
-    (False, (-1, -1), 30.0), (True, (200, -1), 20.0)])
-def test_varlen_window_softcap(causal, window_size, softcap):
-    _check(*RAGGED[0], causal=causal, window_size=window_size, softcap=softcap, seed=7)
+    (False, (-1, -1), 30.0), (True, (200, -1), 20.0), (True, (-1, -1), 30.0)])
+@pytest.mark.parametrize("head_dim", [64, 128])  # 64: a cap's exponentials partly polynomials
+def test_varlen_window_softcap(causal, window_size, softcap, head_dim):
+    _check(*RAGGED[0], head_dim=head_dim, causal=causal, window_size=window_size,
+           softcap=softcap, seed=7)
 
 
 def test_varlen_wide_window():
