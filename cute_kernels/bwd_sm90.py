@@ -83,6 +83,7 @@ from .bwd_tiles import KeyTile, KeyTiles
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, Features
 from .dq_convert import CONVERTER_THREADS, CONVERTER_WARPS, DqConverter
 from .dq_writer import DqWriter
+from .exp2_fma import exp2_of_column
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, permute, store_rows,
                           tma_store_tile, tma_views)
 from .mask import (Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
@@ -90,7 +91,6 @@ from .mask import (Limits, QueryBlockRange, QueryWalk, Window, apply_mask,
 from .pipeline import (BwdBarrier, consumer_state, make_thread_pipeline, make_tma_pipeline,
                        producer_state, release, wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
-from .exp2_fma import exp2_of_column
 from .softcap import cap_scores, exp2_with_slope
 from .varlen import Seqlens, VarlenScheduler
 

@@ -1,13 +1,13 @@
 """exp2 on the FMA pipe, for a share of a softmax's exponentials.
 
-An SM90 SM retires 16 MUFU.EX2 lanes a clock against 128 FP32 lanes: where
-the GEMMs of a step take as long as its exponentials (16-bit operands at
-head dim 64, e4m3 at 128; at e4m3 head dim 64 the exponentials take twice
-as long), the MUFU unit bounds the softmax. A warp's ex2 holds the MUFU of
-its sub-partition 8 cycles; the same value from a polynomial takes 8 issue
-slots on the FMA and integer pipes, which the softmax leaves partly free.
-Moving k of every 8 exponentials there balances the two (the share is a
-config field, chosen by measurement).
+An SM90 SM retires 16 MUFU lanes a clock against 128 FP32 lanes. A warp's
+ex2 holds the MUFU of its sub-partition 8 cycles; the same value from a
+polynomial takes 8 issue slots on the FMA and integer pipes. That trade
+pays where the MUFU is loaded and issue slots are free: a bf16 softmax
+under a cap at head dim 64, whose MUFU carries a tanh and an ex2 a score
+(twice its GEMMs' time) and which keeps no running maximum (no reductions,
+no O rescale). Where a maximum is kept, issue is the limit and every share
+lost (docs/findings.md). The share, k of every 8, is a config field.
 
 2^x = 2^j · 2^f with j = round(x), f = x - j in [-1/2, 1/2]:
 - j comes from adding 1.5 · 2^23 (the sum's last mantissa bits are j, the
