@@ -326,6 +326,7 @@ def split_gqa_pays(q_per_kv: int, kv_ctas: int, num_sms: int) -> bool:
     return q_per_kv > 1 and kv_ctas < 2 * num_sms
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every backward call
 def bwd_config_for_problem(head_dim: int, causal: bool, deterministic: bool, batch: int,
                            seqlen_k: int, heads_q: int, heads_kv: int,
                            num_sms: int, features: Features = PLAIN_FEATURES,

@@ -92,12 +92,6 @@ MIN_SPLIT_SAVED_KEYS = 768
 # fp32 O and the merge reads them back, which at 128 rows cost more than
 # parts of 256 keys save (docs/findings.md, "Decode").
 SHORT_CACHE_SPLIT_MAX_ROWS = 32
-# Pages that neither divide nor are divided by the key block are read in
-# place, one page a main-loop step, below this many keys where the head dims
-# are at most 128 (two stages of them fit beside Q): the 128-key blocks'
-# bound, which short parts' 64-key steps keep (a page of 80-112 tokens is a
-# step with either).
-PAGE_STEP_MAX_KEYS = 128
 # K/V stages of e4m3 caches on a grid of at most SPLIT_TARGET_SM_SHARE of the
 # SMs, whose CTAs each stream at the rate their bytes in flight allow: an
 # e4m3 stage holds half a 16-bit one's bytes (docs/findings.md, "Decode":
@@ -345,7 +339,10 @@ def kernel_config(head_dim: int, head_dim_v: int, page_size: int | None,
         config = config.replace(kv_stages=E4M3_SMALL_GRID_STAGES)
     if page_size is None:
         return config
-    widest = PAGE_STEP_MAX_KEYS if max(head_dim, head_dim_v) <= 128 else 0
+    # Pages that neither divide nor are divided by the key block are read in
+    # place, a page a step, below the long parts' step, which short parts'
+    # 64-key steps keep (a page of 80-112 tokens is a step with either)
+    widest = decode_fwd_config(head_dim, head_dim_v).tile_n
     return paged_config(config, page_size, fp8, widest)
 
 
