@@ -131,9 +131,11 @@ class SparseScoreMask:
             apply_bits(acc_s, self.coords, self.coords0, self.row, entry, self.tile_m,
                        self.tile_n)
 
-    def masked_bounds(self, blocks, n_lo: Int32, n_max: Int32):
-        """(n_masked_end, n_lo): the blocks of the partial tiles after the
-        first are [n_masked_end, n_max - 1)."""
+    def masked_bounds(self, walk):
+        """(n_masked_end, n_lo) of the walk (mask.KeyWalk, the tile's): the
+        blocks of the partial tiles after the first are [n_masked_end,
+        n_max - 1)."""
+        n_lo, n_max = walk.n_lo, walk.n_max
         n_masked_end = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
             n_max - self.row.n_partial, n_max - 1), n_lo))
         return n_masked_end, n_lo

@@ -232,6 +232,13 @@ class FwdConfig(_KernelConfig):
         running maximum's instructions, has issue slots to spare for them,
         and the cap's tanh loads the MUFU twice. Softmaxes with a maximum
         keep every exponential on the MUFU (their issue slots are the limit).
+    warpgroup_key_ranges: under a right limit (causal) or a window, each
+        consumer warpgroup computes only the K/V blocks that its own 64 rows
+        see, and passes the tile's others through the rings uncomputed
+        (mask.KeyWalk): a 192-row tile's first warpgroup stops one 128-key
+        block short of its last warpgroup on the diagonal, and under a
+        window its last starts one block later. The tile's loads do not
+        change; its GEMMs and exponentials of rows that see nothing do.
     producer_regs / consumer_regs: setmaxnreg targets of the TMA warpgroup
         and of each consumer warpgroup.
     l2_section_mb: causal tiles run longest-first inside sections of heads
@@ -276,6 +283,7 @@ class FwdConfig(_KernelConfig):
     bounded_softmax: bool = True
     skip_unmoved_rescale: bool = False
     exp2_on_fma: int = 0
+    warpgroup_key_ranges: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     l2_section_mb: int = 16
@@ -355,6 +363,11 @@ class FwdConfig(_KernelConfig):
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             raise bad("rescale_o_before_pv", "False unless intra_wg_overlap (without it the "
                                              "rescale already precedes the P·V issue)")
+        if self.warpgroup_key_ranges and (self.o_in_v_smem or not self.intra_wg_overlap):
+            raise bad("warpgroup_key_ranges", "False with o_in_v_smem (blocks pass after the "
+                                              "epilogue, which would stage O in their V "
+                                              "stages) or without intra_wg_overlap (a passed "
+                                              "block takes the turn of that loop's step)")
         if self.pv_wait_after_exp2 and not self.intra_wg_overlap:
             raise bad("pv_wait_after_exp2", "0 unless intra_wg_overlap (without it no P·V is "
                                             "in flight during the softmax)")
@@ -414,10 +427,10 @@ TINY_SEQLEN = 256
 # A sliding window whose rows see at least this many keys takes the wide
 # tiles of default_fwd_config (head dim 64).
 WIDE_WINDOW_KEYS = 2048
-# A sliding window whose rows see at least the first and fewer than the
-# second of these many keys runs head dim 64's three tile streams (without a
-# cap, not in a packed batch: fwd_config_for_problem's streamed_window).
-STREAMED_WINDOW_KEYS = (1024, 4096)
+# A sliding window whose rows see at least this many keys and fewer than
+# WIDE_WINDOW_KEYS runs head dim 64's three tile streams (without a cap, not
+# in a packed batch: fwd_config_for_problem's streamed_window).
+STREAMED_WINDOW_KEYS = 1024
 # Of every 8 exponentials of a bounded softmax (bf16 under a cap) at head
 # dim 64, where the tanh and the exponentials load the MUFU unit twice as
 # long as the GEMMs run, those taken to the FMA pipe (FwdConfig.exp2_on_fma).
@@ -453,14 +466,14 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     (fixed_deal_balances), two CTAs an SM of 64-row tiles instead of three
     where three would run fewer than THREE_CTAS_MIN_ROUNDS rounds
     (few_tiles), and the three tile streams of a window within
-    STREAMED_WINDOW_KEYS (streamed_window): query_heads (batch x query
+    STREAMED_WINDOW_KEYS up to the wide ones (streamed_window): query_heads (batch x query
     heads) and num_sms give the grid (0: unknown, neither)."""
     rows = max(seqlen_q, seqlen_k)
     short, long_rows, tiny_rows = rows <= SHORT_SEQLEN, rows >= LONG_SEQLEN, rows <= TINY_SEQLEN
     keys = window_keys(window, seqlen_k) if features.local else 0  # 0: no window
     wide_window = keys >= WIDE_WINDOW_KEYS
     streamed_window = not (features.softcap or features.varlen) \
-        and STREAMED_WINDOW_KEYS[0] <= keys < STREAMED_WINDOW_KEYS[1]
+        and STREAMED_WINDOW_KEYS <= keys < WIDE_WINDOW_KEYS
     few_tiles = 0 < query_heads and 0 < num_sms and grid_rounds(
         three_ctas_an_sm(True, False), seqlen_q, query_heads, num_sms) < THREE_CTAS_MIN_ROUNDS
     config = default_fwd_config(head_dim, causal, head_dim_v, features, short, wide_window,
@@ -671,10 +684,15 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       epilogue's addresses held), or with few tiles two CTAs (the P·V wait
       after the 8th exponential), unless the window is wide (wide_window: a
       row sees WIDE_WINDOW_KEYS keys or more), where the 192-row tile's K/V
-      reuse outweighs the masked edges it adds; a window within
-      STREAMED_WINDOW_KEYS without a cap (streamed_window) three tile
-      streams of 128 keys a step instead of either, unless the grid has few
-      tiles (under a cap three CTAs' 64 keys measured faster).
+      reuse outweighs the masked edges it adds; a window of
+      STREAMED_WINDOW_KEYS up to the wide ones without a cap
+      (streamed_window) three tile streams of 128 keys a step instead of
+      either, unless the grid has few tiles (under a cap three CTAs' 64
+      keys measured faster).
+    - head dim 64's 192-row tile under a right limit or a window, and head
+      dim 96's causal one, without a cap nor a packed batch: each
+      warpgroup walks the key blocks its own rows see
+      (warpgroup_key_ranges); under a cap it measured slower.
     - a packed batch (varlen) takes the causal choices too (its tiles
       differ in length with their sequences) but keeps head dim 64's
       192-row tile: a sequence's last tile is partly empty, yet the wider
@@ -737,19 +755,23 @@ def _fwd_tiles(head_dim: int, causal: bool, head_dim_v: int | None, features: Fe
     if head_dim <= 64 and short and plain:
         return two_ctas_an_sm(q_stages, claimed, pv_wait_after_exp2=2 if causal else 4,
                               rederive_epilogue_coords=True)
+    # a 192-row tile's first warpgroup sees a block fewer on the diagonal,
+    # its last one a block fewer at a window's left edge
+    ranged = (causal or features.local) and not (features.softcap or features.varlen)
     if head_dim <= 64:  # a window here is wide
         wide = not (short and causal)
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,
                          q_stages=q_stages, persistent=True, dynamic_tiles=claimed,
                          split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
-                         rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4)
+                         rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4,
+                         warpgroup_key_ranges=wide and ranged)
     if head_dim <= 96 and not (features.local or features.varlen or features.sink) \
             and (long_rows if causal else not short):
         return FwdConfig(tile_m=192, tile_n=112, kv_stages=3, persistent=True,
                          dynamic_tiles=claimed, split_tail=not claimed, producer_regs=32,
                          consumer_regs=160, rederive_epilogue_coords=True,
-                         pv_wait_after_exp2=4)
+                         pv_wait_after_exp2=4, warpgroup_key_ranges=ranged)
     if head_dim <= 96 or claimed or short:
         return FwdConfig(tile_m=128, tile_n=128, kv_stages=2, q_stages=q_stages,
                          persistent=True, dynamic_tiles=claimed, split_tail=not claimed,
@@ -875,7 +897,9 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
 
     Without ping-pong a warp skips O's rescale on the steps where none of its
     rows' maxima rose (skip_unmoved_rescale); with it that branch measured
-    slower than the multiplies."""
+    slower than the multiplies. Causal three-warpgroup tiles at head dim 64
+    walk each warpgroup's own key blocks (warpgroup_key_ranges; at 128,
+    96 keys a step, they measured slower)."""
     claimed = causal or features.local
     if head_dim <= 64:
         three_warpgroups = not (claimed and short_rows)
@@ -890,7 +914,7 @@ def fp8_fwd_config(head_dim: int, causal: bool, features: Features = PLAIN_FEATU
                          split_tail=not claimed, pv_wait_after_exp2=0,
                          rederive_epilogue_coords=claimed and head_dim > 64,
                          skip_unmoved_rescale=True, producer_regs=40, consumer_regs=152,
-                         transpose_warps=3)
+                         transpose_warps=3, warpgroup_key_ranges=claimed and head_dim <= 64)
     if head_dim <= 128 and not claimed:
         return FwdConfig(tile_m=2 * WGMMA_M, tile_n=128, kv_stages=2, pingpong=True,
                          persistent=True, split_tail=True, pv_wait_after_exp2=0,

@@ -61,10 +61,11 @@ from .fwd_checks import check_forward
 from .fwd_epilogue import ForwardEpilogue
 from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_at, mma_operand_view,
                           permute, tma_views)
-from .mask import BlockRange, Limits, ScoreMask, Window
+from .mask import BlockRange, KeyWalk, Limits, ScoreMask, Window
 from .paged import KvBlocks, KvStream
 from .pipeline import (NamedBarrier, PingPong, consumer_state, make_thread_pipeline,
-                       make_tma_pipeline, producer_state, release, release_after, wait_full)
+                       make_tma_pipeline, pass_stages, producer_state, release, release_after,
+                       wait_full)
 from .scheduler import TileQueue, TileScheduler, TileSequence
 from .softcap import FixedReference, cap_scores
 from .softmax import OnlineSoftmax
@@ -272,6 +273,15 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         maximum when the cap allows it (softcap.py), with one otherwise."""
         return (self.features.softcap and self.dtype is cutlass.BFloat16
                 and self.cfg.bounded_softmax)
+
+    @property
+    def warpgroup_key_ranges(self) -> bool:
+        """Each consumer warpgroup computes only the K/V blocks its own rows
+        see (FwdConfig.warpgroup_key_ranges): under a right limit or a
+        window, with several consumer warpgroups a tile, without a block
+        mask (whose lists are a tile's)."""
+        return (self.cfg.warpgroup_key_ranges and self.consumer_wgs > 1
+                and (self.causal or self.features.local) and not self.features.block_sparse)
 
     def rescales_before_pv(self, me: Consumer) -> bool:
         """O's rescale waits for the next P·V issue (rescale_o_before_pv),
@@ -734,6 +744,11 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                     sQ_stage, self.dtype)
                 tile_me = replace(me, q=wg_qk.make_fragment_A(wg_qk.partition_A(q_stage)))
             if work.n_max > work.n_lo:
+                walk = KeyWalk.of_tile(blocks, work.m_block, work.n_lo, work.n_max)
+                if cutlass.const_expr(self.warpgroup_key_ranges):
+                    walk = KeyWalk.of_warpgroup(blocks, work.m_block, tile_wg, self.consumer_wgs,
+                                                work.seqlen_q, work.seqlen_k, work.n_lo,
+                                                work.n_max)
                 coords0 = wgmma.static_coords(tiled_mma_qk, (self.tile_m, self.tile_n))
                 if cutlass.const_expr(self.features.block_sparse):
                     mask = SparseScoreMask(s_coords, coords0, work.sparse, self.tile_m,
@@ -746,13 +761,11 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                         kv_state = self.mainloop(
                             replace(tile_me, softmax=softmax.fixed_reference(
                                 reference.offset, self.cfg.exp2_on_fma)),
-                            pipes, q_state, kv_state, mask, blocks, work.n_lo, work.n_max)
+                            pipes, q_state, kv_state, mask, walk)
                     else:
-                        kv_state = self.mainloop(tile_me, pipes, q_state, kv_state, mask, blocks,
-                                                 work.n_lo, work.n_max)
+                        kv_state = self.mainloop(tile_me, pipes, q_state, kv_state, mask, walk)
                 else:
-                    kv_state = self.mainloop(tile_me, pipes, q_state, kv_state, mask, blocks,
-                                             work.n_lo, work.n_max)
+                    kv_state = self.mainloop(tile_me, pipes, q_state, kv_state, mask, walk)
             else:
                 release(pipes.q, q_state)
             q_state.advance()
@@ -787,6 +800,15 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 self._o_staging_free(wg)
                 self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,
                               wg, tile_tid, out, seqlens, o_read)
+            if cutlass.const_expr(self.warpgroup_key_ranges):
+                # the tile's first blocks (a window's) that only rows after
+                # this warpgroup's see: passed here, where the walk's bounds
+                # are rederived (not held through the main loop), and the
+                # epilogue ran while the other warpgroups computed them
+                walk = KeyWalk.of_warpgroup(blocks, out.m_block, tile_wg, self.consumer_wgs,
+                                            out.seqlen_q, out.seqlen_k, out.n_lo, out.n_max)
+                kv_state = pass_stages(pipes.k, pipes.v, kv_state, walk.n_lo - walk.tile_lo,
+                                       me.pingpong, wg)
             round_idx += 1
             tile = tiles.received(round_idx, pipes.q, q_state)
         if tid % WARPGROUP_THREADS < 32:
@@ -795,12 +817,19 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
 
     @cute.jit
     def mainloop(self, me: Consumer, pipes: Pipes, q_state, kv_state, mask: ScoreMask,
-                 blocks: BlockRange, n_lo: Int32, n_max: Int32):
-        """K/V blocks [n_lo, n_max) of one tile, last block first. Releases Q as soon as the
-        last Q·Kᵀ is done, so that with one Q stage the next tile's Q loads under the
-        last P·V and the epilogue (with two it may have loaded already). Returns the
-        K/V ring state."""
-        n_masked_end, n_unmasked_lo = mask.masked_bounds(blocks, n_lo, n_max)
+                 walk: KeyWalk):
+        """K/V blocks [n_lo, n_max) of the walk, last block first; with
+        warpgroup_key_ranges the tile's blocks after them, which no row of
+        this warpgroup sees, pass through the rings first (those before
+        them after the epilogue: consume). Releases Q as soon as the last
+        Q·Kᵀ is done, so that with one Q stage the next tile's Q loads under
+        the last P·V and the epilogue (with two it may have loaded already).
+        Returns the K/V ring state."""
+        if cutlass.const_expr(self.warpgroup_key_ranges):
+            kv_state = pass_stages(pipes.k, pipes.v, kv_state, walk.tile_max - walk.n_max,
+                                   me.pingpong, me.wg)
+        n_lo, n_max = walk.n_lo, walk.n_max
+        n_masked_end, n_unmasked_lo = mask.masked_bounds(walk)
         if cutlass.const_expr(self.cfg.intra_wg_overlap):
             # First block: S, mask (seqlen edge and diagonal), softmax; its P·V
             # is issued together with the next block's S.

@@ -110,6 +110,50 @@ class BlockRange(DslStruct):
         return cute.ceil_div(cutlass.max(last_row_left, 0), self.tile_n)
 
 
+@dataclass
+class KeyWalk:
+    """The K/V blocks one consumer warpgroup computes, [n_lo, n_max), last
+    first, out of its tile's [tile_lo, tile_max): every block of the tile
+    passes through the K/V rings, which each warpgroup releases in order.
+    rows and m_block: the row block (the tile, or the warpgroup's own rows)
+    whose limits bound the blocks that need an element mask."""
+
+    tile_lo: Int32
+    tile_max: Int32
+    n_lo: Int32
+    n_max: Int32
+    rows: BlockRange
+    m_block: Int32
+
+    @staticmethod
+    def of_tile(blocks: BlockRange, m_block: Int32, n_lo: Int32, n_max: Int32) -> "KeyWalk":
+        return KeyWalk(n_lo, n_max, n_lo, n_max, blocks, m_block)
+
+    @staticmethod
+    @cute.jit
+    def of_warpgroup(blocks: BlockRange, m_block: Int32, wg: Int32, warpgroups: int,
+                     seqlen_q: Int32, seqlen_k: Int32, n_lo: Int32, n_max: Int32) -> "KeyWalk":
+        """The blocks that the rows of warpgroup wg (of the tile's warpgroups,
+        a slice of tile_m / warpgroups rows each) see, within the tile's
+        [n_lo, n_max): under a right limit the first warpgroups' rows stop
+        short of the tile's last blocks, under a window the last ones' rows
+        start past its first. Rows that see none of them walk the last block
+        alone (masked whole)."""
+        rows = BlockRange(blocks.tile_m // warpgroups, blocks.tile_n, blocks.limits)
+        own = m_block * warpgroups + wg
+        hi = cutlass.max(cutlass.min(rows.n_block_max(own, seqlen_q, seqlen_k), n_max), n_lo)
+        lo = n_lo
+        if cutlass.const_expr(blocks.limits.local):
+            lo = cutlass.min(cutlass.max(rows.n_block_min(own, seqlen_q, seqlen_k), n_lo), hi)
+        if lo >= hi:
+            # the tile's last block, every score masked: the steps' turns of
+            # a walk of one block, and O = 0, LSE = -inf as for a tile
+            # without blocks
+            lo, hi = cutlass.max(n_max - 1, n_lo), n_max
+        return KeyWalk(n_lo, n_max, cute.arch.make_warp_uniform(lo),
+                       cute.arch.make_warp_uniform(hi), rows, own)
+
+
 @cute.jit
 def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, coords0: cute.Tensor, m_block: Int32,
                n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, tile_m: cutlass.Constexpr[int],
@@ -177,21 +221,23 @@ class ScoreMask:
         apply_mask(acc_s, self.coords, self.coords0, self.m_block, n_block, self.seqlen_q,
                    self.seqlen_k, self.tile_m, self.tile_n, self.limits)
 
-    def masked_bounds(self, blocks: "BlockRange", n_lo: Int32, n_max: Int32):
-        """(n_masked_end, n_unmasked_lo): blocks [n_masked_end, n_max - 1) are
-        cut by the right limit (the causal diagonal or the window's right
-        edge), blocks [n_lo, n_unmasked_lo) by the window's left edge; those
-        between see no mask. Warp-uniform, or ptxas recomputes them in
-        vector registers at every step of the main loop."""
+    def masked_bounds(self, walk: KeyWalk):
+        """(n_masked_end, n_unmasked_lo) of the walk's [n_lo, n_max): blocks
+        [n_masked_end, n_max - 1) are cut by the right limit (the causal
+        diagonal or the window's right edge) of some row of walk.rows, blocks
+        [n_lo, n_unmasked_lo) by the window's left edge; those between see no
+        mask. Warp-uniform, or ptxas recomputes them in vector registers at
+        every step of the main loop."""
+        n_lo, n_max = walk.n_lo, walk.n_max
         n_masked_end = n_max - 1
         if cutlass.const_expr(self.limits.has_right):
             n_masked_end = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
-                blocks.n_block_min_unmasked(self.m_block, self.seqlen_q, self.seqlen_k),
+                walk.rows.n_block_min_unmasked(walk.m_block, self.seqlen_q, self.seqlen_k),
                 n_max - 1), n_lo))
         n_unmasked_lo = n_lo
         if cutlass.const_expr(self.limits.local):
             n_unmasked_lo = cute.arch.make_warp_uniform(cutlass.max(cutlass.min(
-                blocks.n_block_left_masked_end(self.m_block, self.seqlen_q, self.seqlen_k),
+                walk.rows.n_block_left_masked_end(walk.m_block, self.seqlen_q, self.seqlen_k),
                 n_masked_end), n_lo))
         return n_masked_end, n_unmasked_lo
 

@@ -100,6 +100,24 @@ def release(pipe, state):
 
 
 @cute.jit
+def pass_stages(k_pipe, v_pipe, state, count: Int32, pingpong: "PingPong", wg: Int32):
+    """Release the next `count` K and V stages uncomputed, each once it has
+    landed: the ring's empty barrier counts every consumer's release of a
+    stage, and a release before the fill would count towards the fill
+    before it. Each stage takes the ping-pong turn its step would have
+    taken, so that the warpgroups' turns stay paired. Returns the state."""
+    for _ in cutlass.range(count, unroll=1):
+        wait_full(k_pipe, state)
+        release(k_pipe, state)
+        pingpong.wait_turn(wg)
+        pingpong.pass_turn(wg)
+        wait_full(v_pipe, state)
+        release(v_pipe, state)
+        state.advance()
+    return state
+
+
+@cute.jit
 def release_after(pipe, state, value: Float32):
     """release, ordered after the instruction that computes `value`: the
     arrive is predicated on `value >= 0 or NaN`, which the caller knows to

@@ -149,7 +149,7 @@ def test_head_dim_96_wide_forwards(tmp_path, causal, features):
     *((d, causal, 1024) for d in FP8_HEAD_DIMS for causal in (False, True)),
     (128, True, FP8_WIDE_CAUSAL_KEYS), (128, True, FP8_THREE_WARPGROUP_CAUSAL_KEYS),
     (128, True, FP8_LONG_CAUSAL_KEYS), (128, False, 2048), (96, False, 16384),
-    (128, False, 16384)])
+    (128, False, 16384), (64, True, FP8_LONG_CAUSAL_KEYS)])
 def test_fp8_forward_kernel(tmp_path, head_dim, causal, seqlen_k):
     """e4m3 Q·Kᵀ and P·V on FP8 WGMMA (QGMMA), P converted to e4m3 in
     registers, V transposed in shared memory with byte permutes, O bf16."""
@@ -490,12 +490,15 @@ def test_forward_score_mods(tmp_path, head_dim, causal, features):
 
 
 @pytest.mark.parametrize("features", [Features(local=True), Features(local=True, softcap=True),
-                                      Features(local=True, varlen=True, sink=True)])
+                                      Features(local=True, varlen=True, sink=True),
+                                      Features(local=True, sink=True)])
 def test_forward_wide_window(tmp_path, features):
     """A wide window's head-dim-64 forward: 192 query rows in three consumer
     warpgroups of 160 registers, warp-specialised HGMMA code, spill-free
     (its window bounds spilled 104-120 bytes a thread while the mask
-    compared each register's own column index)."""
+    compared each register's own column index; the walks of each
+    warpgroup's own key blocks spilled 40 bytes while a walk that sees no
+    key took a branch of its own)."""
     config = default_fwd_config(64, False, features=features, wide_window=True)
     assert config.tile_m == 192
     compile_fwd(torch.bfloat16, 64, False, config, dump_dir=str(tmp_path), features=features)

@@ -612,9 +612,10 @@ def test_windows_at_head_dim_64_take_several_tiles_an_sm_or_the_wide_tile():
     claimed and never split; narrower windows three CTAs an SM of 64-row
     tiles, claimed, with caps, sinks and in packed batches too, or two
     where three would run fewer than THREE_CTAS_MIN_ROUNDS rounds; between
-    them windows within STREAMED_WINDOW_KEYS three tile streams of one CTA
-    (not under a cap nor in a packed batch); other head dims keep their
-    tiles."""
+    them windows of STREAMED_WINDOW_KEYS or more three tile streams of one
+    CTA (not under a cap nor in a packed batch); other head dims keep their
+    tiles. The wide tile's warpgroups walk their own key blocks, except
+    under a cap or in a packed batch."""
     from cute_fa.kernels.config import (STREAMED_WINDOW_KEYS, WIDE_WINDOW_KEYS,
                                         fwd_config_for_problem, window_keys)
 
@@ -629,12 +630,13 @@ def test_windows_at_head_dim_64_take_several_tiles_an_sm_or_the_wide_tile():
         c = config(head_dim, window, features)
         return c.tile_m, c.ctas_per_sm * c.concurrent_tiles * c.consumer_warpgroups
 
-    first, end = STREAMED_WINDOW_KEYS
-    assert first < WIDE_WINDOW_KEYS < end
+    first, end = STREAMED_WINDOW_KEYS, WIDE_WINDOW_KEYS
+    assert first < end
     assert tiles(64, (first - 2, 0)) == (64, 3) and config(64, (first - 2, 0)).ctas_per_sm == 3
-    for window in ((first - 1, 0), (WIDE_WINDOW_KEYS - 1, 0), (1024, 1024), (end - 2, 0)):
+    for window in ((first - 1, 0), (512, 511), (end - 2, 0)):
         assert config(64, window).concurrent_tiles == 3 and tiles(64, window) == (64, 3)
-    assert tiles(64, (end - 1, 0)) == (192, 3) and tiles(64, (-1, 64)) == (192, 3)
+    for window in ((end - 1, 0), (-1, 64), (1024, 1024), (4096, 0)):
+        assert tiles(64, window) == (192, 3) and config(64, window).warpgroup_key_ranges
     assert tiles(128, (4096, 0))[0] == 128
     assert tiles(128, (1024, 0))[0] == 128 and tiles(96, (1024, 0))[0] == 128
     for window, features, rows in (((1023, 0), Features(local=True, softcap=True), 64),
@@ -643,6 +645,7 @@ def test_windows_at_head_dim_64_take_several_tiles_an_sm_or_the_wide_tile():
                                    ((2047, 0), Features(local=True, varlen=True), 192)):
         assert tiles(64, window, features) == (rows, 3)
         assert config(64, window, features).concurrent_tiles == 1
+        assert not config(64, window, features).warpgroup_key_ranges
     assert config(64, (1023, 0), Features(local=True, sink=True)).concurrent_tiles == 3
     for features in (local, Features(local=True, softcap=True), Features(local=True, sink=True),
                      Features(local=True, varlen=True)):
@@ -767,3 +770,40 @@ def test_block_masks_take_the_narrow_tiles_at_head_dim_64():
     for head_dim in (96, 128):
         assert block_sparse_fwd_config(head_dim, head_dim).tile_m == 128
         assert block_sparse_fwd_config(head_dim, head_dim).ctas_per_sm == 1
+
+
+def test_three_warpgroup_tiles_walk_their_own_key_ranges_where_measured_faster():
+    """warpgroup_key_ranges: head dim 64's 192-row tile under a causal mask or
+    a wide window, head dim 96's long causal one, the e4m3 causal head dim
+    64 tile; not under a cap, in packed batches, at e4m3 head dim 128, nor
+    where no limit cuts the tile's keys. A config without the step loop that
+    passed blocks share their turns is refused, naming the field."""
+    from cute_fa.kernels.config import (FP8_THREE_WARPGROUP_CAUSAL_KEYS, fp8_config_for_problem,
+                                        fwd_config_for_problem)
+
+    def config(head_dim, causal, features=PLAIN_FEATURES, seqlen=8192, window=(-1, -1)):
+        return fwd_config_for_problem(head_dim, causal, None, features, seqlen, seqlen,
+                                      window=window)
+
+    for head_dim, causal, features, seqlen, window in (
+            (64, True, PLAIN_FEATURES, 8192, (-1, -1)), (64, True, PLAIN_FEATURES, 2048, (-1, -1)),
+            (64, True, Features(sink=True), 8192, (-1, -1)),
+            (64, False, Features(local=True), 8192, (4095, 0)),
+            (96, True, PLAIN_FEATURES, 16384, (-1, -1))):
+        c = config(head_dim, causal, features, seqlen, window)
+        assert c.tile_m == 192 and c.warpgroup_key_ranges, (head_dim, causal, features)
+    for head_dim, causal, features, seqlen in (
+            (64, True, Features(softcap=True), 8192), (64, True, Features(varlen=True), 8192),
+            (64, False, PLAIN_FEATURES, 8192), (128, True, PLAIN_FEATURES, 8192),
+            (128, True, Features(softcap=True), 8192), (64, True, PLAIN_FEATURES, 1024)):
+        assert not config(head_dim, causal, features, seqlen).warpgroup_key_ranges
+    fp8 = fp8_config_for_problem(64, True, PLAIN_FEATURES, 16384)
+    assert fp8.tile_m == 192 and fp8.warpgroup_key_ranges
+    fp8.validate(64, fp8=True)
+    fp8_128 = fp8_config_for_problem(128, True, PLAIN_FEATURES, FP8_THREE_WARPGROUP_CAUSAL_KEYS)
+    assert fp8_128.tile_m == 192 and not fp8_128.warpgroup_key_ranges
+    assert not fp8_config_for_problem(64, False, PLAIN_FEATURES, 16384).warpgroup_key_ranges
+    ranged = config(64, True)
+    for change in (dict(intra_wg_overlap=False), dict(o_in_v_smem=True)):
+        with pytest.raises(ValueError, match="warpgroup_key_ranges"):
+            ranged.replace(**change).validate(64)

@@ -187,3 +187,59 @@ def test_window_deterministic_is_bitwise_reproducible(causal, window_size):
     first, second = run(), run()
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def _wide_tile(head_dim, causal, features):
+    """The forward config of three consumer warpgroups a tile for the case."""
+    from cute_fa.kernels.config import default_fwd_config
+
+    if head_dim == 96:
+        return default_fwd_config(96, causal, features=features, long_rows=True)
+    return default_fwd_config(head_dim, causal, features=features, wide_window=features.local)
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal,window,softcap,sink,seqlens", [
+    (64, torch.bfloat16, True, (-1, -1), 0.0, False, (900, 700)),
+    (64, torch.bfloat16, True, (-1, -1), 0.0, False, (1000, 1000)),
+    (64, torch.float16, True, (-1, -1), 0.0, False, (777, 1000)),
+    (64, torch.bfloat16, True, (-1, -1), 30.0, False, (1000, 1000)),
+    (64, torch.bfloat16, False, (256, 0), 0.0, False, (1000, 1000)),
+    (64, torch.bfloat16, False, (100, 37), 0.0, False, (1000, 1200)),
+    (64, torch.bfloat16, False, (0, 0), 0.0, False, (700, 700)),
+    (64, torch.bfloat16, False, (300, 0), 0.0, True, (1000, 900)),
+    (96, torch.bfloat16, True, (-1, -1), 0.0, False, (1000, 1000)),
+    (128, torch.bfloat16, True, (-1, -1), 30.0, False, (1000, 1000)),
+])
+def test_warpgroup_key_ranges(head_dim, dtype, causal, window, softcap, sink, seqlens):
+    """Three warpgroups a tile, each computing only the key blocks its own
+    rows see (FwdConfig.warpgroup_key_ranges), against the fp32 reference:
+    causal rows that see no key (bottom-right, more queries than keys) and
+    warpgroups whose whole walk is masked, windows cut on both sides and a
+    window of one key, a cap (the bounded softmax) and a sink. The blocks a
+    warpgroup passes hold no score its rows see, so the output and LSE are
+    those of the kernel that computes them, up to fp32 rounding (an LSE
+    ulp, as the compiled sums differ; the causal ones are bitwise equal)."""
+    from cute_fa.kernels.config import Features
+    from cute_fa.ops import forward_cuda
+
+    seqlen_q, seqlen_k = seqlens
+    q, k, v, _ = _inputs(2, seqlen_q, seqlen_k, 6, 2, head_dim, dtype, seed=head_dim)
+    sinks = torch.randn(6, device="cuda") if sink else None
+    features = Features(local=not causal, softcap=softcap > 0, sink=sink)
+    config = _wide_tile(head_dim, causal, features)
+    assert config.tile_m == 192
+    runs = [forward_cuda(q, k, v, head_dim ** -0.5, causal,
+                         config.replace(warpgroup_key_ranges=ranges), window_left=window[0],
+                         window_right=window[1], softcap=softcap, learnable_sink=sinks)
+            for ranges in (True, False)]
+    (out, lse), (full_out, full_lse) = runs
+    torch.testing.assert_close(lse, full_lse, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out, full_out, rtol=2 ** -7, atol=1e-5)
+
+    def reference(compute_dtype):
+        return attention_reference(q, k, v, None, causal, compute_dtype=compute_dtype,
+                                   window=window, softcap=softcap, sink=sinks)
+
+    ref_out, ref_lse = reference(torch.float32)
+    assert_lse_matches(lse, ref_lse)
+    assert_within_low_precision([("out", out, ref_out, reference(None)[0])])
