@@ -690,9 +690,10 @@ def default_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = Non
       either, unless the grid has few tiles (under a cap three CTAs' 64
       keys measured faster).
     - head dim 64's 192-row tile under a right limit or a window, and head
-      dim 96's causal one, without a cap nor a packed batch: each
-      warpgroup walks the key blocks its own rows see
-      (warpgroup_key_ranges); under a cap it measured slower.
+      dim 96's causal one, without a cap: each warpgroup walks the key
+      blocks its own rows see (warpgroup_key_ranges; under a cap it
+      measured slower), and under a window with one Q stage and the P·V
+      wait after the 8th exponential.
     - a packed batch (varlen) takes the causal choices too (its tiles
       differ in length with their sequences) but keeps head dim 64's
       192-row tile: a sequence's last tile is partly empty, yet the wider
@@ -757,14 +758,17 @@ def _fwd_tiles(head_dim: int, causal: bool, head_dim_v: int | None, features: Fe
                               rederive_epilogue_coords=True)
     # a 192-row tile's first warpgroup sees a block fewer on the diagonal,
     # its last one a block fewer at a window's left edge
-    ranged = (causal or features.local) and not (features.softcap or features.varlen)
+    ranged = (causal or features.local) and not features.softcap
     if head_dim <= 64:  # a window here is wide
         wide = not (short and causal)
+        pv_wait = 2 if causal else 4
+        if wide and ranged and features.local:  # each measured faster there
+            q_stages, pv_wait = 1, 8
         return FwdConfig(tile_m=192 if wide else 128, tile_n=128, kv_stages=3,
                          q_stages=q_stages, persistent=True, dynamic_tiles=claimed,
                          split_tail=not claimed,
                          producer_regs=32 if wide else 24, consumer_regs=160 if wide else 240,
-                         rederive_epilogue_coords=True, pv_wait_after_exp2=2 if causal else 4,
+                         rederive_epilogue_coords=True, pv_wait_after_exp2=pv_wait,
                          warpgroup_key_ranges=wide and ranged)
     if head_dim <= 96 and not (features.local or features.varlen or features.sink) \
             and (long_rows if causal else not short):

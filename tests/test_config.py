@@ -60,16 +60,18 @@ def test_short_sequences_take_smaller_tiles_where_they_differ():
         for features in (Features(softcap=True), Features(sink=True), Features(varlen=True)):
             # head dim 64: three CTAs an SM under a cap or with sinks
             assert config(head_dim, True, 512, features).q_stages == 1
-    for features in (Features(softcap=True), Features(sink=True), Features(local=True)):
+    for features in (Features(softcap=True), Features(sink=True)):
         assert config(64, True, 4096, features).q_stages == 2
     assert config(64, True, 4096, Features(varlen=True)).q_stages == 1
     assert config(64, False, 4096, Features(softcap=True)).q_stages == 1
     # a window ends every row's keys: the Q ring up to head dim 128, sinks
-    # and caps too, not in packed batches; none above 128 (no room)
+    # and caps too, not in packed batches; none above 128 (no room), nor in
+    # head dim 64's wide tile where its warpgroups walk their own key blocks
     for head_dim in (64, 96, 128):
         for features in (Features(local=True), Features(local=True, sink=True),
                          Features(local=True, softcap=True)):
-            assert config(head_dim, False, 16384, features).q_stages == 2
+            ranged = head_dim == 64 and not features.softcap
+            assert config(head_dim, False, 16384, features).q_stages == (1 if ranged else 2)
         assert config(head_dim, False, 16384, Features(local=True, varlen=True)).q_stages == 1
     assert config(192, False, 16384, Features(local=True)).q_stages == 1
     # a long key side makes the problem long
@@ -645,7 +647,8 @@ def test_windows_at_head_dim_64_take_several_tiles_an_sm_or_the_wide_tile():
                                    ((2047, 0), Features(local=True, varlen=True), 192)):
         assert tiles(64, window, features) == (rows, 3)
         assert config(64, window, features).concurrent_tiles == 1
-        assert not config(64, window, features).warpgroup_key_ranges
+        assert config(64, window, features).warpgroup_key_ranges == (
+            rows == 192 and not features.softcap)
     assert config(64, (1023, 0), Features(local=True, sink=True)).concurrent_tiles == 3
     for features in (local, Features(local=True, softcap=True), Features(local=True, sink=True),
                      Features(local=True, varlen=True)):
@@ -774,9 +777,9 @@ def test_block_masks_take_the_narrow_tiles_at_head_dim_64():
 
 def test_three_warpgroup_tiles_walk_their_own_key_ranges_where_measured_faster():
     """warpgroup_key_ranges: head dim 64's 192-row tile under a causal mask or
-    a wide window, head dim 96's long causal one, the e4m3 causal head dim
-    64 tile; not under a cap, in packed batches, at e4m3 head dim 128, nor
-    where no limit cuts the tile's keys. A config without the step loop that
+    a wide window (with one Q stage), packed batches too, head dim 96's long
+    causal one, the e4m3 causal head dim 64 tile; not under a cap, at e4m3
+    head dim 128, nor where no limit cuts the tile's keys. A config without the step loop that
     passed blocks share their turns is refused, naming the field."""
     from cute_fa.kernels.config import (FP8_THREE_WARPGROUP_CAUSAL_KEYS, fp8_config_for_problem,
                                         fwd_config_for_problem)
@@ -792,8 +795,11 @@ def test_three_warpgroup_tiles_walk_their_own_key_ranges_where_measured_faster()
             (96, True, PLAIN_FEATURES, 16384, (-1, -1))):
         c = config(head_dim, causal, features, seqlen, window)
         assert c.tile_m == 192 and c.warpgroup_key_ranges, (head_dim, causal, features)
+    assert config(64, True, Features(varlen=True)).warpgroup_key_ranges
+    wide = config(64, False, Features(local=True), 8192, (4095, 0))
+    assert (wide.q_stages, wide.pv_wait_after_exp2) == (1, 8)
     for head_dim, causal, features, seqlen in (
-            (64, True, Features(softcap=True), 8192), (64, True, Features(varlen=True), 8192),
+            (64, True, Features(softcap=True), 8192),
             (64, False, PLAIN_FEATURES, 8192), (128, True, PLAIN_FEATURES, 8192),
             (128, True, Features(softcap=True), 8192), (64, True, PLAIN_FEATURES, 1024)):
         assert not config(head_dim, causal, features, seqlen).warpgroup_key_ranges
