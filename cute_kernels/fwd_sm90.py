@@ -801,14 +801,15 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 self.epilogue(acc_o, lse, tiled_mma_pv, mO, mO_rows, mLSE, smem.o, copies.o,
                               wg, tile_tid, out, seqlens, o_read)
             if cutlass.const_expr(self.warpgroup_key_ranges):
-                # the tile's first blocks (a window's) that only rows after
-                # this warpgroup's see: passed here, where the walk's bounds
-                # are rederived (not held through the main loop), and the
-                # epilogue ran while the other warpgroups computed them
+                # The tile's blocks below the walk (keys left of this
+                # warpgroup's window edge, walked last): passed after the
+                # epilogue, which runs while the other warpgroups compute
+                # them, from bounds rederived here (a count held through the
+                # main loop spilled).
                 walk = KeyWalk.of_warpgroup(blocks, out.m_block, tile_wg, self.consumer_wgs,
                                             out.seqlen_q, out.seqlen_k, out.n_lo, out.n_max)
                 kv_state = pass_stages(pipes.k, pipes.v, kv_state, walk.n_lo - walk.tile_lo,
-                                       me.pingpong, wg)
+                                       me.pingpong, me.wg)
             round_idx += 1
             tile = tiles.received(round_idx, pipes.q, q_state)
         if tid % WARPGROUP_THREADS < 32:
@@ -819,12 +820,12 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
     def mainloop(self, me: Consumer, pipes: Pipes, q_state, kv_state, mask: ScoreMask,
                  walk: KeyWalk):
         """K/V blocks [n_lo, n_max) of the walk, last block first; with
-        warpgroup_key_ranges the tile's blocks after them, which no row of
-        this warpgroup sees, pass through the rings first (those before
-        them after the epilogue: consume). Releases Q as soon as the last
-        Q·Kᵀ is done, so that with one Q stage the next tile's Q loads under
-        the last P·V and the epilogue (with two it may have loaded already).
-        Returns the K/V ring state."""
+        warpgroup_key_ranges the tile's blocks above them (keys past this
+        warpgroup's last row's right limit) pass through the rings first,
+        uncomputed (those below them after the epilogue: consume). Releases
+        Q as soon as the last Q·Kᵀ is done, so that with one Q stage the
+        next tile's Q loads under the last P·V and the epilogue (with two it
+        may have loaded already). Returns the K/V ring state."""
         if cutlass.const_expr(self.warpgroup_key_ranges):
             kv_state = pass_stages(pipes.k, pipes.v, kv_state, walk.tile_max - walk.n_max,
                                    me.pingpong, me.wg)

@@ -127,6 +127,7 @@ class KeyWalk:
 
     @staticmethod
     def of_tile(blocks: BlockRange, m_block: Int32, n_lo: Int32, n_max: Int32) -> "KeyWalk":
+        """Every block of the tile, each computed by every warpgroup."""
         return KeyWalk(n_lo, n_max, n_lo, n_max, blocks, m_block)
 
     @staticmethod
