@@ -627,6 +627,14 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
         return Work(m_block, head, batch, n_lo, n_max, part, parts, seqlen_q, seqlen_k, sparse,
                     first_page)
 
+    def _walk(self, blocks: BlockRange, work: Work, tile_wg) -> KeyWalk:
+        """The K/V blocks of the tile that warpgroup tile_wg computes: its
+        own rows' (warpgroup_key_ranges) or all of them."""
+        if cutlass.const_expr(self.warpgroup_key_ranges):
+            return KeyWalk.of_warpgroup(blocks, work.m_block, tile_wg, self.consumer_wgs,
+                                        work.seqlen_q, work.seqlen_k, work.n_lo, work.n_max)
+        return KeyWalk.of_tile(blocks, work.m_block, work.n_lo, work.n_max)
+
     def _key_block(self, work: Work, n_block: Int32) -> Int32:
         """The K/V block that the walk's block n_block loads: itself, or under
         block sparsity its list's entry count - 1 - n_block (SparseScoreMask)."""
@@ -744,11 +752,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                     sQ_stage, self.dtype)
                 tile_me = replace(me, q=wg_qk.make_fragment_A(wg_qk.partition_A(q_stage)))
             if work.n_max > work.n_lo:
-                walk = KeyWalk.of_tile(blocks, work.m_block, work.n_lo, work.n_max)
-                if cutlass.const_expr(self.warpgroup_key_ranges):
-                    walk = KeyWalk.of_warpgroup(blocks, work.m_block, tile_wg, self.consumer_wgs,
-                                                work.seqlen_q, work.seqlen_k, work.n_lo,
-                                                work.n_max)
+                walk = self._walk(blocks, work, tile_wg)
                 coords0 = wgmma.static_coords(tiled_mma_qk, (self.tile_m, self.tile_n))
                 if cutlass.const_expr(self.features.block_sparse):
                     mask = SparseScoreMask(s_coords, coords0, work.sparse, self.tile_m,
@@ -806,8 +810,7 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 # epilogue, which runs while the other warpgroups compute
                 # them, from bounds rederived here (a count held through the
                 # main loop spilled).
-                walk = KeyWalk.of_warpgroup(blocks, out.m_block, tile_wg, self.consumer_wgs,
-                                            out.seqlen_q, out.seqlen_k, out.n_lo, out.n_max)
+                walk = self._walk(blocks, out, tile_wg)
                 kv_state = pass_stages(pipes.k, pipes.v, kv_state, walk.n_lo - walk.tile_lo,
                                        me.pingpong, me.wg)
             round_idx += 1

@@ -779,8 +779,9 @@ def test_three_warpgroup_tiles_walk_their_own_key_ranges_where_measured_faster()
     """warpgroup_key_ranges: head dim 64's 192-row tile under a causal mask or
     a wide window (with one Q stage), packed batches too, head dim 96's long
     causal one, the e4m3 causal head dim 64 tile; not under a cap, at e4m3
-    head dim 128, nor where no limit cuts the tile's keys. A config without the step loop that
-    passed blocks share their turns is refused, naming the field."""
+    head dim 128, nor where no limit cuts the tile's keys. validate refuses
+    it with O staged in the V ring or without intra_wg_overlap, naming the
+    field."""
     from cute_fa.kernels.config import (FP8_THREE_WARPGROUP_CAUSAL_KEYS, fp8_config_for_problem,
                                         fwd_config_for_problem)
 
