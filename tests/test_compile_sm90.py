@@ -71,9 +71,11 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
     assert info.counts["tma_load"] > 0 and info.counts["tma_store"] > 0
     assert info.counts["stmatrix"] > 0  # O leaves through shared memory
     _assert_warp_specialised(info, config)
-    if (head_dim, causal) == (256, True):
+    if causal and head_dims in ((256, 256), (192, 192)):
         # rescale_o_before_pv (+3% there, docs/findings.md) leaves ptxas a few
-        # spills in the per-tile setup and epilogue; none in a main-loop step
+        # spills in the per-tile setup and epilogue; at 192 one value of the
+        # kernel's prologue waits in local memory for the consumers' tile
+        # loop (a store and a load a CTA). None in a main-loop step
         from cute_fa.profiling.kernel_info import sass_text, step_loop_spills
         from cute_fa.profiling.sass_loop import hgmmas_per_step
 
