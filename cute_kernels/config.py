@@ -460,7 +460,8 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
     they run two rounds or more, the wide ones where a local kernel's window
     (left, right; -1 unbounded) lets a row see WIDE_WINDOW_KEYS keys or
     more, and among the short ones the narrower tile (narrow_fwd_config)
-    where the short tile leaves SMs idle, one Q stage where a grid is one
+    where the short tile leaves SMs idle, the wider one (wide_fwd_config)
+    where it fills the SMs' waves better, one Q stage where a grid is one
     round (grid_rounds: no next tile to load ahead), and tiles dealt by
     index where a claimed-tile grid is two waves at most
     (fixed_deal_balances), two CTAs an SM of 64-row tiles instead of three
@@ -490,6 +491,10 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
         if narrow is not None and narrow_tiles_pay(config.tile_m, narrow.tile_m, causal,
                                                    seqlen_q, query_heads, num_sms):
             config = narrow
+        wide = wide_fwd_config(head_dim, causal, head_dim_v)
+        if wide is not None and wide_tiles_pay(config.tile_m, wide.tile_m, seqlen_q,
+                                               query_heads, num_sms):
+            config = wide
     if config.q_stages > 1 and grid_rounds(config, seqlen_q, query_heads, num_sms) <= 1:
         config = one_q_stage(config)
     if fixed_deal_balances(config, features, seqlen_q, query_heads, num_sms):
@@ -572,17 +577,40 @@ def narrow_tiles_pay(tile_m: int, narrow_m: int, causal: bool, seqlen_q: int,
     than SMs), the longest, on the diagonal's far end, sets the time, and
     narrower tiles halve it. Non-causal (tiles of equal work): where the
     narrower tiles fill the SMs' waves by a tenth more."""
-    def tiles(rows: int) -> int:
-        return -(-seqlen_q // rows) * query_heads
-
     if causal:
-        return tiles(tile_m) <= num_sms
+        return -(-seqlen_q // tile_m) * query_heads <= num_sms
+    return fills_waves_better(narrow_m, tile_m, seqlen_q, query_heads, num_sms)
 
-    def wave_fill(rows: int) -> float:
-        count = tiles(rows)
+
+@functools.lru_cache(maxsize=None)
+def wide_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
+    """The short-sequence config with more query rows a tile, where the short
+    tiles run one round and part of another and the wider ones fill one
+    (wide_tiles_pay; batch 1, docs/findings.md): head dim 96 non-causal, the
+    192 x 112 tile of longer rows, without split_tail (it measured slower
+    on a grid of one partial round). None elsewhere."""
+    if causal or head_dim != 96 or (head_dim_v or head_dim) != head_dim:
+        return None
+    return default_fwd_config(head_dim, causal, head_dim_v).replace(split_tail=False)
+
+
+def wide_tiles_pay(tile_m: int, wide_m: int, seqlen_q: int, query_heads: int,
+                   num_sms: int) -> bool:
+    """Whether wide_m query rows a tile finish a short non-causal problem
+    sooner than tile_m: where the wider tiles fill the SMs' waves by a tenth
+    more (fewer rounds, the last less empty)."""
+    return fills_waves_better(wide_m, tile_m, seqlen_q, query_heads, num_sms)
+
+
+def fills_waves_better(rows: int, than_rows: int, seqlen_q: int, query_heads: int,
+                       num_sms: int) -> bool:
+    """Whether tiles of `rows` query rows fill the SMs' waves (tiles over the
+    slots of the rounds they take) by a tenth more than tiles of `than_rows`."""
+    def wave_fill(tile_rows: int) -> float:
+        count = -(-seqlen_q // tile_rows) * query_heads
         return count / (-(-count // num_sms) * num_sms)
 
-    return wave_fill(narrow_m) >= 1.1 * wave_fill(tile_m)
+    return wave_fill(rows) >= 1.1 * wave_fill(than_rows)
 
 
 def two_ctas_an_sm(q_stages: int, dynamic_tiles: bool, pv_wait_after_exp2: int,

@@ -12,7 +12,7 @@
 For each dtype, head dim (and value head dim, by default the same) and causal
 flag: the forward's default kernel (and those of long and short sequences
 where the tiles differ: the long tiles, the short tiles, those of a grid
-of few tiles, the narrower ones a grid short of SMs takes, and, where tiles
+of few tiles, the narrower or wider ones a grid short of SMs takes, and, where tiles
 are claimed, each of these with its tiles dealt by index, as a grid of two
 waves or less takes them, and each with a Q ring with one Q stage, as a
 grid of one round takes it) and
@@ -77,6 +77,7 @@ class Variant:
     block_sparse: bool = False  # a block mask's kernels (block_sparse_ops.py)
     short: bool = False  # fwd: the tiles of sequences up to config.SHORT_SEQLEN tokens
     narrow: bool = False  # fwd, short: the narrower tiles of a grid short of SMs
+    wide: bool = False  # fwd, short: the wider tiles of a grid they fill better
     tiny: bool = False  # fwd, short: the tiles of sequences up to config.TINY_SEQLEN tokens
     few_tiles: bool = False  # fwd, short: two CTAs an SM where three would run few rounds
     by_index: bool = False  # fwd, causal: tiles dealt by index (two waves at most)
@@ -95,7 +96,7 @@ class Variant:
         text = (f"{self.direction} {self.dtype} d{self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}")
         flags = [name for name in ("deterministic", "split_gqa", "lse_grad", "split_kv",
-                                   "block_sparse", "long_rows", "short", "narrow", "tiny",
+                                   "block_sparse", "long_rows", "short", "narrow", "wide", "tiny",
                                    "few_tiles", "one_round", "by_index", "small_grid",
                                    "many_q_tiles", "short_parts")
                  if getattr(self, name)]
@@ -110,13 +111,13 @@ class Variant:
 
 def _short_variants(long: Variant) -> list[Variant]:
     """The forwards of short sequences whose configs differ from the long
-    one's: the short tiles, those of a grid of few tiles and the narrow tiles
-    where a small grid takes them, and the tiny ones of the shortest
+    one's: the short tiles, those of a grid of few tiles and the narrow and
+    wide tiles where a small grid takes them, and the tiny ones of the shortest
     sequences (config.fwd_config_for_problem); then each of these and the
     long one dealt by index where its tiles are claimed."""
     out = _distinct_configs((replace(long, short=True, **flags)
                              for flags in ({}, {"few_tiles": True}, {"narrow": True},
-                                           {"tiny": True})),
+                                           {"wide": True}, {"tiny": True})),
                             seen=[config_of(long)])
     return out + _by_index([long, *out])
 
@@ -249,7 +250,8 @@ def variants(head_dims, dtypes, causal_flags, directions, lse_grad: bool,
 def config_of(variant: Variant):
     """The config the op uses for a variant (FwdConfig or BwdConfig)."""
     from .kernels.config import (block_sparse_fwd_config, dealt_by_index, default_fwd_config,
-                                 narrow_fwd_config, one_q_stage, tiny_fwd_config)
+                                 narrow_fwd_config, one_q_stage, tiny_fwd_config,
+                                 wide_fwd_config)
     from .kernels.bwd_config import default_bwd_config
 
     if variant.direction in ("decode", "decode_fp8"):
@@ -266,6 +268,8 @@ def config_of(variant: Variant):
             return block_sparse_fwd_config(variant.head_dim, variant.value_head_dim)
         if variant.narrow:
             config = narrow_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
+        elif variant.wide:
+            config = wide_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
         elif variant.tiny:
             config = tiny_fwd_config(variant.head_dim, variant.causal, variant.value_head_dim)
         else:

@@ -91,13 +91,14 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
                                                       (64, False, 0),
                                                       (64, False, 16), (128, False, 16),
                                                       (128, True, 16), (64, True, 16),
-                                                      (128, True, 8)])
+                                                      (128, True, 8), (96, False, 21)])
 def test_short_sequence_forwards(tmp_path, head_dim, causal, query_heads):
     """The tiles of sequences up to SHORT_SEQLEN (fwd_config_for_problem),
     where they differ from the long ones (head dim 64: two CTAs an SM, three
     causal where the grid is unknown or large, three tile streams in one
     non-causal there), and
-    the narrower tiles of a grid short of SMs (batch 1, 16 query heads),
+    the narrower tiles of a grid short of SMs (batch 1, 16 query heads), the
+    wider ones of head dim 96 where they fill the SMs better (21 heads),
     causal ones of one wave with their tiles dealt by index (8 and 16
     heads): warp-specialised, spill-free."""
     from cute_fa.kernels.config import SHORT_SEQLEN, fwd_config_for_problem

@@ -226,6 +226,35 @@ def test_short_problems_short_of_sms_take_narrower_tiles():
         config.validate(head_dim)
 
 
+def test_short_rows_of_head_dim_96_take_wide_tiles_where_they_fill_the_sms():
+    """Non-causal head dim 96 on a batch-1 grid: 21 heads of 1k rows are 168
+    tiles of 128 rows (one round and a quarter of 132 SMs) but 126 of 192,
+    one round, which ran 21 % faster without split_tail
+    (docs/findings.md); where both take the same rounds (512 rows), or the
+    wider tiles take rounds as full (a full GPU), the short tile stays; not
+    causal, nor head dims 64 and 128."""
+    from cute_fa.kernels.config import (PLAIN_FEATURES, default_fwd_config,
+                                        fwd_config_for_problem, wide_fwd_config,
+                                        wide_tiles_pay)
+
+    def config(head_dim, causal, seqlen, query_heads):
+        return fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
+                                      query_heads, 132)
+
+    wide = config(96, False, 1024, 21)
+    assert wide == wide_fwd_config(96, False)
+    assert (wide.tile_m, wide.tile_n, wide.split_tail) == (192, 112, False)
+    wide.validate(96)
+    assert config(96, False, 512, 42) == wide  # 168 tiles of 128 rows, 126 of 192
+    short = default_fwd_config(96, False, short=True)
+    assert config(96, False, 512, 21).tile_m == short.tile_m == 128  # one round either way
+    assert config(96, False, 1024, 21 * 16).tile_m == 128
+    assert config(96, True, 1024, 21).tile_m == default_fwd_config(96, True, short=True).tile_m
+    assert wide_fwd_config(96, True) is None
+    assert wide_fwd_config(64, False) is wide_fwd_config(128, False) is None
+    assert wide_tiles_pay(128, 192, 1024, 21, 132) and not wide_tiles_pay(128, 192, 768, 84, 132)
+
+
 def test_the_shortest_causal_rows_take_tiny_tiles_on_a_full_gpu():
     """Causal, no sequence past TINY_SEQLEN, on a grid of two rounds or
     more (as measured on a full GPU): head dim 64 the 128-row tile (one CTA

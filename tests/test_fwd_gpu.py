@@ -67,6 +67,17 @@ def test_head_dim_96_wide_tiles_match_reference(causal, seqlen, softcap):
     _check(q, k, v, causal, out, lse, softcap)
 
 
+@pytest.mark.parametrize("seqlen,batch", [(1000, 1), (1024, 1), (500, 2)])
+def test_head_dim_96_short_rows_in_wide_tiles(seqlen, batch):
+    # what a batch-1 grid of 21 heads takes on 132 SMs (config.wide_fwd_config:
+    # 192-row tiles fill the waves better), the last tile partly past the rows
+    from cute_fa.kernels.config import wide_fwd_config
+
+    q, k, v = _inputs(batch, seqlen, seqlen, 21, 7, 96, torch.bfloat16, seed=seqlen)
+    out, lse = forward_cuda(q, k, v, default_scale(96), False, wide_fwd_config(96, False))
+    _check(q, k, v, False, out, lse)
+
+
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 112, 136, 200, 248])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(1000, 1000), (113, 203), (1, 77)])

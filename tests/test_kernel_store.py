@@ -245,18 +245,18 @@ def test_precompile_command_line():
     # head dim 96: the long tiles of a causal problem, claimed and dealt by index
     d96 = precompile.variants([96], ["bf16"], (False, True), ["fwd"], False, length_tiles=True)
     assert [v.label() for v in d96] == [
-        "fwd bf16 d96 full", "fwd bf16 d96 full short", "fwd bf16 d96 full short one_round",
-        "fwd bf16 d96 causal", "fwd bf16 d96 causal long_rows",
+        "fwd bf16 d96 full", "fwd bf16 d96 full short", "fwd bf16 d96 full short wide",
+        "fwd bf16 d96 full short one_round", "fwd bf16 d96 causal", "fwd bf16 d96 causal long_rows",
         "fwd bf16 d96 causal long_rows by_index", "fwd bf16 d96 causal short",
         "fwd bf16 d96 causal by_index", "fwd bf16 d96 causal short by_index",
         "fwd bf16 d96 causal short one_round by_index"]
-    assert precompile.config_of(d96[4]).tile_m == 192
+    assert precompile.config_of(d96[2]).tile_m == precompile.config_of(d96[5]).tile_m == 192
     # every config the op picks for these is among them
     from cute_fa.kernels.config import PLAIN_FEATURES, fwd_config_for_problem
     configs = {precompile.config_of(v) for v in short + d96}
     for head_dim, causal, seqlen, query_heads in itertools.product(
             (64, 96, 128), (False, True), (128, 256, 512, 1024, 4096, 8192, 16384),
-            (1, 16, 64, 4096)):
+            (1, 16, 21, 64, 4096)):
         assert fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
                                       query_heads, 132) in configs
     # the large head dims and a narrower v: forward and backward of each pair
