@@ -40,6 +40,13 @@ def _assert_no_spills(info):
     assert info.stack_bytes == 0 and info.sass["local_memory"] == 0
 
 
+def _assert_at_most_one_spilled_value(info):
+    """ptxas keeps one value in local memory at most: a store and a load,
+    outside the main-loop steps (the kernels named where this is used)."""
+    assert info.counts["local_memory"] == 0
+    assert info.stack_bytes <= 8 and info.sass["local_memory"] <= 2
+
+
 def _ptx(folder) -> str:
     return "".join(p.read_text() for p in folder.glob("*.ptx"))
 
@@ -71,11 +78,14 @@ def test_forward_kernel(tmp_path, dtype, head_dims, causal):
     assert info.counts["tma_load"] > 0 and info.counts["tma_store"] > 0
     assert info.counts["stmatrix"] > 0  # O leaves through shared memory
     _assert_warp_specialised(info, config)
-    if causal and head_dims in ((256, 256), (192, 192)):
+    if causal and head_dims == (192, 192):
+        # one value of the prologue waits in local memory for the consumers'
+        # tile loop since the causal tile order walks from the last tile
+        # (scheduler.py; its speed unchanged, docs/findings.md)
+        _assert_at_most_one_spilled_value(info)
+    elif (head_dim, causal) == (256, True):
         # rescale_o_before_pv (+3% there, docs/findings.md) leaves ptxas a few
-        # spills in the per-tile setup and epilogue; at 192 one value of the
-        # kernel's prologue waits in local memory for the consumers' tile
-        # loop (a store and a load a CTA). None in a main-loop step
+        # spills in the per-tile setup and epilogue; none in a main-loop step
         from cute_fa.profiling.kernel_info import sass_text, step_loop_spills
         from cute_fa.profiling.sass_loop import hgmmas_per_step
 
@@ -333,8 +343,7 @@ def test_backward_kernels(tmp_path, dtype, head_dim, causal):
         # sequence edge's key bound (used only on masked steps) in local
         # memory, one store and one load per step. The spill-free variants
         # measured slower on the H100 (docs/findings.md), so at most this one.
-        assert info.counts["local_memory"] == 0
-        assert info.stack_bytes <= 8 and info.sass["local_memory"] <= 2
+        _assert_at_most_one_spilled_value(info)
     else:
         _assert_no_spills(info)
     if config.dq_direct:
@@ -383,7 +392,13 @@ def test_backward_with_a_narrower_value_head_dim(tmp_path, head_dims, causal, sp
     for n in widths:
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16", ptx), n
     _assert_warp_specialised(info, config)
-    _assert_no_spills(info)
+    if (head_dims, causal, split_gqa) == ((128, 96), True, True):
+        # one value of the tile setup, stored before the tile loop and loaded
+        # once a tile, since the causal tile order walks from the last tile
+        # (scheduler.py); none in a step
+        _assert_at_most_one_spilled_value(info)
+    else:
+        _assert_no_spills(info)
     for helper in ("preprocess", "postprocess") + (("group_sum",) if split_gqa else ()):
         assert dumped_kernel_info(str(tmp_path / helper)).counts["local_memory"] == 0
 
