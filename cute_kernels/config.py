@@ -492,8 +492,8 @@ def fwd_config_for_problem(head_dim: int, causal: bool, head_dim_v: int | None,
                                                    seqlen_q, query_heads, num_sms):
             config = narrow
         wide = wide_fwd_config(head_dim, causal, head_dim_v)
-        if wide is not None and wide_tiles_pay(config.tile_m, wide.tile_m, seqlen_q,
-                                               query_heads, num_sms):
+        if wide is not None and fills_waves_better(wide.tile_m, config.tile_m, seqlen_q,
+                                                   query_heads, num_sms):
             config = wide
     if config.q_stages > 1 and grid_rounds(config, seqlen_q, query_heads, num_sms) <= 1:
         config = one_q_stage(config)
@@ -586,20 +586,12 @@ def narrow_tiles_pay(tile_m: int, narrow_m: int, causal: bool, seqlen_q: int,
 def wide_fwd_config(head_dim: int, causal: bool, head_dim_v: int | None = None):
     """The short-sequence config with more query rows a tile, where the short
     tiles run one round and part of another and the wider ones fill one
-    (wide_tiles_pay; batch 1, docs/findings.md): head dim 96 non-causal, the
+    (fills_waves_better; batch 1, docs/findings.md): head dim 96 non-causal, the
     192 x 112 tile of longer rows, without split_tail (it measured slower
     on a grid of one partial round). None elsewhere."""
     if causal or head_dim != 96 or (head_dim_v or head_dim) != head_dim:
         return None
     return default_fwd_config(head_dim, causal, head_dim_v).replace(split_tail=False)
-
-
-def wide_tiles_pay(tile_m: int, wide_m: int, seqlen_q: int, query_heads: int,
-                   num_sms: int) -> bool:
-    """Whether wide_m query rows a tile finish a short non-causal problem
-    sooner than tile_m: where the wider tiles fill the SMs' waves by a tenth
-    more (fewer rounds, the last less empty)."""
-    return fills_waves_better(wide_m, tile_m, seqlen_q, query_heads, num_sms)
 
 
 def fills_waves_better(rows: int, than_rows: int, seqlen_q: int, query_heads: int,

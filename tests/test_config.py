@@ -234,8 +234,8 @@ def test_short_rows_of_head_dim_96_take_wide_tiles_where_they_fill_the_sms():
     wider tiles take rounds as full (a full GPU), the short tile stays; not
     causal, nor head dims 64 and 128."""
     from cute_fa.kernels.config import (PLAIN_FEATURES, default_fwd_config,
-                                        fwd_config_for_problem, wide_fwd_config,
-                                        wide_tiles_pay)
+                                        fills_waves_better, fwd_config_for_problem,
+                                        wide_fwd_config)
 
     def config(head_dim, causal, seqlen, query_heads):
         return fwd_config_for_problem(head_dim, causal, None, PLAIN_FEATURES, seqlen, seqlen,
@@ -252,7 +252,8 @@ def test_short_rows_of_head_dim_96_take_wide_tiles_where_they_fill_the_sms():
     assert config(96, True, 1024, 21).tile_m == default_fwd_config(96, True, short=True).tile_m
     assert wide_fwd_config(96, True) is None
     assert wide_fwd_config(64, False) is wide_fwd_config(128, False) is None
-    assert wide_tiles_pay(128, 192, 1024, 21, 132) and not wide_tiles_pay(128, 192, 768, 84, 132)
+    assert fills_waves_better(192, 128, 1024, 21, 132)
+    assert not fills_waves_better(192, 128, 768, 84, 132)
 
 
 def test_the_shortest_causal_rows_take_tiny_tiles_on_a_full_gpu():
