@@ -54,6 +54,36 @@ def test_every_key_part_makes_a_new_entry(store, monkeypatch):
     assert len(list(kernel_store.folder().glob("*.kernels"))) == 5
 
 
+@pytest.mark.parametrize("installed, driver, chosen", [
+    ((12, 13), None, 13),  # no driver (a CPU machine): the newest, as the DSL picks
+    ((12, 13), 13, 13),
+    ((12, 13), 12, 12),  # a CUDA 12 driver: the DSL loads its CUDA 12 libraries
+    ((12,), 13, 12),
+    ((13,), 12, None),  # no flavour the driver runs (the DSL refuses to load)
+    ((), None, None)])
+def test_the_dsl_toolkit_is_the_one_the_dsl_loads(monkeypatch, installed, driver, chosen):
+    versions = {f"nvidia-cutlass-dsl-libs-cu{cuda}": "4.8.1" for cuda in installed}
+    monkeypatch.setattr(kernel_store.user_cache, "installed_version", versions.get)
+    monkeypatch.setattr(kernel_store, "_driver_cuda_major", lambda: driver)
+    kernel_store.dsl_toolkit.cache_clear()
+    try:
+        assert kernel_store.dsl_toolkit() == chosen
+    finally:
+        kernel_store.dsl_toolkit.cache_clear()
+
+
+def test_entries_belong_to_the_dsl_toolkit_that_builds_them(store, monkeypatch):
+    """The DSL's CUDA 12 and 13 libraries compile the same kernel differently
+    and link their own runtime: an environment never loads the other
+    flavour's entry from a shared cache folder."""
+    calls = []
+    for toolkit in (12, 13, 12):
+        monkeypatch.setattr(kernel_store, "dsl_toolkit", lambda: toolkit)
+        kernel_store.load_or_build(("fwd", 1), "sm_90a", _builder(calls))
+    assert len(calls) == 2
+    assert len(list(kernel_store.folder().glob("*.kernels"))) == 2
+
+
 def test_source_digest_covers_the_kernels():
     from cute_fa import kernels
 
