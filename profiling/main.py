@@ -142,8 +142,20 @@ def build_parser():
     return p
 
 
+def toolkit_line() -> str:
+    """Which of the DSL's library sets compiled the kernels: their ptxas
+    decides registers and spills, and the CUDA 12 and 13 sets differ."""
+    from cute_fa.kernel_store import dsl_toolkit
+
+    cuda = dsl_toolkit()
+    if cuda is None:
+        return "nvidia-cutlass-dsl: no library set installed that this driver runs"
+    return f"nvidia-cutlass-dsl compiles the kernels with its CUDA {cuda} libraries"
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    print(toolkit_line())
     for kind in ("fwd", "bwd"):
         print_kernels(kind, describe_kernels(kind, args.dtypes, args.head_dims, (False, True)))
     if torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0):

@@ -9,6 +9,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an sm_90 (Hopper) GPU; skipped elsewhere")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The DSL's library set that built the kernels (also under -q): the
+    compile tests' spill and register findings are that set's ptxas's."""
+    from cute_fa.profiling.main import toolkit_line
+
+    terminalreporter.write_line(toolkit_line())
+
+
 def pytest_collection_modifyitems(config, items):
     if has_sm90():
         return
