@@ -75,7 +75,8 @@ def _driver_cuda_major() -> int | None:
 @functools.lru_cache(maxsize=None)
 def dsl_toolkit() -> int | None:
     """The CUDA major version of the DSL library flavour that builds and
-    runs the kernels in this environment (None: no flavour installed): of
+    runs the kernels in this environment (None: none installed that the
+    driver runs): of
     those installed, the newest that the driver supports, or without a
     driver the newest, as the DSL itself picks when it loads. The flavours'
     ptxas builds differ (registers, spills; docs/findings.md) and each links
