@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from cute_fa import kernel_store
 from cute_fa.compile_cache import compile_bwd, compile_fwd
 from cute_fa.kernels.config import SUPPORTED_HEAD_DIMS, default_fwd_config
 from cute_fa.kernels.bwd_config import default_bwd_config
@@ -142,20 +143,9 @@ def build_parser():
     return p
 
 
-def toolkit_line() -> str:
-    """Which of the DSL's library sets compiled the kernels: their ptxas
-    decides registers and spills, and the CUDA 12 and 13 sets differ."""
-    from cute_fa.kernel_store import dsl_toolkit
-
-    cuda = dsl_toolkit()
-    if cuda is None:
-        return "nvidia-cutlass-dsl: no library set installed that this driver runs"
-    return f"nvidia-cutlass-dsl compiles the kernels with its CUDA {cuda} libraries"
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    print(toolkit_line())
+    print(kernel_store.toolkit_line())
     for kind in ("fwd", "bwd"):
         print_kernels(kind, describe_kernels(kind, args.dtypes, args.head_dims, (False, True)))
     if torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0):

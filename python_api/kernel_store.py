@@ -89,6 +89,15 @@ def dsl_toolkit() -> int | None:
     return max((cuda for cuda in installed if driver is None or cuda <= driver), default=None)
 
 
+def toolkit_line() -> str:
+    """Which library set compiles the kernels here, in a sentence (for
+    reports of registers and spills, which are that set's ptxas's)."""
+    cuda = dsl_toolkit()
+    if cuda is None:
+        return "nvidia-cutlass-dsl: no library set installed that this driver runs"
+    return f"nvidia-cutlass-dsl compiles the kernels with its CUDA {cuda} libraries"
+
+
 def _versions() -> tuple:
     return (user_cache.version(), user_cache.installed_version("nvidia-cutlass-dsl"),
             user_cache.installed_version("apache-tvm-ffi"), dsl_toolkit())

@@ -12,7 +12,7 @@ def pytest_configure(config):
 def pytest_terminal_summary(terminalreporter):
     """The DSL's library set that built the kernels (also under -q): the
     compile tests' spill and register findings are that set's ptxas's."""
-    from cute_fa.profiling.main import toolkit_line
+    from cute_fa.kernel_store import toolkit_line
 
     terminalreporter.write_line(toolkit_line())
 

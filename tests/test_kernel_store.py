@@ -68,6 +68,8 @@ def test_the_dsl_toolkit_is_the_one_the_dsl_loads(monkeypatch, installed, driver
     kernel_store.dsl_toolkit.cache_clear()
     try:
         assert kernel_store.dsl_toolkit() == chosen
+        line = kernel_store.toolkit_line()  # what reports of spills name
+        assert (f"CUDA {chosen} libraries" in line) if chosen else ("no library set" in line)
     finally:
         kernel_store.dsl_toolkit.cache_clear()
 
