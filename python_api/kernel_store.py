@@ -12,7 +12,7 @@ the binaries:
 - the kernel key (kind, dtype, head dim, causal, the config's every field, ...);
 - the target architecture;
 - the versions of cute-fa, nvidia-cutlass-dsl and apache-tvm-ffi, and the
-  CUDA toolkit of the DSL's library flavour that builds them (dsl_toolkit);
+  CUDA toolkit of the DSL's library set that builds them (dsl_toolkit);
 - a digest of the kernel sources (cute_fa/kernels/*.py and kernel_compile.py),
   so that an edited checkout never loads a kernel built from older code.
 
@@ -53,7 +53,7 @@ def folder() -> Path:
     return user_cache.folder("kernels")
 
 
-# The CUDA major versions that nvidia-cutlass-dsl ships library flavours for
+# The CUDA major versions that nvidia-cutlass-dsl ships library sets for
 # (nvidia-cutlass-dsl-libs-cu<N>).
 DSL_TOOLKITS = (12, 13)
 
@@ -65,24 +65,22 @@ def _driver_cuda_major() -> int | None:
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int(0)
-        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
-            return version.value // 1000
-    except (OSError, AttributeError):
-        pass
-    return None
+        ok = libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0
+    except (OSError, AttributeError):  # no driver library, or not that entry point
+        return None
+    return version.value // 1000 if ok else None
 
 
 @functools.lru_cache(maxsize=None)
 def dsl_toolkit() -> int | None:
-    """The CUDA major version of the DSL library flavour that builds and
-    runs the kernels in this environment (None: none installed that the
-    driver runs): of
-    those installed, the newest that the driver supports, or without a
-    driver the newest, as the DSL itself picks when it loads. The flavours'
-    ptxas builds differ (registers, spills; docs/findings.md) and each links
-    its own runtime, so an entry belongs to one flavour: two environments
+    """The CUDA major version of the DSL library set that builds and runs
+    the kernels in this environment (None: none installed that the driver
+    runs): of those installed, the newest that the driver supports, or
+    without a driver the newest, as the DSL itself picks when it loads. The
+    sets' ptxas builds differ (registers, spills; docs/findings.md) and each
+    links its own runtime, so an entry belongs to one set: two environments
     sharing the cache folder, or a cache filled without a GPU, never load
-    the other flavour's kernels."""
+    the other set's kernels."""
     installed = [cuda for cuda in DSL_TOOLKITS
                  if user_cache.installed_version(f"nvidia-cutlass-dsl-libs-cu{cuda}")]
     driver = _driver_cuda_major()

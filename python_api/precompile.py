@@ -39,8 +39,8 @@ whose output is bf16 (--dtypes bf16), each also with the deeper K/V ring of
 small grids (decode.E4M3_SMALL_GRID_STAGES), and the e4m3 append. Variants
 already in the store are loaded, not compiled. Kernels are stored per architecture and per
 CUDA toolkit of the DSL's libraries (kernel_store.dsl_toolkit): run it on the machine (or the
-GPU type) that will use them, or with no GPU for sm_90a in an environment with the same DSL
-flavours installed (without a driver the DSL builds with the newest, e.g. cu13 where the cu13
+GPU type) that will use them, or with no GPU for sm_90a in an environment with the same DSL library
+sets installed (without a driver the DSL builds with the newest, e.g. cu13 where the cu13
 extra is installed). See kernel_store.py for where they go and how to move or disable the store.
 """
 

@@ -59,7 +59,7 @@ def test_every_key_part_makes_a_new_entry(store, monkeypatch):
     ((12, 13), 13, 13),
     ((12, 13), 12, 12),  # a CUDA 12 driver: the DSL loads its CUDA 12 libraries
     ((12,), 13, 12),
-    ((13,), 12, None),  # no flavour the driver runs (the DSL refuses to load)
+    ((13,), 12, None),  # no set the driver runs (the DSL refuses to load)
     ((), None, None)])
 def test_the_dsl_toolkit_is_the_one_the_dsl_loads(monkeypatch, installed, driver, chosen):
     versions = {f"nvidia-cutlass-dsl-libs-cu{cuda}": "4.8.1" for cuda in installed}
@@ -77,10 +77,10 @@ def test_the_dsl_toolkit_is_the_one_the_dsl_loads(monkeypatch, installed, driver
 def test_entries_belong_to_the_dsl_toolkit_that_builds_them(store, monkeypatch):
     """The DSL's CUDA 12 and 13 libraries compile the same kernel differently
     and link their own runtime: an environment never loads the other
-    flavour's entry from a shared cache folder."""
+    set's entry from a shared cache folder."""
     calls = []
     for toolkit in (12, 13, 12):
-        monkeypatch.setattr(kernel_store, "dsl_toolkit", lambda: toolkit)
+        monkeypatch.setattr(kernel_store, "dsl_toolkit", lambda toolkit=toolkit: toolkit)
         kernel_store.load_or_build(("fwd", 1), "sm_90a", _builder(calls))
     assert len(calls) == 2
     assert len(list(kernel_store.folder().glob("*.kernels"))) == 2
