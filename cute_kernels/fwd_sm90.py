@@ -59,7 +59,7 @@ from .block_sparse import SparseRow, SparseScoreMask
 from .config import PLAIN_FEATURES, WARPGROUP_THREADS, WGMMA_M, Features
 from .fwd_checks import check_forward
 from .fwd_epilogue import ForwardEpilogue
-from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_at, mma_operand_view,
+from .kernel_base import (SMEM_ALIGN, Sm90AttentionKernel, mma_operand_parts_at, mma_operand_view,
                           permute, tma_views)
 from .mask import BlockRange, KeyWalk, Limits, ScoreMask, Window
 from .paged import KvBlocks, KvStream
@@ -133,7 +133,7 @@ class Consumer:
 
     mma_qk: cute.TiledMma
     mma_pv: cute.TiledMma
-    q: cute.Tensor
+    q: cute.Tensor | wgmma.AtomParts  # AtomParts: a tile's stage of the Q ring
     k: cute.Tensor
     p: cute.Tensor
     vt: cute.Tensor
@@ -746,11 +746,14 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 wait_full(pipes.q, q_state)
             tile_me = me
             if cutlass.const_expr(self.q_ring_stages is not None):
-                # this tile's Q stage, at an opaque address (kernel_base.mma_operand_at)
-                q_stage = mma_operand_at(
+                # this tile's Q stage, at opaque addresses (kernel_base.mma_operand_parts_at)
+                q_parts = mma_operand_parts_at(
                     q_ring_base + q_state.index * cute.size_in_bytes(self.dtype, sQ_stage),
                     sQ_stage, self.dtype)
-                tile_me = replace(me, q=wg_qk.make_fragment_A(wg_qk.partition_A(q_stage)))
+                q_fragments = tuple(wg_qk.make_fragment_A(wg_qk.partition_A(part))
+                                    for part in q_parts)
+                tile_me = replace(me, q=wgmma.AtomParts(
+                    q_fragments, cute.size(me.q, mode=[2]) // len(q_fragments)))
             if work.n_max > work.n_lo:
                 walk = self._walk(blocks, work, tile_wg)
                 coords0 = wgmma.static_coords(tiled_mma_qk, (self.tile_m, self.tile_n))

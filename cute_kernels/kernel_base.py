@@ -97,9 +97,30 @@ def mma_operand_at(address: Int32, layout: cute.ComposedLayout, dtype) -> cute.T
     ring whose stage changes per tile, its address made opaque after the
     stage's offset is added (else LLVM sinks that addition, and the
     descriptors after it, into every main-loop step)."""
-    address = cute.arch.make_warp_uniform(address)
+    # The mask is no change to an SMEM_ALIGN-aligned address, and tells LLVM
+    # the alignment that the shuffle hides: the K blocks of one swizzle atom
+    # then offset the WGMMA descriptor by an or, not by a 64-bit add, which
+    # ptxas (CUDA 13) may do in vector registers at every main-loop step.
+    address = cute.arch.make_warp_uniform(address) & Int32(-SMEM_ALIGN)
     base = cute.make_ptr(dtype, address, cute.AddressSpace.smem, assumed_align=SMEM_ALIGN)
     return cute.make_tensor(cute.recast_ptr(base, layout.inner), layout.outer)
+
+
+def mma_operand_parts_at(address: Int32, layout: cute.ComposedLayout, dtype) -> list[cute.Tensor]:
+    """mma_operand_at once per swizzle atom along K (the layout's second
+    mode), each tensor at its atom's first column: a K block is then within
+    SMEM_ALIGN of its tensor's base address. One opaque base for all atoms
+    would have the later atoms' descriptors made by 64-bit adds, which
+    ptxas (CUDA 13) keeps in vector registers and moves to uniform ones
+    before every WGMMA (wgmma.AtomParts reads the parts)."""
+    k_mode = layout.outer.shape[1]
+    atom_cols = k_mode[0] if isinstance(k_mode, tuple) else k_mode
+    parts = []
+    for col in range(0, cute.size(k_mode), atom_cols):
+        offset = cute.crd2idx((0, col), layout.outer) * dtype.width // 8
+        assert offset % SMEM_ALIGN == 0, f"swizzle atom at {offset} B, not {SMEM_ALIGN}-aligned"
+        parts.append(mma_operand_at(address + offset, layout, dtype))
+    return parts
 
 
 class Sm90AttentionKernel:

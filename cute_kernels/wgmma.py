@@ -13,6 +13,8 @@ handed to O += P·V without touching shared memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
@@ -64,10 +66,40 @@ def tiled_mma(dtype, a_major_k: bool, b_major_k: bool, atom_layout_mnk, n: int,
         a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM)
 
 
+@dataclass(frozen=True)
+class AtomParts:
+    """A shared-memory WGMMA operand read through one fragment per swizzle
+    atom along K (kernel_base.mma_operand_parts_at): K block k is block
+    k % blocks_per_part of fragment k // blocks_per_part."""
+
+    fragments: tuple
+    blocks_per_part: int
+
+    @property
+    def k_blocks(self) -> int:
+        return len(self.fragments) * self.blocks_per_part
+
+    def k_block(self, k: int) -> cute.Tensor:
+        return self.fragments[k // self.blocks_per_part][None, None, k % self.blocks_per_part]
+
+
+def _k_blocks(operand) -> int:
+    if isinstance(operand, AtomParts):
+        return operand.k_blocks
+    return cute.size(operand.shape[2])
+
+
+def _k_block(operand, k: int) -> cute.Tensor:
+    if isinstance(operand, AtomParts):
+        return operand.k_block(k)
+    return operand[None, None, k]
+
+
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
          zero_init: cutlass.Constexpr[bool], wait_groups: cutlass.Constexpr[int]):
-    """acc (+)= a·b over all K blocks, issued as one WGMMA commit group.
+    """acc (+)= a·b over all K blocks, issued as one WGMMA commit group; a
+    may be AtomParts.
 
     zero_init: the first K block overwrites acc instead of adding to it.
     wait_groups < 0 returns with the group in flight; otherwise waits until at
@@ -78,9 +110,9 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
     # a dynamic loop cannot be modified inside it.
     atom = cute.make_mma_atom(tiled_mma.op)
     warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+    for k in cutlass.range_constexpr(_k_blocks(a)):
         atom.set(warpgroup.Field.ACCUMULATE, k > 0 or not zero_init)
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        cute.gemm(atom, acc, _k_block(a, k), b[None, None, k], acc)
     warpgroup.commit_group()
     if cutlass.const_expr(wait_groups >= 0):
         warpgroup.wait_group(wait_groups)

@@ -260,7 +260,8 @@ def test_forward_step_bookkeeping(tmp_path, head_dim, causal, short, few_tiles):
     """One K/V step of the main loop: WGMMA descriptors stay in uniform
     registers (no 64-bit vector adds: the causal tile order's divisions are
     marked warp-uniform, and so is the stage address of the Q ring that
-    short rows and head dim 64 causal take, but for three CTAs an SM), the
+    short rows and head dim 64 causal take, but for three CTAs an SM, one
+    address per swizzle atom of the stage), the
     K/V waits spin without a sleep path and the releases read no thread
     index, and nothing is spilled."""
     config = default_fwd_config(head_dim, causal, short=short, few_tiles=few_tiles)
