@@ -72,7 +72,7 @@ class AtomParts:
     atom along K (kernel_base.mma_operand_parts_at): K block k is block
     k % blocks_per_part of fragment k // blocks_per_part."""
 
-    fragments: tuple
+    fragments: tuple[cute.Tensor, ...]
     blocks_per_part: int
 
     @property
