@@ -750,10 +750,8 @@ class FlashAttentionForwardSm90(ForwardEpilogue, Sm90AttentionKernel):
                 q_parts = mma_operand_parts_at(
                     q_ring_base + q_state.index * cute.size_in_bytes(self.dtype, sQ_stage),
                     sQ_stage, self.dtype)
-                q_fragments = tuple(wg_qk.make_fragment_A(wg_qk.partition_A(part))
-                                    for part in q_parts)
-                tile_me = replace(me, q=wgmma.AtomParts(
-                    q_fragments, cute.size(me.q, mode=[2]) // len(q_fragments)))
+                tile_me = replace(me, q=wgmma.AtomParts(tuple(
+                    wg_qk.make_fragment_A(wg_qk.partition_A(part)) for part in q_parts)))
             if work.n_max > work.n_lo:
                 walk = self._walk(blocks, work, tile_wg)
                 coords0 = wgmma.static_coords(tiled_mma_qk, (self.tile_m, self.tile_n))

@@ -69,18 +69,19 @@ def tiled_mma(dtype, a_major_k: bool, b_major_k: bool, atom_layout_mnk, n: int,
 @dataclass(frozen=True)
 class AtomParts:
     """A shared-memory WGMMA operand read through one fragment per swizzle
-    atom along K (kernel_base.mma_operand_parts_at): K block k is block
-    k % blocks_per_part of fragment k // blocks_per_part."""
+    atom along K (kernel_base.mma_operand_parts_at), each viewing the whole
+    operand from its atom's first column: K block k is block k % n of
+    fragment k // n, n being the K blocks of one atom."""
 
     fragments: tuple[cute.Tensor, ...]
-    blocks_per_part: int
 
     @property
     def k_blocks(self) -> int:
-        return len(self.fragments) * self.blocks_per_part
+        return cute.size(self.fragments[0], mode=[2])
 
     def k_block(self, k: int) -> cute.Tensor:
-        return self.fragments[k // self.blocks_per_part][None, None, k % self.blocks_per_part]
+        per_atom = self.k_blocks // len(self.fragments)
+        return self.fragments[k // per_atom][None, None, k % per_atom]
 
 
 def _k_blocks(operand) -> int:
